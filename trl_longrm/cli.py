@@ -1,0 +1,32 @@
+"""`trl-longrm` command line: `train` runs a training stage from a recipe, `eval` runs Long-RewardBench."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="trl-longrm",
+        description="Train and evaluate long-context reward models (LongRM) with TRL.",
+    )
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    subparsers.add_parser("train", help="Run a training stage (sft, simpo_grm, simpo_disrm) from a YAML recipe.")
+    subparsers.add_parser("eval", help="Evaluate a reward model on Long-RewardBench.")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser()
+    args, _ = parser.parse_known_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 0
+    parser.error(f"`{args.command}` is not available yet.")
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
