@@ -1,0 +1,224 @@
+"""Collators and bin packing for tokenised preference groups and SFT examples.
+
+A tokenised preference group (see `trl_longrm.data`) is `prompt_ids`, `chosen_completion_ids`,
+`rejected_completion_ids` (k lists) and optionally `margin`. Each group becomes k + 1 sequences
+`prompt + completion`, labelled -100 on the prompt. The collators emit either
+
+- a *padding-free* row (`padding_free=True`): every sequence of every group of the micro-batch laid end to end in
+  one row `[1, T]`, `position_ids` restarting at 0 for each sequence, no padding computed. Documents stay separate
+  because transformers 5 derives document boundaries from `position_ids` when no cache is used, and our ring
+  attention reads the same boundaries; or
+- a padded batch `[S, L_max]` with an `attention_mask` (`padding_free=False`).
+
+Either way the batch also carries `sequence_lengths [S]`, `group_index [S]` and `response_index [S]` (0 = chosen,
+1..k = rejected) so the loss can regroup per-sequence values, and `score_positions [S]`, the flat index of each
+sequence's last token. The first token of each sequence is never a label, so a shifted label never crosses into the
+previous sequence of a packed row.
+
+`pack_groups` bins whole groups (a group's sequences always stay together) into packs of at most
+`max_tokens_per_row` tokens, best-fit decreasing; each pack is one dataset row, so with
+`per_device_train_batch_size=1` every step trains one row of at most that many tokens.
+
+Example:
+```python
+>>> from trl_longrm.packing import PreferenceCollator
+>>> collator = PreferenceCollator(pad_token_id=0)
+>>> batch = collator([{"prompt_ids": [5, 6], "chosen_completion_ids": [7, 2], "rejected_completion_ids": [[8, 2]]}])
+>>> batch["input_ids"].tolist(), batch["position_ids"].tolist()
+([[5, 6, 7, 2, 5, 6, 8, 2]], [[0, 1, 2, 3, 0, 1, 2, 3]])
+```
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from datasets import Dataset
+
+
+logger = logging.getLogger(__name__)
+
+GROUP_COLUMNS = ("prompt_ids", "chosen_completion_ids", "rejected_completion_ids")
+
+
+def _is_pack(example: dict[str, Any]) -> bool:
+    prompt = example["prompt_ids"]
+    return len(prompt) > 0 and isinstance(prompt[0], list)
+
+
+def _groups_of(examples: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Examples may be single groups or packs of groups (from `pack_groups`); return the groups."""
+    groups = []
+    for example in examples:
+        if _is_pack(example):
+            margins = example.get("margin")
+            for i in range(len(example["prompt_ids"])):
+                group = {key: example[key][i] for key in GROUP_COLUMNS}
+                if margins is not None:
+                    group["margin"] = margins[i]
+                groups.append(group)
+        else:
+            groups.append(example)
+    return groups
+
+
+def group_num_tokens(example: dict[str, Any]) -> int:
+    """Tokens a group occupies once collated: (k + 1) copies of the prompt plus every completion."""
+    completions = [example["chosen_completion_ids"], *example["rejected_completion_ids"]]
+    return len(example["prompt_ids"]) * len(completions) + sum(len(c) for c in completions)
+
+
+def _pad(sequences: list[list[int]], value: int, multiple: int | None) -> torch.Tensor:
+    length = max(len(s) for s in sequences)
+    if multiple:
+        length = -(-length // multiple) * multiple
+    out = torch.full((len(sequences), length), value, dtype=torch.long)
+    for i, s in enumerate(sequences):
+        out[i, : len(s)] = torch.tensor(s, dtype=torch.long)
+    return out
+
+
+def collate_sequences(
+    sequences: list[list[int]],
+    labels: list[list[int]],
+    pad_token_id: int,
+    padding_free: bool,
+    pad_to_multiple_of: int | None = None,
+) -> dict[str, torch.Tensor]:
+    """Lay sequences out as one padding-free row or as a padded batch; see the module docstring."""
+    lengths = torch.tensor([len(s) for s in sequences], dtype=torch.long)
+    if padding_free:
+        batch = {
+            "input_ids": torch.tensor([t for s in sequences for t in s], dtype=torch.long).unsqueeze(0),
+            "labels": torch.tensor([t for s in labels for t in s], dtype=torch.long).unsqueeze(0),
+            "position_ids": torch.cat([torch.arange(n) for n in lengths.tolist()]).unsqueeze(0),
+        }
+        score_positions = torch.cumsum(lengths, 0) - 1
+    else:
+        batch = {
+            "input_ids": _pad(sequences, pad_token_id, pad_to_multiple_of),
+            "labels": _pad(labels, -100, pad_to_multiple_of),
+            "attention_mask": _pad([[1] * len(s) for s in sequences], 0, pad_to_multiple_of),
+        }
+        score_positions = torch.arange(len(sequences)) * batch["input_ids"].shape[1] + lengths - 1
+    batch["sequence_lengths"] = lengths
+    batch["score_positions"] = score_positions
+    return batch
+
+
+@dataclass
+class PreferenceCollator:
+    """Collate tokenised preference groups (or packs of them) into one batch; see the module docstring.
+
+    Args:
+        pad_token_id: token used to pad (padded mode only).
+        padding_free: one row with restarting `position_ids` (default) or a padded batch.
+        pad_to_multiple_of: pad the padded batch's length to a multiple of this.
+    """
+
+    pad_token_id: int
+    padding_free: bool = True
+    pad_to_multiple_of: int | None = None
+
+    def __call__(self, examples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        groups = _groups_of(examples)
+        sequences, labels, group_index, response_index = [], [], [], []
+        for g, group in enumerate(groups):
+            prompt = list(group["prompt_ids"])
+            completions = [group["chosen_completion_ids"], *group["rejected_completion_ids"]]
+            if len(completions) < 2:
+                raise ValueError(f"Preference group {g} of the batch has no rejected completion.")
+            for r, completion in enumerate(completions):
+                completion = list(completion)
+                sequences.append(prompt + completion)
+                # Never train the first token of a sequence: its shifted label would read the previous sequence.
+                labels.append([-100] * max(len(prompt), 1) + completion[max(0, 1 - len(prompt)) :])
+                group_index.append(g)
+                response_index.append(r)
+        batch = collate_sequences(sequences, labels, self.pad_token_id, self.padding_free, self.pad_to_multiple_of)
+        batch["group_index"] = torch.tensor(group_index, dtype=torch.long)
+        batch["response_index"] = torch.tensor(response_index, dtype=torch.long)
+        if all("margin" in g and g["margin"] is not None for g in groups):
+            batch["margin"] = torch.tensor([float(g["margin"]) for g in groups], dtype=torch.float)
+        return batch
+
+
+@dataclass
+class SFTCollator:
+    """Collate tokenised SFT examples (`input_ids`, `completion_mask`) or packs of them, padding-free or padded.
+
+    Labels are the input ids where `completion_mask` is 1 and -100 elsewhere; the first token of each sequence is
+    never a label.
+    """
+
+    pad_token_id: int
+    padding_free: bool = True
+    pad_to_multiple_of: int | None = None
+
+    def __call__(self, examples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        sequences, labels = [], []
+        for example in examples:
+            ids, masks = example["input_ids"], example.get("completion_mask")
+            if not (len(ids) > 0 and isinstance(ids[0], list)):
+                ids, masks = [ids], [masks]
+            for seq, mask in zip(ids, masks):
+                seq = list(seq)
+                mask = [1] * len(seq) if mask is None else list(mask)
+                sequences.append(seq)
+                labels.append([-100] + [t if m else -100 for t, m in zip(seq[1:], mask[1:])])
+        return collate_sequences(sequences, labels, self.pad_token_id, self.padding_free, self.pad_to_multiple_of)
+
+
+def _best_fit_decreasing(sizes: list[int], capacity: int) -> list[list[int]]:
+    bins: list[list[int]] = []
+    free: list[int] = []
+    for index in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        size = sizes[index]
+        best = None
+        for b, space in enumerate(free):
+            if size <= space and (best is None or space < free[best]):
+                best = b
+        if best is None:
+            bins.append([index])
+            free.append(capacity - size)
+        else:
+            bins[best].append(index)
+            free[best] -= size
+    return [sorted(b) for b in bins]
+
+
+def pack_examples(dataset: Dataset, sizes: list[int], max_tokens_per_row: int, columns: tuple[str, ...]) -> Dataset:
+    """Bin rows of `dataset` (each of `sizes[i]` tokens) into packs of at most `max_tokens_per_row` tokens.
+
+    A row larger than the budget gets a pack of its own; how many did is logged.
+    """
+    oversized = sum(size > max_tokens_per_row for size in sizes)
+    if oversized:
+        logger.warning(
+            "%d of %d rows exceed max_tokens_per_row=%d on their own; each is trained in a row of its own.",
+            oversized,
+            len(sizes),
+            max_tokens_per_row,
+        )
+    bins = _best_fit_decreasing(sizes, max_tokens_per_row)
+    present = [c for c in columns if c in dataset.column_names]
+    data = {column: dataset[column] for column in present}
+    packs = {column: [[data[column][i] for i in b] for b in bins] for column in present}
+    packs["num_tokens"] = [sum(sizes[i] for i in b) for b in bins]
+    logger.info("Packed %d rows into %d rows of at most %d tokens.", len(sizes), len(bins), max_tokens_per_row)
+    return Dataset.from_dict(packs)
+
+
+def pack_groups(dataset: Dataset, max_tokens_per_row: int) -> Dataset:
+    """Bin whole tokenised preference groups into packs; see the module docstring."""
+    sizes = [group_num_tokens(row) for row in dataset]
+    return pack_examples(dataset, sizes, max_tokens_per_row, (*GROUP_COLUMNS, "margin"))
+
+
+def pack_sft_examples(dataset: Dataset, max_tokens_per_row: int) -> Dataset:
+    """Bin tokenised SFT examples into packs of at most `max_tokens_per_row` tokens."""
+    sizes = [len(ids) for ids in dataset["input_ids"]]
+    return pack_examples(dataset, sizes, max_tokens_per_row, ("input_ids", "completion_mask"))

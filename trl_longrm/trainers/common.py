@@ -1,0 +1,162 @@
+"""What the three LongRM trainers share: config fields for long-context data, dataset preparation, and the sparse
+forward passes (per-token log-probs, last-token scores) that the losses read."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+from datasets import Dataset
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class LongContextDataArguments:
+    """Fields shared by `SimPOGRMConfig`, `SimPODisRMConfig` and `LongSFTConfig` (they mix this class in)."""
+
+    padding_free: bool = field(
+        default=True,
+        metadata={
+            "help": "Lay every sequence of a micro-batch end to end in one row with `position_ids` restarting per "
+            "sequence, computing no padding (default True). False gives a padded batch with an attention mask."
+        },
+    )
+    max_tokens_per_row: int | None = field(
+        default=None,
+        metadata={
+            "help": "If set, bin whole preference groups (chosen and all rejected together) or SFT examples into "
+            "packed rows of at most this many tokens before training; each packed row is then one dataset example, "
+            "so use `per_device_train_batch_size=1`. Default None: a micro-batch is `per_device_train_batch_size` "
+            "groups."
+        },
+    )
+    truncation: str = field(
+        default="truncate_prompt",
+        metadata={
+            "help": "What to do with a row longer than `max_length`: 'truncate_prompt' cuts the middle of the "
+            "prompt's longest message (keeping its head and tail, as LongRM does at 128K), 'drop' drops the row. "
+            "Counts are logged either way. Default 'truncate_prompt'.",
+            "choices": ["truncate_prompt", "drop"],
+        },
+    )
+    prompt_key: str | None = field(
+        default=None,
+        metadata={"help": "Column of the prompt (messages or text). Default None: detected from the data format."},
+    )
+    chosen_key: str | None = field(
+        default=None,
+        metadata={"help": "Column of the chosen response. Default None: detected from the data format."},
+    )
+    rejected_key: str | None = field(
+        default=None,
+        metadata={
+            "help": "Column of the rejected response(s), one or a list (LongRM's `rejects`). Default None: detected."
+        },
+    )
+    logprob_chunk_elements: int = field(
+        default=2**26,
+        metadata={
+            "help": "Most logits the sparse LM head holds at once (tokens x vocabulary) when computing per-token "
+            "log-probs; chunks are recomputed in backward. Default 2**26 (256 MB in fp32)."
+        },
+    )
+
+
+def resolve_tokenizer(model, processing_class: PreTrainedTokenizerBase | None, trust_remote_code: bool = False):
+    """The tokenizer a trainer needs before TRL's `__init__` runs (to tokenise our data formats)."""
+    if processing_class is not None:
+        return processing_class
+    name = model if isinstance(model, str) else model.config._name_or_path
+    return AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
+
+
+def pad_token_id_of(tokenizer: PreTrainedTokenizerBase) -> int:
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+
+PREFERENCE_COLUMNS = ("prompt_ids", "chosen_completion_ids", "rejected_completion_ids")
+
+
+def prepare_preference_dataset(dataset, tokenizer, args, dataset_name: str) -> Dataset:
+    """Normalise (any format of `trl_longrm.data`), tokenise, report truncations, and optionally pack."""
+    from trl_longrm.data import load_preference_dataset, tokenize_preference_dataset
+    from trl_longrm.packing import pack_groups
+
+    if dataset is None:
+        return None
+    columns = dataset.column_names if isinstance(dataset, Dataset) else None
+    if columns is None or not all(c in columns for c in PREFERENCE_COLUMNS):
+        if "num_tokens" in (columns or []):
+            return dataset  # already packed
+        dataset = load_preference_dataset(
+            dataset, prompt_key=args.prompt_key, chosen_key=args.chosen_key, rejected_key=args.rejected_key
+        )
+        dataset, _ = tokenize_preference_dataset(
+            dataset,
+            tokenizer,
+            max_length=args.max_length,
+            truncation=args.truncation,
+            num_proc=args.dataset_num_proc,
+            source_name=dataset_name,
+        )
+    if args.max_tokens_per_row:
+        dataset = pack_groups(dataset, args.max_tokens_per_row)
+    return dataset
+
+
+def prepare_sft_dataset(dataset, tokenizer, args, dataset_name: str, packing_budget: int | None) -> Dataset:
+    """SFT counterpart of `prepare_preference_dataset` (columns `input_ids`, `completion_mask`)."""
+    from trl_longrm.data import load_sft_dataset, tokenize_sft_dataset
+    from trl_longrm.packing import pack_sft_examples
+
+    if dataset is None:
+        return None
+    columns = dataset.column_names if isinstance(dataset, Dataset) else None
+    if columns is None or "input_ids" not in columns:
+        dataset = load_sft_dataset(dataset)
+        dataset, _ = tokenize_sft_dataset(
+            dataset,
+            tokenizer,
+            max_length=args.max_length,
+            truncation=args.truncation,
+            num_proc=args.dataset_num_proc,
+            source_name=dataset_name,
+        )
+    elif "num_tokens" in columns:
+        return dataset
+    if packing_budget:
+        dataset = pack_sft_examples(dataset, packing_budget)
+    return dataset
+
+
+def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The tensors of a collated batch that the model itself takes."""
+    return {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids") if k in batch}
+
+
+def token_sequence_index(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """For each position of `input_ids`, the index of the sequence it belongs to (padding gets its row's)."""
+    input_ids = batch["input_ids"]
+    if "attention_mask" in batch:  # padded: one sequence per row
+        rows = torch.arange(input_ids.shape[0], device=input_ids.device)
+        return rows.unsqueeze(1).expand_as(input_ids)
+    lengths = batch["sequence_lengths"].to(input_ids.device)
+    index = torch.repeat_interleave(torch.arange(lengths.numel(), device=input_ids.device), lengths)
+    return index.unsqueeze(0)
+
+
+def per_sequence_logps(
+    token_logps: torch.Tensor, label_mask: torch.Tensor, batch: dict[str, torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sum of scored log-probs and number of scored tokens of each sequence, both `[S]`."""
+    num_sequences = batch["sequence_lengths"].numel()
+    index = token_sequence_index(batch)[label_mask]
+    sums = token_logps.new_zeros(num_sequences).index_add(0, index, token_logps[label_mask])
+    counts = torch.zeros(num_sequences, device=token_logps.device).index_add(
+        0, index, torch.ones_like(token_logps[label_mask])
+    )
+    return sums, counts

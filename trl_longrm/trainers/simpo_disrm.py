@@ -1,0 +1,133 @@
+"""Discriminative reward model: Bradley-Terry on a scalar head at each sequence's last token, k rejected."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from trl import RewardConfig, RewardTrainer
+
+from trl_longrm.heads import add_last_token_score_head
+from trl_longrm.losses import bradley_terry_loss, center_rewards_penalty, group_values
+from trl_longrm.packing import PreferenceCollator
+from trl_longrm.trainers.common import LongContextDataArguments, model_inputs, prepare_preference_dataset
+
+
+@dataclass
+class SimPODisRMConfig(RewardConfig, LongContextDataArguments):
+    """Configuration of [`SimPODisRMTrainer`]: TRL's `RewardConfig` plus the LongRM loss options and long-context
+    data fields (see `LongContextDataArguments`).
+
+    Example:
+    ```python
+    >>> from trl_longrm import SimPODisRMConfig
+    >>> args = SimPODisRMConfig(output_dir="disrm", reject_aggregation="mean", gamma=0.0)
+    ```
+    """
+
+    gamma: float = field(
+        default=0.0,
+        metadata={
+            "help": "SimPO-style target margin subtracted inside the Bradley-Terry sigmoid: "
+            "`-logsigmoid(s_chosen - s_rejected - gamma)`. Default 0.0 (plain Bradley-Terry, as LongRM)."
+        },
+    )
+    reject_aggregation: str = field(
+        default="mean",
+        metadata={
+            "help": "How k rejected scores enter the loss. 'mean' (LongRM, default): one comparison of the chosen "
+            "score against the mean rejected score. 'pairwise': the mean of the k pairwise Bradley-Terry losses, "
+            "so every rejected response must be beaten on its own. Both equal the stock loss when k == 1.",
+            "choices": ["mean", "pairwise"],
+        },
+    )
+    max_length: int | None = field(
+        default=131072,
+        metadata={"help": "Most tokens of prompt + longest response of a group. Default 131072 (LongRM)."},
+    )
+    learning_rate: float = field(default=2e-6, metadata={"help": "Initial AdamW learning rate. Default 2e-6."})
+
+
+class SimPODisRMTrainer(RewardTrainer):
+    """Bradley-Terry trainer for long-context discriminative reward models, a drop-in for TRL's `RewardTrainer`.
+
+    Accepts the formats of `trl_longrm.data` with k >= 1 rejected responses per prompt, packs them padding-free,
+    and scores each sequence at its own last token (the stock head pools one token per row, wrong for a packed row).
+    No vocabulary logits are ever computed.
+
+    Example:
+    ```python
+    >>> from trl_longrm import SimPODisRMConfig, SimPODisRMTrainer
+    >>> trainer = SimPODisRMTrainer(model="path/to/model", args=SimPODisRMConfig(output_dir="disrm"),
+    ...                             train_dataset=dataset)
+    >>> trainer.train()
+    ```
+    """
+
+    _tag_names = ["trl", "trl-longrm", "reward-trainer", "discriminative-reward-model"]
+
+    def __init__(self, model, args: SimPODisRMConfig | None = None, data_collator=None, *pargs, **kwargs):
+        if args is None:
+            args = SimPODisRMConfig(output_dir="simpo-disrm")
+        self._user_collator = data_collator
+        super().__init__(model, args, data_collator, *pargs, **kwargs)
+        if data_collator is None:
+            # RewardTrainer built its pair collator; ours handles k rejected responses and packing.
+            self.data_collator = PreferenceCollator(
+                pad_token_id=self.processing_class.pad_token_id,
+                padding_free=args.padding_free,
+                pad_to_multiple_of=args.pad_to_multiple_of,
+            )
+        add_last_token_score_head(self.model)
+
+    def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
+        return prepare_preference_dataset(dataset, processing_class, args, dataset_name)
+
+    def _set_signature_columns_if_needed(self):
+        if self._signature_columns is None:
+            self._signature_columns = [
+                "prompt_ids",
+                "chosen_completion_ids",
+                "rejected_completion_ids",
+                "margin",
+                "num_tokens",
+            ]
+
+    def sequence_scores(self, model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Score of every sequence of the batch, `[S]`, from the hidden state at its last token."""
+        return model(**model_inputs(batch), score_positions=batch["score_positions"], use_cache=False).scores
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        mode = "train" if self.model.training else "eval"
+        scores = self.sequence_scores(model, inputs)
+        num_groups = int(inputs["group_index"].max().item()) + 1
+        chosen, rejected, mask = group_values(scores, inputs["group_index"], inputs["response_index"], num_groups)
+        losses = bradley_terry_loss(
+            chosen,
+            rejected,
+            mask,
+            gamma=self.args.gamma,
+            margin=inputs.get("margin"),
+            reject_aggregation=self.args.reject_aggregation,
+        )
+        loss = losses.mean()
+        if self.args.center_rewards_coefficient is not None:
+            loss = loss + self.args.center_rewards_coefficient * center_rewards_penalty(chosen, rejected, mask)
+
+        gather = self.accelerator.gather_for_metrics
+        with torch.no_grad():
+            if mode == "train":
+                self._total_train_tokens += gather(inputs["sequence_lengths"].sum()).sum().item()
+            self._metrics[mode]["num_tokens"] = [self._total_train_tokens]
+            all_scores = gather(scores.detach())
+            self._metrics[mode]["min_reward"].append(all_scores.min().item())
+            self._metrics[mode]["mean_reward"].append(all_scores.mean().item())
+            self._metrics[mode]["max_reward"].append(all_scores.max().item())
+            rejected_mean = (rejected * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+            self._metrics[mode]["accuracy"].append(gather((chosen > rejected_mean).float()).mean().item())
+            beat_all = (chosen.unsqueeze(-1) > rejected.masked_fill(~mask, float("-inf"))).all(-1)
+            self._metrics[mode]["accuracy_vs_all"].append(gather(beat_all.float()).mean().item())
+            self._metrics[mode]["margin"].append(gather(chosen - rejected_mean).mean().item())
+        if return_outputs:
+            return loss, {"scores": scores}
+        return loss

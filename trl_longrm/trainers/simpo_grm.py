@@ -1,0 +1,203 @@
+"""Stage II of the generative reward model: SimPO on judgments with several rejected judgments per prompt."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+
+os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+from trl.experimental.cpo import CPOConfig, CPOTrainer  # noqa: E402
+
+from trl_longrm.heads import add_token_logprob_head  # noqa: E402
+from trl_longrm.losses import group_values, simpo_loss  # noqa: E402
+from trl_longrm.packing import PreferenceCollator  # noqa: E402
+from trl_longrm.trainers.common import (  # noqa: E402
+    LongContextDataArguments,
+    model_inputs,
+    pad_token_id_of,
+    per_sequence_logps,
+    prepare_preference_dataset,
+    resolve_tokenizer,
+)
+
+
+@dataclass
+class SimPOGRMConfig(CPOConfig, LongContextDataArguments):
+    """Configuration of [`SimPOGRMTrainer`]: TRL's `CPOConfig` with LongRM stage II defaults and long-context data
+    fields (see `LongContextDataArguments`).
+
+    The loss is `-logsigmoid(beta * (logp_chosen - mean_k logp_rejected_k) - simpo_gamma)` on length-normalised
+    log-probs, plus `nll_loss_weight` times the NLL of the chosen judgment.
+
+    Example:
+    ```python
+    >>> from trl_longrm import SimPOGRMConfig
+    >>> args = SimPOGRMConfig(output_dir="grm", max_length=131072, per_device_train_batch_size=1)
+    ```
+    """
+
+    loss_type: str = field(
+        default="simpo",
+        metadata={
+            "help": "'simpo' (sigmoid SimPO loss, default) or 'hinge' (`relu(1 - logits)` on the same logits).",
+            "choices": ["simpo", "hinge"],
+        },
+    )
+    beta: float = field(default=2.5, metadata={"help": "SimPO reward scale beta. Default 2.5 (LongRM stage II)."})
+    simpo_gamma: float = field(
+        default=0.5, metadata={"help": "SimPO target reward margin gamma (absolute). Default 0.5 (LongRM stage II)."}
+    )
+    nll_loss_weight: float = field(
+        default=0.05,
+        metadata={
+            "help": "Weight of the token-mean NLL of the chosen judgment added to the loss. Default 0.05 (LongRM). "
+            "TRL's `cpo_alpha` is set to this value."
+        },
+    )
+    max_length: int | None = field(
+        default=131072,
+        metadata={"help": "Most tokens of prompt + longest completion of a group. Default 131072 (LongRM)."},
+    )
+    learning_rate: float = field(default=2e-6, metadata={"help": "Initial AdamW learning rate. Default 2e-6."})
+
+    def __post_init__(self):
+        self.cpo_alpha = self.nll_loss_weight
+        super().__post_init__()
+
+
+class SimPOGRMTrainer(CPOTrainer):
+    """SimPO trainer for long-context generative reward models (LongRM stage II), a drop-in for TRL's `CPOTrainer`.
+
+    Accepts every data format of `trl_longrm.data` (LongRM's `chat_template`/`chosen`/`rejects`, TRL's preference
+    formats) and k >= 1 rejected responses per prompt. Sequences are packed padding-free, and the LM head is applied
+    only at the judgment tokens, in chunks, so no `[tokens, vocab]` logits of a long row are materialised.
+
+    Example:
+    ```python
+    >>> from trl_longrm import SimPOGRMConfig, SimPOGRMTrainer
+    >>> trainer = SimPOGRMTrainer(model="path/to/sft-judge", args=SimPOGRMConfig(output_dir="grm"),
+    ...                           train_dataset=dataset)
+    >>> trainer.train()
+    ```
+    """
+
+    _tag_names = ["trl", "trl-longrm", "simpo", "generative-reward-model"]
+
+    def __init__(
+        self,
+        model=None,
+        args: SimPOGRMConfig | None = None,
+        data_collator=None,
+        train_dataset=None,
+        eval_dataset=None,
+        processing_class=None,
+        model_init=None,
+        callbacks=None,
+        optimizers=(None, None),
+        preprocess_logits_for_metrics=None,
+        peft_config=None,
+        compute_metrics=None,
+    ):
+        if args is None:
+            args = SimPOGRMConfig(output_dir="simpo-grm")
+        if args.loss_type not in ("simpo", "hinge"):
+            raise ValueError(f"SimPOGRMConfig.loss_type must be 'simpo' or 'hinge', got {args.loss_type!r}.")
+        tokenizer = resolve_tokenizer(model, processing_class, args.trust_remote_code)
+        train_dataset = prepare_preference_dataset(train_dataset, tokenizer, args, "train")
+        if isinstance(eval_dataset, dict):
+            eval_dataset = {k: prepare_preference_dataset(v, tokenizer, args, k) for k, v in eval_dataset.items()}
+        else:
+            eval_dataset = prepare_preference_dataset(eval_dataset, tokenizer, args, "eval")
+        if data_collator is None:
+            data_collator = PreferenceCollator(
+                pad_token_id=pad_token_id_of(tokenizer),
+                padding_free=args.padding_free,
+                pad_to_multiple_of=getattr(args, "pad_to_multiple_of", None),
+            )
+        super().__init__(
+            model=model,
+            args=args,
+            data_collator=data_collator,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            processing_class=tokenizer,
+            model_init=model_init,
+            callbacks=callbacks,
+            optimizers=optimizers,
+            preprocess_logits_for_metrics=preprocess_logits_for_metrics,
+            peft_config=peft_config,
+            compute_metrics=compute_metrics,
+        )
+        add_token_logprob_head(self.model, chunk_elements=args.logprob_chunk_elements)
+        self._total_train_tokens = 0
+
+    # The dataset is tokenised before `CPOTrainer.__init__` (its own tokeniser handles one rejected string only).
+    def tokenize_row(self, feature, model=None) -> dict:
+        return feature
+
+    def _set_signature_columns_if_needed(self):
+        if self._signature_columns is None:
+            self._signature_columns = ["prompt_ids", "chosen_completion_ids", "rejected_completion_ids", "margin"]
+
+    def sequence_logps(self, model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Summed log-prob and number of scored tokens of every sequence of the batch, `[S]` each."""
+        output = model(**model_inputs(batch), logprob_labels=batch["labels"], use_cache=False)
+        return per_sequence_logps(output.token_logps, output.label_mask, batch)
+
+    def get_batch_loss_metrics(self, model, batch, train_eval: Literal["train", "eval"] = "train"):
+        sums, counts = self.sequence_logps(model, batch)
+        mean_logps = sums / counts.clamp(min=1)
+        num_groups = int(batch["group_index"].max().item()) + 1
+        chosen_logps, rejected_logps, rejected_mask = group_values(
+            mean_logps, batch["group_index"], batch["response_index"], num_groups
+        )
+        losses, chosen_rewards, rejected_rewards = simpo_loss(
+            chosen_logps,
+            rejected_logps,
+            rejected_mask,
+            beta=self.args.beta,
+            gamma=self.args.simpo_gamma,
+            label_smoothing=self.args.label_smoothing,
+            loss_type="sigmoid" if self.args.loss_type == "simpo" else "hinge",
+        )
+        is_chosen = batch["response_index"] == 0
+        # Token-mean NLL over the chosen judgments of the micro-batch, as TRL's CPO computes it.
+        nll_loss = -sums[is_chosen].sum() / counts[is_chosen].sum().clamp(min=1)
+        loss = losses.mean() + self.args.nll_loss_weight * nll_loss
+
+        gather = self.accelerator.gather_for_metrics
+        prefix = "eval_" if train_eval == "eval" else ""
+        with torch.no_grad():
+            beat_all = chosen_logps.unsqueeze(-1) > rejected_logps.masked_fill(~rejected_mask, float("-inf"))
+            metrics = {
+                "rewards/chosen": gather(chosen_rewards).mean().item(),
+                "rewards/rejected": gather(rejected_rewards).mean().item(),
+                "rewards/accuracies": gather((chosen_rewards > rejected_rewards).float()).mean().item(),
+                "rewards/accuracies_vs_all": gather(beat_all.all(-1).float()).mean().item(),
+                "rewards/margins": gather(chosen_rewards - rejected_rewards).mean().item(),
+                "logps/chosen": gather(chosen_logps.detach()).mean().item(),
+                "logps/rejected": gather(rejected_logps.detach()[rejected_mask]).mean().item(),
+                "nll_loss": gather(nll_loss.detach()).mean().item(),
+            }
+            tokens = gather(batch["sequence_lengths"].sum()).sum().item()
+            metrics["tokens_per_step"] = tokens
+            if train_eval == "train":
+                self._total_train_tokens += tokens
+        return loss, {prefix + k: v for k, v in metrics.items()}
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        if "loss" in logs:
+            logs["num_tokens"] = self._total_train_tokens  # cumulative real tokens trained, as TRL logs it
+        super().log(logs, start_time)
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        # CPO's version reads logit statistics that the sparse head does not produce; the loss is what eval needs.
+        inputs = self._prepare_inputs(inputs)
+        with torch.no_grad():
+            loss, metrics = self.get_batch_loss_metrics(model, inputs, train_eval="eval")
+        self.store_metrics(metrics, train_eval="eval")
+        return loss.detach(), None, None
