@@ -1,0 +1,150 @@
+"""Reading Long-RewardBench: one `{Task}.jsonl` per task, each line a PairWise or BestOfN record."""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from trl_longrm.evaluation.config import FORMATS
+
+
+logger = logging.getLogger(__name__)
+
+_COMMON_KEYS = ("prompt_template", "tasktype", "subtype", "ctx_length_for_length")
+_FORMAT_KEYS = {"PairWise": ("chosen", "rejected"), "BestOfN": ("candidates",)}
+
+
+@dataclass
+class BenchmarkRecord:
+    """One benchmark item, with its candidates stored best first (`chosen, rejected` for a PairWise record).
+
+    Example:
+    ```python
+    >>> record = BenchmarkRecord(
+    ...     id="LongQA/0", task="LongQA", tasktype="PairWise", subtype="same", length="4k",
+    ...     prompt_messages=[{"role": "user", "content": "Q?"}], candidates=["good", "bad"],
+    ... )
+    >>> record.task_prompt
+    'Q?'
+    ```
+    """
+
+    id: str
+    task: str
+    tasktype: str
+    subtype: str
+    length: str | None
+    prompt_messages: list[dict[str, str]]
+    candidates: list[str]
+    source: str | None = None
+    line: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def task_prompt(self) -> str:
+        """The task prompt shown to a generative judge: the message contents joined by a blank line (as LongRM)."""
+        return "\n\n".join(message["content"] for message in self.prompt_messages)
+
+
+def _fail(path: Path, line: int, key: str, reason: str):
+    raise ValueError(f"{path}, line {line}: key `{key}` {reason}.")
+
+
+def parse_record(raw: dict[str, Any], task: str, path: Path, line: int) -> BenchmarkRecord:
+    """Validate one decoded JSON line and turn it into a `BenchmarkRecord`; errors name the file, line and key."""
+    for key in _COMMON_KEYS:
+        if key not in raw or raw[key] is None:
+            _fail(path, line, key, "is missing")
+    tasktype = raw["tasktype"]
+    if tasktype not in FORMATS:
+        _fail(path, line, "tasktype", f"is {tasktype!r}; expected one of {list(FORMATS)}")
+    for key in _FORMAT_KEYS[tasktype]:
+        if key not in raw or raw[key] is None:
+            _fail(path, line, key, f"is missing (required for a {tasktype} record)")
+
+    messages = raw["prompt_template"]
+    if not isinstance(messages, list) or not messages:
+        _fail(path, line, "prompt_template", "must be a non-empty list of {role, content} messages")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("content"), str) or "role" not in message:
+            _fail(path, line, f"prompt_template[{i}]", "must be a message with string `role` and `content`")
+
+    if tasktype == "PairWise":
+        for key in ("chosen", "rejected"):
+            if not isinstance(raw[key], str):
+                _fail(path, line, key, f"must be a string, got {type(raw[key]).__name__}")
+        candidates = [raw["chosen"], raw["rejected"]]
+    else:
+        candidates = raw["candidates"]
+        if not isinstance(candidates, list) or len(candidates) < 2 or not all(isinstance(c, str) for c in candidates):
+            _fail(path, line, "candidates", "must be a list of at least 2 strings")
+        if len(candidates) > 26:
+            _fail(path, line, "candidates", "has more than 26 entries (judge labels run from A to Z)")
+
+    length = raw["ctx_length_for_length"]
+    record_id = f"{task}/{raw['id']}" if raw.get("id") is not None else f"{task}/L{line}"
+    known = set(_COMMON_KEYS) | {"chosen", "rejected", "candidates", "id", "source"}
+    return BenchmarkRecord(
+        id=record_id,
+        task=task,
+        tasktype=tasktype,
+        subtype=str(raw["subtype"]),
+        length=str(length),
+        prompt_messages=[{"role": m["role"], "content": m["content"]} for m in messages],
+        candidates=list(candidates),
+        source=raw.get("source"),
+        line=line,
+        extra={k: v for k, v in raw.items() if k not in known},
+    )
+
+
+def load_task_file(path: str | Path, task: str) -> list[BenchmarkRecord]:
+    """Read every record of one task file (line numbers start at 1)."""
+    path = Path(path)
+    records = []
+    with path.open(encoding="utf-8") as handle:
+        for line_number, text in enumerate(handle, start=1):
+            if not text.strip():
+                continue
+            try:
+                raw = json.loads(text)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"{path}, line {line_number}: not valid JSON ({error}).") from error
+            if not isinstance(raw, dict):
+                raise ValueError(f"{path}, line {line_number}: expected a JSON object, got {type(raw).__name__}.")
+            records.append(parse_record(raw, task, path, line_number))
+    return records
+
+
+def load_benchmark(data_path: str | Path, tasks: list[str], formats: list[str]) -> list[BenchmarkRecord]:
+    """Records of the given tasks and formats, in task order then file order.
+
+    Example:
+    ```python
+    >>> records = load_benchmark("./LongReward-Bench", tasks=["LongQA", "Math"], formats=["PairWise"])
+    ```
+    """
+    data_path = Path(data_path)
+    records, skipped, seen = [], 0, {}
+    for task in tasks:
+        path = data_path / f"{task}.jsonl"
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"Task file {path} not found; expected one `{{Task}}.jsonl` per task in {data_path}."
+            )
+        for record in load_task_file(path, task):
+            if record.tasktype not in formats:
+                skipped += 1
+                continue
+            if record.id in seen:
+                raise ValueError(
+                    f"{path}, line {record.line}: key `id` duplicates the record on line {seen[record.id]}."
+                )
+            seen[record.id] = record.line
+            records.append(record)
+    if skipped:
+        logger.info("Skipped %d records whose tasktype is not among the selected formats %s.", skipped, formats)
+    return records

@@ -1,0 +1,117 @@
+"""Configuration of a Long-RewardBench evaluation run."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+
+TASKS = ("LongQA", "Summ", "Safety", "ICL", "Cite", "Code", "Math")
+FORMATS = ("PairWise", "BestOfN")
+LENGTH_BUCKETS = ("4k", "8k", "16k", "32k", "64k", "128k")
+RANK_SUBTYPES = ("2", "3", "4")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass
+class EvalConfig:
+    """Settings of `evaluate_reward_model` and of `trl-longrm eval` (each field is a `--kebab-case` flag).
+
+    Example:
+    ```python
+    >>> from trl_longrm.evaluation import EvalConfig, evaluate_reward_model
+    >>> config = EvalConfig(model_path="./LongReward_Qwen3-8B", data_path="./LongReward-Bench", batch_size=4)
+    >>> results = evaluate_reward_model(config)
+    >>> results["pairwise_avg"], results["rank_avg"], results["average"]
+    ```
+    """
+
+    model_path: str = field(
+        metadata={"help": "Local directory of the reward model (a causal LM judge, or a 1-label sequence classifier)."}
+    )
+    data_path: str = field(
+        metadata={"help": "Directory holding one `{Task}.jsonl` file per Long-RewardBench task."},
+    )
+    is_disrm: bool = field(
+        default=False,
+        metadata={
+            "help": "Treat the model as a discriminative RM (AutoModelForSequenceClassification, 1 label) that scores "
+            "each candidate; default False: a generative RM that writes a verdict."
+        },
+    )
+    save_path: str | None = field(
+        default=None,
+        metadata={
+            "help": "Directory for predictions.jsonl, results.json/.csv/.md and the length plot; re-running with the "
+            "same directory resumes. Default None: `eval_results/<model directory name>`."
+        },
+    )
+    tasks: list[str] = field(
+        default_factory=lambda: list(TASKS),
+        metadata={"help": f"Tasks to evaluate; default all of {', '.join(TASKS)}."},
+    )
+    formats: list[str] = field(
+        default_factory=lambda: list(FORMATS),
+        metadata={"help": "Record formats to evaluate: PairWise and/or BestOfN; default both."},
+    )
+    batch_size: int = field(
+        default=1,
+        metadata={
+            "help": "Records judged per forward pass (a DisRM scores this many candidate sequences at once); default 1. "
+            "Results do not depend on it."
+        },
+    )
+    max_length: int = field(
+        default=131072,
+        metadata={
+            "help": "Longest model input in tokens; a longer input keeps its first max_length//2 tokens and its last "
+            "max_length - max_length//2 - 5 tokens, as LongRM does. Default 131072."
+        },
+    )
+    max_new_tokens: int = field(
+        default=2048,
+        metadata={"help": "Most tokens a generative judge may write (greedy decoding); default 2048."},
+    )
+    seed: int = field(
+        default=42,
+        metadata={
+            "help": "Seed of the candidate shuffling; each record's order comes from a hash of (seed, record id), so it "
+            "does not depend on batching or on which records are evaluated. Default 42."
+        },
+    )
+    device: str | None = field(
+        default=None,
+        metadata={
+            "help": "Torch device for the model, e.g. `cuda:0` or `cpu`; default None: cuda if available, else cpu."
+        },
+    )
+    dtype: str = field(
+        default="auto",
+        metadata={"help": f"Model weight dtype, one of {', '.join(DTYPES)}; default `auto` (the checkpoint's dtype)."},
+    )
+    verdict_probs: bool = field(
+        default=True,
+        metadata={
+            "help": "For a generative RM, also run one forced-decoding pass per pairwise record (judge output up to its "
+            "verdict, then `[[`) to read P(A) and P(B), from which the AUC is computed. Default True."
+        },
+    )
+
+    def __post_init__(self):
+        self.tasks = list(self.tasks)
+        self.formats = list(self.formats)
+        unknown = [f for f in self.formats if f not in FORMATS]
+        if unknown:
+            raise ValueError(f"Unknown format(s) {unknown}; expected a subset of {list(FORMATS)}.")
+        if not self.tasks:
+            raise ValueError("`tasks` is empty; name at least one task.")
+        if self.batch_size < 1:
+            raise ValueError(f"`batch_size` must be >= 1, got {self.batch_size}.")
+        if self.max_length < 16:
+            raise ValueError(f"`max_length` must be >= 16 tokens, got {self.max_length}.")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"`max_new_tokens` must be >= 1, got {self.max_new_tokens}.")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"`dtype` must be one of {list(DTYPES)}, got {self.dtype!r}.")
+        if self.save_path is None:
+            self.save_path = os.path.join("eval_results", os.path.basename(os.path.normpath(self.model_path)))

@@ -1,0 +1,311 @@
+"""Judges: what turns a batch of (task, displayed responses) into verdict texts or scores.
+
+`Judge` is a protocol, so a scripted judge (fixed strings) can stand in for a model in tests. The two model-backed
+judges are `GenerativeJudge` (a causal LM writing `[[A]]` / `[[C>A>B]]` verdicts, greedy decoding) and
+`DiscriminativeJudge` (a 1-label sequence classifier scoring each response after the prompt messages).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+
+from trl_longrm.evaluation.prompts import build_judge_messages, label
+
+
+logger = logging.getLogger(__name__)
+
+# LongRM keeps `max_length // 2` head tokens and `max_length - max_length // 2 - 5` tail tokens of a long input.
+TRUNCATION_MARGIN = 5
+
+
+@dataclass
+class JudgeRequest:
+    """One record to judge: the task and its candidate responses in display order.
+
+    `ranking` is True for a BestOfN record (ranking protocol) and False for a PairWise one.
+    """
+
+    record_id: str
+    prompt_messages: list[dict[str, str]]
+    task_prompt: str
+    responses: list[str]
+    ranking: bool
+
+
+@dataclass
+class JudgeOutput:
+    """A judge's answer for one request.
+
+    Args:
+        text: verdict text of a generative judge (None for a DisRM).
+        scores: one score per displayed response from a DisRM (None for a generative judge).
+        verdict_probs: for a pairwise request of a generative judge, `[P(A), P(B)]` normalised over the two letters
+            at the verdict position, or None when not computed.
+        truncated: whether any model input of this request was cut to its head and tail.
+    """
+
+    text: str | None = None
+    scores: list[float] | None = None
+    verdict_probs: list[float] | None = None
+    truncated: bool = False
+
+
+@runtime_checkable
+class Judge(Protocol):
+    """Anything with a `model_type` (`"GRM"` or `"DisRM"`) and a batched `judge` method.
+
+    Example (a scripted judge that always prefers the first response):
+    ```python
+    >>> class AlwaysA:
+    ...     model_type = "GRM"
+    ...     def judge(self, requests):
+    ...         return [JudgeOutput(text="[[A]]" if not r.ranking else "[[A>B]]") for r in requests]
+    ```
+    """
+
+    model_type: str
+
+    def judge(self, requests: Sequence[JudgeRequest]) -> list[JudgeOutput]: ...
+
+
+def truncate_head_tail(ids: list[int], max_length: int) -> tuple[list[int], bool]:
+    """Keep the first `max_length // 2` and last `max_length - max_length // 2 - 5` tokens of an over-long input.
+
+    Example:
+    ```python
+    >>> truncate_head_tail(list(range(40)), 20)
+    ([0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 35, 36, 37, 38, 39], True)
+    ```
+    """
+    if len(ids) <= max_length:
+        return ids, False
+    head = max_length // 2
+    tail = max_length - head - TRUNCATION_MARGIN
+    return ids[:head] + ids[len(ids) - tail :], True
+
+
+def _resolve_device(device: str | None) -> torch.device:
+    if device is not None:
+        return torch.device(device)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _resolve_dtype(dtype: str):
+    return "auto" if dtype == "auto" else getattr(torch, dtype)
+
+
+def _chat_ids(tokenizer, messages: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
+    if not tokenizer.chat_template:
+        raise ValueError(
+            f"The tokenizer of {tokenizer.name_or_path!r} has no chat template; the judge needs one to format prompts."
+        )
+    # `enable_thinking=False` turns off the thinking block of templates that have one (Qwen3); others ignore it.
+    text = tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=add_generation_prompt, enable_thinking=False
+    )
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def _pad(rows: list[list[int]], pad_id: int, left: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(row) for row in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):
+        span = slice(width - len(row), width) if left else slice(0, len(row))
+        ids[i, span] = torch.tensor(row, dtype=torch.long)
+        mask[i, span] = 1
+    return ids, mask
+
+
+def _pad_token_id(tokenizer) -> int:
+    # Models without a pad token pad with EOS: the attention mask hides the padding anyway.
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    if pad is None:
+        raise ValueError(f"The tokenizer of {tokenizer.name_or_path!r} has neither a pad nor an EOS token.")
+    return pad
+
+
+class GenerativeJudge:
+    """A causal LM judge: greedy, batched (left-padded) generation of a verdict per request.
+
+    With `verdict_probs=True` each pairwise request also gets one forced-decoding pass: the prompt, the judge's own
+    output up to its verdict (all of it when it wrote none), then `[[`; the next-token probabilities of `A` and `B`
+    there, renormalised over the two, are `JudgeOutput.verdict_probs`.
+
+    Example:
+    ```python
+    >>> judge = GenerativeJudge.from_pretrained("./LongReward_Qwen3-8B", max_length=131072, max_new_tokens=2048)
+    >>> out = judge.judge([JudgeRequest("x/1", msgs, "task text", ["resp 1", "resp 2"], ranking=False)])
+    >>> out[0].text, out[0].verdict_probs
+    ```
+    """
+
+    model_type = "GRM"
+
+    def __init__(self, model, tokenizer, max_length: int = 131072, max_new_tokens: int = 2048, verdict_probs=True):
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.max_length = max_length
+        self.max_new_tokens = max_new_tokens
+        self.verdict_probs = verdict_probs
+        self.pad_id = _pad_token_id(tokenizer)
+        self.forced_ids = tokenizer("[[", add_special_tokens=False)["input_ids"]
+        self.letter_ids = []
+        for position in range(2):
+            ids = tokenizer(label(position), add_special_tokens=False)["input_ids"]
+            if len(ids) != 1:
+                raise ValueError(
+                    f"Verdict label {label(position)!r} is not a single token ({ids}) for this tokenizer."
+                )
+            self.letter_ids.append(ids[0])
+
+    @classmethod
+    def from_pretrained(cls, model_path: str, device: str | None = None, dtype: str = "auto", **kwargs):
+        """Load the judge's causal LM and tokenizer from a local directory."""
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=_resolve_dtype(dtype))
+        return cls(model.to(_resolve_device(device)), tokenizer, **kwargs)
+
+    @torch.no_grad()
+    def judge(self, requests: Sequence[JudgeRequest]) -> list[JudgeOutput]:
+        device = self.model.device
+        prompts, truncated = [], []
+        for request in requests:
+            messages = build_judge_messages(request.task_prompt, request.responses, ranking=request.ranking)
+            ids, cut = truncate_head_tail(
+                _chat_ids(self.tokenizer, messages, add_generation_prompt=True), self.max_length
+            )
+            prompts.append(ids)
+            truncated.append(cut)
+        input_ids, attention_mask = _pad(prompts, self.pad_id, left=True)
+        generated = self.model.generate(
+            input_ids=input_ids.to(device),
+            attention_mask=attention_mask.to(device),
+            max_new_tokens=self.max_new_tokens,
+            do_sample=False,
+            pad_token_id=self.pad_id,
+        )[:, input_ids.shape[1] :]
+        texts = self.tokenizer.batch_decode(generated, skip_special_tokens=True)
+        outputs = [JudgeOutput(text=text, truncated=cut) for text, cut in zip(texts, truncated)]
+        if self.verdict_probs:
+            pairwise = [i for i, request in enumerate(requests) if not request.ranking]
+            if pairwise:
+                probs = self._verdict_probs([prompts[i] for i in pairwise], [texts[i] for i in pairwise])
+                for i, p in zip(pairwise, probs):
+                    outputs[i].verdict_probs = p
+        return outputs
+
+    def _verdict_probs(self, prompts: list[list[int]], texts: list[str]) -> list[list[float]]:
+        rows = []
+        for prompt, text in zip(prompts, texts):
+            # Reasoning up to the verdict stays in context, so the probe reads the judgment at its own verdict spot.
+            reasoning = text[: text.find("[[")] if "[[" in text else text
+            reasoning_ids = self.tokenizer(reasoning, add_special_tokens=False)["input_ids"] if reasoning else []
+            rows.append(prompt + reasoning_ids + self.forced_ids)
+        input_ids, attention_mask = _pad(rows, self.pad_id, left=True)
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        device = self.model.device
+        logits = self.model(
+            input_ids=input_ids.to(device),
+            attention_mask=attention_mask.to(device),
+            position_ids=position_ids.to(device),
+            logits_to_keep=1,
+            use_cache=False,
+        ).logits[:, -1, :]
+        pair = torch.log_softmax(logits.float(), dim=-1)[:, self.letter_ids].softmax(dim=-1)
+        return pair.cpu().tolist()
+
+
+class DiscriminativeJudge:
+    """A 1-label sequence-classification RM: each response is scored as the prompt messages plus an assistant turn.
+
+    Sequences are right-padded (natural position ids, as in reward-model training) and scored `batch_size` at a time.
+
+    Example:
+    ```python
+    >>> judge = DiscriminativeJudge.from_pretrained("./LongReward_Skywork-Reward-V2-Llama-3.1-8B", batch_size=4)
+    >>> judge.judge([JudgeRequest("x/1", msgs, "task text", ["resp 1", "resp 2"], ranking=False)])[0].scores
+    ```
+    """
+
+    model_type = "DisRM"
+
+    def __init__(self, model, tokenizer, max_length: int = 131072, batch_size: int = 1):
+        if model.config.num_labels != 1:
+            raise ValueError(f"A DisRM must have exactly 1 output label, got num_labels={model.config.num_labels}.")
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.max_length = max_length
+        self.batch_size = batch_size
+        self.pad_id = _pad_token_id(tokenizer)
+        if self.model.config.pad_token_id is None:
+            # The classification head pools the last non-pad token of each row and needs to know the pad id.
+            self.model.config.pad_token_id = self.pad_id
+
+    @classmethod
+    def from_pretrained(cls, model_path: str, device: str | None = None, dtype: str = "auto", **kwargs):
+        """Load the sequence classifier and tokenizer from a local directory."""
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        model = AutoModelForSequenceClassification.from_pretrained(model_path, dtype=_resolve_dtype(dtype))
+        return cls(model.to(_resolve_device(device)), tokenizer, **kwargs)
+
+    @torch.no_grad()
+    def judge(self, requests: Sequence[JudgeRequest]) -> list[JudgeOutput]:
+        sequences, owners, truncated = [], [], [False] * len(requests)
+        for i, request in enumerate(requests):
+            for response in request.responses:
+                messages = request.prompt_messages + [{"role": "assistant", "content": response}]
+                ids, cut = truncate_head_tail(
+                    _chat_ids(self.tokenizer, messages, add_generation_prompt=False), self.max_length
+                )
+                sequences.append(ids)
+                owners.append(i)
+                truncated[i] = truncated[i] or cut
+        scores = []
+        for start in range(0, len(sequences), self.batch_size):
+            input_ids, attention_mask = _pad(sequences[start : start + self.batch_size], self.pad_id, left=False)
+            logits = self.model(
+                input_ids=input_ids.to(self.model.device), attention_mask=attention_mask.to(self.model.device)
+            ).logits
+            scores.extend(logits[:, 0].float().cpu().tolist())
+        outputs = [JudgeOutput(scores=[], truncated=cut) for cut in truncated]
+        for owner, score in zip(owners, scores):
+            outputs[owner].scores.append(score)
+        return outputs
+
+
+def load_judge(
+    model_path: str,
+    is_disrm: bool = False,
+    max_length: int = 131072,
+    max_new_tokens: int = 2048,
+    batch_size: int = 1,
+    device: str | None = None,
+    dtype: str = "auto",
+    verdict_probs: bool = True,
+) -> Judge:
+    """A `DiscriminativeJudge` (`is_disrm=True`) or `GenerativeJudge` loaded from a local model directory.
+
+    Example:
+    ```python
+    >>> judge = load_judge("./my_disrm", is_disrm=True, max_length=32768)
+    ```
+    """
+    if is_disrm:
+        return DiscriminativeJudge.from_pretrained(
+            model_path, device=device, dtype=dtype, max_length=max_length, batch_size=batch_size
+        )
+    return GenerativeJudge.from_pretrained(
+        model_path,
+        device=device,
+        dtype=dtype,
+        max_length=max_length,
+        max_new_tokens=max_new_tokens,
+        verdict_probs=verdict_probs,
+    )
