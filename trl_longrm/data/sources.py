@@ -1,0 +1,219 @@
+"""Loading preference and SFT data from any supported source and normalising it to canonical records.
+
+Sources: a `save_to_disk` folder (a `Dataset`, or a `DatasetDict` with `split`), a `.jsonl`/`.json`/`.parquet` file,
+an in-memory `Dataset`/`DatasetDict`, a list of dicts, or a Hugging Face Hub dataset name.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import datasets
+from datasets import Dataset, DatasetDict
+
+from .errors import DataFormatError
+from .records import (
+    normalize_preference_record,
+    normalize_sft_record,
+    resolve_preference_layout,
+    resolve_sft_layout,
+)
+
+
+FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+DataSource = str | os.PathLike | Dataset | DatasetDict | list
+
+
+def _pick_split(dataset_dict: DatasetDict, split: str | None, source: str) -> tuple[Dataset, str]:
+    split = split or ("train" if "train" in dataset_dict else None)
+    if split is None or split not in dataset_dict:
+        raise DataFormatError(
+            f"split {split!r} not found; available splits: {sorted(dataset_dict)} (pass split=)", source=source
+        )
+    return dataset_dict[split], f"{source} [split={split}]"
+
+
+def _read_only(path: Path) -> bool:
+    # Root passes `os.access` everywhere, so the permission bits are checked too: a folder marked read-only (like a
+    # shared data folder) must not receive `datasets` cache files.
+    return not os.access(path, os.W_OK) or not path.stat().st_mode & 0o222
+
+
+def load_raw_dataset(
+    source: DataSource, split: str | None = None, source_name: str | None = None, keep_in_memory: bool | None = None
+):
+    """Read a source as it is stored, returning `(Dataset or list of dicts, source name used in messages)`.
+
+    A `DatasetDict` (on disk or in memory) needs `split`, which defaults to `"train"` when there is one. A string that
+    is neither an existing path nor path-like (`./x`, `/x`, `x.jsonl`) is taken as a Hub dataset name.
+
+    `keep_in_memory=True` reads the data into memory, so that later `map`s keep their results there instead of writing
+    `datasets` cache files; None does this for read-only `save_to_disk` folders only (`map` writes its cache next to
+    such a dataset's files).
+
+    Example:
+    ```python
+    >>> rows, name = load_raw_dataset([{"prompt": "p", "chosen": "a", "rejected": "b"}])
+    >>> name
+    '<list of 1 rows>'
+    ```
+    """
+    if isinstance(source, list):
+        return source, source_name or f"<list of {len(source)} rows>"
+    if isinstance(source, Dataset):
+        return source, source_name or f"<in-memory Dataset{'' if split is None else f' [split={split}]'}>"
+    if isinstance(source, DatasetDict):
+        return _pick_split(source, split, source_name or "<in-memory DatasetDict>")
+    if not isinstance(source, (str, os.PathLike)):
+        raise DataFormatError(
+            f"unsupported data source of type {type(source).__name__}; expected a path, a Hub dataset name, a "
+            "Dataset, a DatasetDict or a list of dicts",
+            source=source_name or repr(source)[:100],
+        )
+
+    text = os.fspath(source)
+    name = source_name or text
+    path = Path(text).expanduser()
+    if path.is_dir():
+        try:
+            in_memory = _read_only(path) if keep_in_memory is None else keep_in_memory
+            loaded = datasets.load_from_disk(str(path), keep_in_memory=in_memory)
+        except Exception as error:  # any failure here means the folder is not a `save_to_disk` dataset
+            raise DataFormatError(
+                f"cannot read the folder as a `save_to_disk` dataset: {error}", source=name
+            ) from error
+        if isinstance(loaded, DatasetDict):
+            return _pick_split(loaded, split, name)
+        return loaded, name
+    if path.is_file():
+        builder = FILE_BUILDERS.get(path.suffix.lower())
+        if builder is None:
+            raise DataFormatError(
+                f"unsupported file extension {path.suffix!r}; expected one of {sorted(FILE_BUILDERS)}", source=name
+            )
+        try:
+            loaded = datasets.load_dataset(builder, data_files=str(path), split="train", keep_in_memory=keep_in_memory)
+            return loaded, name
+        except Exception as error:  # malformed JSON/parquet, or rows whose types Arrow cannot unify
+            raise DataFormatError(f"cannot read the file as {builder}: {error}", source=name) from error
+    if text.startswith((".", "/", "~")) or path.suffix.lower() in FILE_BUILDERS:
+        raise DataFormatError("no such file or folder", source=name)
+    # Anything else is a Hub dataset name; `load_dataset` reports unknown names itself.
+    loaded = datasets.load_dataset(text, split=split or "train", keep_in_memory=keep_in_memory)
+    return loaded, f"{name} [split={split or 'train'}]"
+
+
+def _normalize_all(
+    source: DataSource,
+    split: str | None,
+    source_name: str | None,
+    resolve: Callable[[Any, str], Any],
+    normalize: Callable[..., dict],
+    num_proc: int | None,
+    keep_in_memory: bool | None,
+) -> Dataset:
+    rows, name = load_raw_dataset(source, split, source_name, keep_in_memory)
+    if len(rows) == 0:
+        raise DataFormatError("the data source has no rows", source=name)
+    if isinstance(rows, list):
+        first = rows[0]
+        columns = first.keys() if isinstance(first, dict) else []
+    else:
+        first, columns = rows[0], rows.column_names
+    layout = resolve(columns, name)
+    # Arrow needs one type per column, so every row must be of the kind (conversational or not) of the first one.
+    expected = {key: type(value) for key, value in normalize(first, index=0, source=name, layout=layout).items()}
+
+    kwargs = {"source": name, "layout": layout, "expected": expected, "normalize": normalize}
+    if isinstance(rows, list):
+        return Dataset.from_list([_normalize_checked(row, index, **kwargs) for index, row in enumerate(rows)])
+    return rows.map(
+        _normalize_checked,
+        with_indices=True,
+        fn_kwargs=kwargs,
+        remove_columns=rows.column_names,
+        num_proc=num_proc,
+        desc=f"Normalising {name}",
+    )
+
+
+def _normalize_checked(row, index, source, layout, expected, normalize):
+    record = normalize(row, index=index, source=source, layout=layout)
+    for key, kind in {**expected, **dict.fromkeys(record.keys() - expected.keys(), type(None))}.items():
+        if key not in record or not isinstance(record[key], kind):
+            found = type(record[key]).__name__ if key in record else "nothing"
+            wanted = "nothing" if kind is type(None) else kind.__name__
+            raise DataFormatError(
+                f"normalises to {found} while row 0 normalises to {wanted}; one source cannot mix "
+                "conversational and standard rows, or rows with and without this column",
+                source=source,
+                index=index,
+                key=key,
+            )
+    return record
+
+
+def load_preference_dataset(
+    source: DataSource,
+    split: str | None = None,
+    prompt_key: str | None = None,
+    chosen_key: str | None = None,
+    rejected_key: str | None = None,
+    data_format: str = "auto",
+    source_name: str | None = None,
+    num_proc: int | None = None,
+    keep_in_memory: bool | None = None,
+) -> Dataset:
+    """Load preference data from any supported source as canonical groups `{prompt, chosen, rejected[, margin]}`.
+
+    `data_format` is `"longrm"` (`chat_template`/`chosen`/`rejects`), `"trl"` (`prompt`/`chosen`/`rejected`, prompt
+    possibly implicit) or `"auto"` (detected from the columns); the `*_key` arguments rename the columns read.
+    `source_name` replaces the name used in messages; `keep_in_memory` is as in [`load_raw_dataset`].
+
+    Example:
+    ```python
+    >>> ds = load_preference_dataset("/path/to/longrm_simpo_sample", split="train")
+    >>> ds.column_names
+    ['prompt', 'chosen', 'rejected']
+    ```
+    """
+
+    def resolve(columns, name):
+        return resolve_preference_layout(columns, data_format, prompt_key, chosen_key, rejected_key, name)
+
+    return _normalize_all(source, split, source_name, resolve, normalize_preference_record, num_proc, keep_in_memory)
+
+
+def load_sft_dataset(
+    source: DataSource,
+    split: str | None = None,
+    messages_key: str | None = None,
+    data_format: str = "auto",
+    prompt_key: str | None = None,
+    completion_key: str | None = None,
+    source_name: str | None = None,
+    num_proc: int | None = None,
+    keep_in_memory: bool | None = None,
+) -> Dataset:
+    """Load SFT data from any supported source as `{messages}` (conversational) or `{prompt, completion}` rows.
+
+    `data_format` is `"longrm"` (`chat_template` + `golden`, appended as the final assistant turn), `"trl"`
+    (`messages`, or `prompt` + `completion`) or `"auto"`; `messages_key`, `prompt_key` and `completion_key` rename
+    the columns read (for LongRM, `completion_key` names the answer column). `source_name` and `keep_in_memory` are
+    as in [`load_preference_dataset`].
+
+    Example:
+    ```python
+    >>> ds = load_sft_dataset([{"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]}])
+    >>> ds.column_names
+    ['messages']
+    ```
+    """
+
+    def resolve(columns, name):
+        return resolve_sft_layout(columns, data_format, messages_key, prompt_key, completion_key, name)
+
+    return _normalize_all(source, split, source_name, resolve, normalize_sft_record, num_proc, keep_in_memory)
