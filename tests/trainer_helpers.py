@@ -43,3 +43,13 @@ def random_groups(tokenizer, num_groups, num_rejected, seed=0, prompt_len=(8, 24
             }
         )
     return Dataset.from_list(groups)
+
+
+def learnable_groups(tokenizer, num_groups, num_rejected, seed=0):
+    """Groups whose chosen completion is always the same short judgment and whose rejected ones are random:
+    a pattern a tiny model learns in a few steps."""
+    groups = random_groups(tokenizer, num_groups, num_rejected, seed=seed).to_list()
+    verdict = tokenizer("[[A]] [Score: 9]", add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    for group in groups:
+        group["chosen_completion_ids"] = verdict
+    return Dataset.from_list(groups)

@@ -55,7 +55,9 @@ def _unwrap(model):
 def _logit_transform(config):
     text_config = config.get_text_config()
     unsupported = [
-        name for name in ("final_logit_softcapping", "logit_scale", "logits_scaling") if getattr(text_config, name, None)
+        name
+        for name in ("final_logit_softcapping", "logit_scale", "logits_scaling")
+        if getattr(text_config, name, None)
     ]
     if unsupported:
         raise ValueError(

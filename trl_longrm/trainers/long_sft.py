@@ -35,6 +35,13 @@ class LongSFTConfig(SFTConfig, LongContextDataArguments):
     max_length: int | None = field(
         default=131072, metadata={"help": "Most tokens of one example. Default 131072 (LongRM)."}
     )
+    padding_free: bool = field(
+        default=True,
+        metadata={
+            "help": "Lay every sequence of a micro-batch end to end in one row with `position_ids` restarting per "
+            "sequence, computing no padding (default True). False gives a padded batch with an attention mask."
+        },
+    )
     learning_rate: float = field(default=2e-6, metadata={"help": "Initial AdamW learning rate. Default 2e-6."})
 
 
@@ -58,8 +65,14 @@ class LongSFTTrainer(SFTTrainer):
     def __init__(self, model, args: LongSFTConfig | None = None, data_collator=None, *pargs, **kwargs):
         if args is None:
             args = LongSFTConfig(output_dir="long-sft")
-        # SFTTrainer refuses a custom collator in padding-free mode; ours replaces its collator after `__init__`.
-        super().__init__(model, args, None, *pargs, **kwargs)
+        # SFTTrainer refuses a custom collator in padding-free mode, and refuses padding-free without its own packing
+        # because it would not enforce `max_length`; our dataset preparation enforces it, and our collator replaces
+        # its collator after `__init__`. So TRL sees `padding_free=False` while it initialises.
+        padding_free, args.padding_free = args.padding_free, False
+        try:
+            super().__init__(model, args, None, *pargs, **kwargs)
+        finally:
+            args.padding_free = padding_free
         self.data_collator = data_collator or SFTCollator(
             pad_token_id=pad_token_id_of(self._tokenizer),
             padding_free=args.padding_free,

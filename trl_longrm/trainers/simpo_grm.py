@@ -184,7 +184,7 @@ class SimPOGRMTrainer(CPOTrainer):
                 "nll_loss": gather(nll_loss.detach()).mean().item(),
             }
             tokens = gather(batch["sequence_lengths"].sum()).sum().item()
-            metrics["tokens_per_step"] = tokens
+            metrics["tokens_per_step"] = float(tokens)
             if train_eval == "train":
                 self._total_train_tokens += tokens
         return loss, {prefix + k: v for k, v in metrics.items()}

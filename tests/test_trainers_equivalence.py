@@ -1,0 +1,231 @@
+"""Our trainers against stock TRL, padded against packed, and multi-reject losses against a hand reference."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from datasets import Dataset
+from trainer_helpers import cpu_args, random_groups
+from trl import RewardConfig, RewardTrainer
+from trl.experimental.cpo import CPOConfig, CPOTrainer
+
+from trl_longrm import (
+    LongSFTConfig,
+    LongSFTTrainer,
+    SimPODisRMConfig,
+    SimPODisRMTrainer,
+    SimPOGRMConfig,
+    SimPOGRMTrainer,
+)
+from trl_longrm.testing_utils import build_tiny_model
+
+
+def first_batch(trainer):
+    return trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
+
+
+def grads_of(model):
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def loss_and_grads(trainer):
+    trainer.model.zero_grad()
+    trainer.model.train()
+    loss = trainer.compute_loss(trainer.model, first_batch(trainer))
+    loss.backward()
+    return loss.detach(), grads_of(trainer.model)
+
+
+def assert_same_grads(a, b, atol=1e-5):
+    assert a.keys() == b.keys() and len(a) > 0
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], atol=atol, rtol=1e-4, msg=name)
+
+
+# ---------------------------------------------------------------- stock TRL equivalence (k = 1, padded)
+
+
+@pytest.mark.parametrize("padding_free", [False, True])
+def test_grm_matches_stock_cpo_simpo(tmp_path, tokenizer, padding_free):
+    words = "the city river number name year color animal planet capital".split()
+    rows = [
+        {
+            "prompt": " ".join(words[(i + j) % 10] for j in range(12 + i)),
+            "chosen": " ".join(words[(3 * i + j) % 10] for j in range(3 + i)),
+            "rejected": " ".join(words[(5 * i + j) % 10] for j in range(6 - i)),
+        }
+        for i in range(4)
+    ]
+    model = build_tiny_model("llama", "causal-lm", tokenizer, seed=1)
+    common = cpu_args(tmp_path, max_length=256, beta=2.0, simpo_gamma=0.3)
+    stock = CPOTrainer(
+        model=model,
+        args=CPOConfig(loss_type="simpo", cpo_alpha=0.0, **common),
+        train_dataset=Dataset.from_list(rows),
+        processing_class=tokenizer,
+    )
+    stock_batch = first_batch(stock)
+    stock_loss, stock_metrics = stock.get_batch_loss_metrics(stock.model, stock_batch)
+
+    # The same token ids as the stock trainer's processed rows, as our tokenised groups.
+    groups = []
+    for row in stock.train_dataset:
+        n = len(row["prompt_input_ids"])
+        groups.append(
+            {
+                "prompt_ids": row["prompt_input_ids"],
+                "chosen_completion_ids": row["chosen_input_ids"][n:],
+                "rejected_completion_ids": [row["rejected_input_ids"][n:]],
+            }
+        )
+    ours = SimPOGRMTrainer(
+        model=model,
+        args=SimPOGRMConfig(nll_loss_weight=0.0, padding_free=padding_free, **common),
+        train_dataset=Dataset.from_list(groups),
+        processing_class=tokenizer,
+    )
+    loss, metrics = ours.get_batch_loss_metrics(ours.model, first_batch(ours))
+    torch.testing.assert_close(loss, stock_loss, atol=1e-5, rtol=0)
+    for key in ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies"):
+        assert metrics[key] == pytest.approx(stock_metrics[key], abs=1e-5), key
+
+
+@pytest.mark.parametrize("padding_free", [False, True])
+def test_disrm_matches_stock_reward_trainer(tmp_path, tokenizer, padding_free):
+    groups = random_groups(tokenizer, 4, 1, seed=2)
+    stock_rows = [
+        {
+            "chosen_ids": g["prompt_ids"] + g["chosen_completion_ids"],
+            "rejected_ids": g["prompt_ids"] + g["rejected_completion_ids"][0],
+            "margin": 0.1 * i,
+        }
+        for i, g in enumerate(groups)
+    ]
+    model = build_tiny_model("qwen3", "seq-cls", tokenizer, seed=1)
+    common = cpu_args(tmp_path, center_rewards_coefficient=0.01)
+    stock = RewardTrainer(
+        model=model,
+        args=RewardConfig(**common),
+        train_dataset=Dataset.from_list(stock_rows),
+        processing_class=tokenizer,
+    )
+    stock_loss, stock_grads = loss_and_grads(stock)
+    ours = SimPODisRMTrainer(
+        model=model,
+        args=SimPODisRMConfig(padding_free=padding_free, **common),
+        train_dataset=groups.add_column("margin", [0.1 * i for i in range(4)]),
+        processing_class=tokenizer,
+    )
+    loss, grads = loss_and_grads(ours)
+    torch.testing.assert_close(loss, stock_loss, atol=1e-5, rtol=0)
+    assert_same_grads(grads, stock_grads)
+
+
+# ---------------------------------------------------------------- packed == padded
+
+
+def sft_examples(tokenizer, n, seed=0):
+    groups = random_groups(tokenizer, n, 1, seed=seed)
+    return Dataset.from_list(
+        [
+            {
+                "input_ids": g["prompt_ids"] + g["chosen_completion_ids"],
+                "completion_mask": [0] * len(g["prompt_ids"]) + [1] * len(g["chosen_completion_ids"]),
+            }
+            for g in groups
+        ]
+    )
+
+
+def build_trainer(kind, tmp_path, tokenizer, padding_free, num_rejected, **overrides):
+    common = cpu_args(tmp_path, padding_free=padding_free, **overrides)
+    if kind == "grm":
+        model = build_tiny_model("llama", "causal-lm", tokenizer, seed=3)
+        data = random_groups(tokenizer, 4, num_rejected, seed=4)
+        return SimPOGRMTrainer(
+            model=model, args=SimPOGRMConfig(**common), train_dataset=data, processing_class=tokenizer
+        )
+    if kind == "disrm":
+        model = build_tiny_model("qwen3", "seq-cls", tokenizer, seed=3)
+        data = random_groups(tokenizer, 4, num_rejected, seed=4)
+        return SimPODisRMTrainer(
+            model=model, args=SimPODisRMConfig(**common), train_dataset=data, processing_class=tokenizer
+        )
+    model = build_tiny_model("qwen3", "causal-lm", tokenizer, seed=3)
+    return LongSFTTrainer(
+        model=model, args=LongSFTConfig(**common), train_dataset=sft_examples(tokenizer, 4), processing_class=tokenizer
+    )
+
+
+@pytest.mark.parametrize("kind", ["grm", "disrm", "sft"])
+@pytest.mark.parametrize("num_rejected", [1, 3])
+def test_packed_equals_padded(tmp_path, tokenizer, kind, num_rejected):
+    if kind == "sft" and num_rejected > 1:
+        pytest.skip("SFT has no rejected responses")
+    padded_loss, padded_grads = loss_and_grads(build_trainer(kind, tmp_path, tokenizer, False, num_rejected))
+    packed = build_trainer(kind, tmp_path, tokenizer, True, num_rejected)
+    batch = first_batch(packed)
+    assert batch["input_ids"].shape[0] == 1 and batch["sequence_lengths"].numel() >= 4  # several groups per row
+    packed_loss, packed_grads = loss_and_grads(packed)
+    torch.testing.assert_close(packed_loss, padded_loss, atol=1e-5, rtol=0)
+    assert_same_grads(packed_grads, padded_grads)
+
+
+# ---------------------------------------------------------------- multi-reject losses by hand
+
+
+def reference_mean_logps(model, prompt, completion):
+    """Length-normalised log-prob of `completion` after `prompt`, from one stock forward with full logits."""
+    ids = torch.tensor([prompt + completion])
+    logps = F.log_softmax(model(ids, use_cache=False).logits[0, :-1].float(), -1)
+    targets = ids[0, 1:]
+    token_logps = logps.gather(-1, targets.unsqueeze(-1)).squeeze(-1)[len(prompt) - 1 :]
+    return token_logps.mean(), token_logps.sum(), token_logps.numel()
+
+
+def test_grm_multi_reject_matches_hand_reference(tmp_path, tokenizer):
+    beta, gamma, nll_weight = 2.5, 0.5, 0.05
+    trainer = build_trainer("grm", tmp_path, tokenizer, True, (2, 4), beta=beta, simpo_gamma=gamma)
+    trainer.args.nll_loss_weight = nll_weight
+    model = trainer.model
+    losses, nll_sum, nll_count = [], 0.0, 0
+    for group in trainer.train_dataset:
+        chosen, chosen_sum, chosen_n = reference_mean_logps(model, group["prompt_ids"], group["chosen_completion_ids"])
+        rejected = [reference_mean_logps(model, group["prompt_ids"], r)[0] for r in group["rejected_completion_ids"]]
+        z = beta * (chosen - torch.stack(rejected).mean()) - gamma
+        losses.append(-F.logsigmoid(z))
+        nll_sum, nll_count = nll_sum - chosen_sum, nll_count + chosen_n
+    expected = torch.stack(losses).mean() + nll_weight * nll_sum / nll_count
+    loss, _ = trainer.get_batch_loss_metrics(model, first_batch(trainer))
+    torch.testing.assert_close(loss, expected, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("aggregation", ["mean", "pairwise"])
+def test_disrm_multi_reject_matches_hand_reference(tmp_path, tokenizer, aggregation):
+    trainer = build_trainer("disrm", tmp_path, tokenizer, True, (2, 4), gamma=0.3, reject_aggregation=aggregation)
+    model = trainer.model
+
+    def score(prompt, completion):
+        return model(torch.tensor([prompt + completion]), use_cache=False).logits[0, 0]
+
+    losses = []
+    for group in trainer.train_dataset:
+        chosen = score(group["prompt_ids"], group["chosen_completion_ids"])
+        rejected = torch.stack([score(group["prompt_ids"], r) for r in group["rejected_completion_ids"]])
+        if aggregation == "mean":
+            losses.append(-F.logsigmoid(chosen - rejected.mean() - 0.3))
+        else:
+            losses.append((-F.logsigmoid(chosen - rejected - 0.3)).mean())
+    loss = trainer.compute_loss(model, first_batch(trainer))
+    torch.testing.assert_close(loss, torch.stack(losses).mean(), atol=1e-5, rtol=0)
+
+
+def test_sft_loss_matches_hand_reference(tmp_path, tokenizer):
+    trainer = build_trainer("sft", tmp_path, tokenizer, True, 1)
+    total, count = 0.0, 0
+    for example in trainer.train_dataset:
+        prompt_len = example["completion_mask"].index(1)
+        ids = example["input_ids"]
+        _, s, n = reference_mean_logps(trainer.model, ids[:prompt_len], ids[prompt_len:])
+        total, count = total - s, count + n
+    loss = trainer.compute_loss(trainer.model, first_batch(trainer))
+    torch.testing.assert_close(loss, total / count, atol=1e-5, rtol=0)
