@@ -8,8 +8,6 @@ import logging
 import typing
 
 from trl_longrm.evaluation.config import DTYPES, FORMATS, EvalConfig
-from trl_longrm.evaluation.report import markdown_table
-from trl_longrm.evaluation.runner import evaluate_reward_model
 
 
 def add_eval_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -55,6 +53,10 @@ def config_from_args(args: argparse.Namespace) -> EvalConfig:
 
 def run_eval(args: argparse.Namespace) -> int:
     """Run `trl-longrm eval` with parsed flags; prints the Markdown table and returns the exit code."""
+    # Imported here: they pull in torch and transformers, which `trl-longrm --help` does not need.
+    from trl_longrm.evaluation.report import markdown_table
+    from trl_longrm.evaluation.runner import evaluate_reward_model
+
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     config = config_from_args(args)
     results = evaluate_reward_model(config)

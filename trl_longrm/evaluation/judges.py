@@ -8,7 +8,7 @@ judges are `GenerativeJudge` (a causal LM writing `[[A]]` / `[[C>A>B]]` verdicts
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -72,6 +72,39 @@ class Judge(Protocol):
     model_type: str
 
     def judge(self, requests: Sequence[JudgeRequest]) -> list[JudgeOutput]: ...
+
+
+class ScriptedJudge:
+    """A judge answering from a function of the request (or a dict keyed by record id) instead of a model.
+
+    Useful to test the pipeline, or to score verdicts produced elsewhere (e.g. by an API judge). A plain string
+    answer becomes `JudgeOutput(text=...)`. `judged` lists the record ids in the order they were judged.
+
+    Example:
+    ```python
+    >>> judge = ScriptedJudge(lambda request: "[[B>A]]" if request.ranking else "[[A]]")
+    >>> judge.judge([JudgeRequest("x/1", [], "task", ["a", "b"], ranking=False)])[0].text
+    '[[A]]'
+    ```
+    """
+
+    def __init__(
+        self,
+        respond: Callable[[JudgeRequest], JudgeOutput | str] | Mapping[str, JudgeOutput | str],
+        model_type: str = "GRM",
+    ):
+        self.respond = respond.__getitem__ if isinstance(respond, Mapping) else respond
+        self.respond_by_id = isinstance(respond, Mapping)
+        self.model_type = model_type
+        self.judged: list[str] = []
+
+    def judge(self, requests: Sequence[JudgeRequest]) -> list[JudgeOutput]:
+        outputs = []
+        for request in requests:
+            answer = self.respond(request.record_id if self.respond_by_id else request)
+            outputs.append(JudgeOutput(text=answer) if isinstance(answer, str) else answer)
+            self.judged.append(request.record_id)
+        return outputs
 
 
 def truncate_head_tail(ids: list[int], max_length: int) -> tuple[list[int], bool]:

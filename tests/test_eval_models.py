@@ -1,0 +1,154 @@
+"""End to end with tiny saved models: a generative judge (causal LM) and a discriminative one (1-label classifier)."""
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+
+from trl_longrm.cli import main
+from trl_longrm.evaluation import (
+    TASKS,
+    DiscriminativeJudge,
+    EvalConfig,
+    GenerativeJudge,
+    JudgeRequest,
+    evaluate_reward_model,
+    load_benchmark,
+    make_toy_benchmark,
+)
+from trl_longrm.evaluation.prompts import build_judge_messages
+from trl_longrm.testing_utils import save_tiny_model
+
+
+@pytest.fixture(scope="module")
+def paths(tmp_path_factory):
+    root = tmp_path_factory.mktemp("eval_models")
+    return {
+        "bench": str(
+            make_toy_benchmark(root / "bench", pairwise_per_task=1, bestofn_per_task=1, lengths=("4k", "16k"))
+        ),
+        "grm": save_tiny_model(root / "grm", "qwen3", "causal-lm"),
+        "disrm": save_tiny_model(root / "disrm", "llama", "seq-cls"),
+        "root": root,
+    }
+
+
+def _requests(paths, n):
+    records = load_benchmark(paths["bench"], list(TASKS), ["PairWise"])[:n]
+    return [JudgeRequest(r.id, r.prompt_messages, r.task_prompt, r.candidates, ranking=False) for r in records]
+
+
+def _compare_predictions(a, b):
+    a, b = sorted(a, key=lambda p: p["id"]), sorted(b, key=lambda p: p["id"])
+    assert [p["id"] for p in a] == [p["id"] for p in b]
+    for x, y in zip(a, b):
+        for key in ("order", "output", "predicted_ranks", "truncated", "match_ratio"):
+            assert x[key] == y[key], (x["id"], key)
+        for key in ("scores", "verdict_probs"):
+            assert (x[key] is None) == (y[key] is None)
+            if x[key] is not None:
+                assert x[key] == pytest.approx(y[key], abs=1e-5)
+
+
+def _lines(path):
+    return [json.loads(line) for line in (path / "predictions.jsonl").read_text().splitlines()]
+
+
+def test_generative_judge_end_to_end_batch_invariant(paths):
+    root = paths["root"]
+    kwargs = dict(model_path=paths["grm"], data_path=paths["bench"], max_new_tokens=4, max_length=560)
+    one = evaluate_reward_model(EvalConfig(save_path=str(root / "grm1"), batch_size=1, **kwargs))
+    four = evaluate_reward_model(EvalConfig(save_path=str(root / "grm4"), batch_size=4, **kwargs))
+    assert one["model_type"] == "GRM" and one["counts"]["records"] == 14
+    # A random tiny LM writes no verdict: every record is counted unparseable and wrong.
+    assert one["unparseable"] == {"total": 14, "PairWise": 7, "BestOfN": 7}
+    assert one["average"] == 0.0
+    # The AUC comes from the forced-decoding verdict probabilities of all 7 PairWise records.
+    assert one["auc_source"] == "grm_verdict_probs" and one["auc_pairs"] == 7
+    assert one["auc"] == pytest.approx(four["auc"])
+    _compare_predictions(_lines(root / "grm1"), _lines(root / "grm4"))
+    # Truncation count, checked against the judge prompts' own lengths.
+    tokenizer = AutoTokenizer.from_pretrained(paths["grm"])
+    over = 0
+    for record in load_benchmark(paths["bench"], list(TASKS), ["PairWise", "BestOfN"]):
+        messages = build_judge_messages(record.task_prompt, record.candidates, ranking=record.tasktype == "BestOfN")
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        over += len(tokenizer(text, add_special_tokens=False)["input_ids"]) > 560
+    assert 0 < one["truncated"] == over < 14
+
+
+def test_verdict_probs_match_a_single_unpadded_forward(paths):
+    tokenizer = AutoTokenizer.from_pretrained(paths["grm"])
+    model = AutoModelForCausalLM.from_pretrained(paths["grm"])
+    judge = GenerativeJudge(model, tokenizer, max_new_tokens=3)
+    requests = _requests(paths, 3)  # different lengths: the batch is left-padded
+    outputs = judge.judge(requests)
+    for request, output in zip(requests, outputs):
+        messages = build_judge_messages(request.task_prompt, request.responses)
+        prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        reasoning = output.text.split("[[")[0]
+        ids = (
+            tokenizer(prompt, add_special_tokens=False)["input_ids"]
+            + tokenizer(reasoning, add_special_tokens=False)["input_ids"]
+            + tokenizer("[[", add_special_tokens=False)["input_ids"]
+        )
+        with torch.no_grad():
+            probs = model(torch.tensor([ids])).logits[0, -1].softmax(-1)
+        a, b = probs[tokenizer.convert_tokens_to_ids("A")], probs[tokenizer.convert_tokens_to_ids("B")]
+        assert output.verdict_probs == pytest.approx([float(a / (a + b)), float(b / (a + b))], abs=1e-5)
+
+
+def test_disrm_scores_match_single_sequence_forward(paths):
+    tokenizer = AutoTokenizer.from_pretrained(paths["disrm"])
+    model = AutoModelForSequenceClassification.from_pretrained(paths["disrm"])
+    requests = _requests(paths, 3)
+    outputs = DiscriminativeJudge(model, tokenizer, batch_size=4).judge(requests)
+    for request, output in zip(requests, outputs):
+        assert len(output.scores) == 2 and output.text is None
+        for response, score in zip(request.responses, output.scores):
+            messages = request.prompt_messages + [{"role": "assistant", "content": response}]
+            ids = tokenizer.apply_chat_template(messages)["input_ids"]
+            with torch.no_grad():
+                reference = model(torch.tensor([ids])).logits[0, 0].item()
+            assert score == pytest.approx(reference, abs=1e-5)
+
+
+def test_disrm_end_to_end_through_the_cli(paths, capsys):
+    root = paths["root"]
+    common = [
+        "eval",
+        "--model-path",
+        paths["disrm"],
+        "--data-path",
+        paths["bench"],
+        "--is-disrm",
+        "--max-length",
+        "300",
+    ]
+    assert main(common + ["--save-path", str(root / "dis1"), "--batch-size", "1"]) == 0
+    assert "| Model | LongQA |" in capsys.readouterr().out
+    assert main(common + ["--save-path", str(root / "dis4"), "--batch-size", "4"]) == 0
+    one = json.loads((root / "dis1" / "results.json").read_text())
+    four = json.loads((root / "dis4" / "results.json").read_text())
+    assert one["model_type"] == "DisRM" and one["auc_source"] == "disrm_scores" and one["auc_pairs"] == 7
+    assert one["unparseable"]["total"] == 0  # scores always give a ranking
+    for key in ("tasks", "same", "diff", "pairwise_avg", "rank", "rank_avg", "length", "average", "truncated"):
+        assert one[key] == four[key], key
+    assert one["auc"] == pytest.approx(four["auc"])
+    _compare_predictions(_lines(root / "dis1"), _lines(root / "dis4"))
+    # Recompute the headline numbers from the saved per-record scores, independently of the metrics module.
+    lines = _lines(root / "dis1")
+    pairwise = [p for p in lines if p["tasktype"] == "PairWise"]
+    right = [p["scores"][p["order"].index(0)] > p["scores"][p["order"].index(1)] for p in pairwise]
+    assert one["pairwise_avg"] == pytest.approx(sum(right) / len(right))
+    for p in lines:
+        by_score = sorted(range(len(p["scores"])), key=lambda i: -p["scores"][i])
+        assert [p["order"][i] for i in by_score] == sorted(p["order"]) or not p["correct"]
+
+
+def test_cli_rejects_bad_flags(paths):
+    with pytest.raises(SystemExit):
+        main(["eval", "--model-path", paths["disrm"], "--data-path", paths["bench"], "--formats", "Pointwise"])
+    with pytest.raises(SystemExit):
+        main(["eval", "--data-path", paths["bench"]])
