@@ -168,6 +168,13 @@ class _RowChecker:
     def fail(self, message: str, key: str | None = None):
         raise DataFormatError(message, source=self.source, index=self.index, key=key)
 
+    def layout(self, resolve, *args):
+        """The layout of this row alone; a failure names the row too."""
+        try:
+            return resolve(self.row.keys(), *args, source=self.source)
+        except DataFormatError as error:
+            self.fail(error.reason)
+
     def get(self, key: str) -> Any:
         if key not in self.row:
             self.fail(f"missing key; the row has keys {sorted(self.row)}", key)
@@ -319,7 +326,7 @@ def normalize_preference_record(
     """
     check = _RowChecker(row, index, source)
     if layout is None:
-        layout = resolve_preference_layout(row.keys(), data_format, prompt_key, chosen_key, rejected_key, source)
+        layout = check.layout(resolve_preference_layout, data_format, prompt_key, chosen_key, rejected_key)
     chosen = check.get(layout.chosen_key)
     rejected = _rejected_items(check, check.get(layout.rejected_key), layout.rejected_key, layout.data_format)
 
@@ -368,7 +375,7 @@ def normalize_sft_record(
     """
     check = _RowChecker(row, index, source)
     if layout is None:
-        layout = resolve_sft_layout(row.keys(), data_format, messages_key, prompt_key, completion_key, source)
+        layout = check.layout(resolve_sft_layout, data_format, messages_key, prompt_key, completion_key)
 
     if layout.messages_key is not None:
         key = layout.messages_key
