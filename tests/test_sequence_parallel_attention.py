@@ -1,0 +1,248 @@
+"""The ring attention function alone against an independent reference: per-document causal SDPA with the key/value
+heads repeated for grouped-query attention, outputs and q/k/v gradients."""
+
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from trl_longrm.sequence_parallel import (
+    SequenceParallelConfig,
+    init_sequence_parallel_groups,
+    packed_row_metadata,
+    ring_attention_forward,
+    shard_packed_row,
+)
+from trl_longrm.sequence_parallel.kernels import TorchBlockKernel, VarlenKernel, resolve_kernel
+from trl_longrm.sequence_parallel.launch import run_on_gloo_ranks
+from trl_longrm.sequence_parallel.sharding import RingAttentionMetadata
+
+
+MODULE = types.SimpleNamespace(is_causal=True)
+# (query heads, key/value heads, document lengths): GQA and MHA, documents crossing slice boundaries, total lengths
+# that are not multiples of 2 or 4, a one-token document.
+CASES = [(4, 2, [5, 13, 1, 9, 3]), (6, 3, [17, 4, 6]), (2, 2, [2, 21, 8])]
+
+
+def strides(num_kv_heads):
+    return [s for s in range(1, num_kv_heads + 1) if num_kv_heads % s == 0] + [None]
+
+
+def positions(doc_lengths):
+    return torch.cat([torch.arange(n) for n in doc_lengths])
+
+
+def reference_attention(q, k, v, doc_lengths, scaling):
+    """q `[H, L, D]`, k/v `[Hkv, L, D]` -> `[L, H, D]`: each document attends causally to itself only."""
+    group = q.shape[0] // k.shape[0]
+    k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
+    outs, start = [], 0
+    for n in doc_lengths:
+        sl = slice(start, start + n)
+        outs.append(F.scaled_dot_product_attention(q[:, sl], k[:, sl], v[:, sl], is_causal=True, scale=scaling))
+        start += n
+    return torch.cat(outs, dim=1).transpose(0, 1)
+
+
+def random_problem(num_heads, num_kv_heads, length, seed, head_dim=8):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(num_heads, length, head_dim, generator=gen)
+    k = torch.randn(num_kv_heads, length, head_dim, generator=gen)
+    v = torch.randn(num_kv_heads, length, head_dim, generator=gen)
+    grad_out = torch.randn(length, num_heads, head_dim, generator=gen)
+    return q, k, v, grad_out
+
+
+def reference_with_grads(q, k, v, grad_out, doc_lengths, scaling):
+    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+    out = reference_attention(q, k, v, doc_lengths, scaling)
+    out.backward(grad_out)
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads,doc_lengths", CASES)
+@pytest.mark.parametrize("chunk", [4, 1024])
+def test_packed_single_process_matches_reference(num_heads, num_kv_heads, doc_lengths, chunk):
+    """meta=None: documents read from position_ids; a batch of two packed rows with different documents."""
+    rows = [doc_lengths, list(reversed(doc_lengths))]
+    length, scaling = sum(doc_lengths), 0.3
+    problems = [random_problem(num_heads, num_kv_heads, length, seed) for seed in (0, 1)]
+    q, k, v = (torch.stack([p[i] for p in problems]).requires_grad_() for i in range(3))
+    grad_out = torch.stack([p[3] for p in problems])
+    pos = torch.stack([positions(r) for r in rows])
+    # meta=None uses the default config (query chunk 1024); a per-row metadata exercises small query blocks.
+    if chunk == 1024:
+        out, weights = ring_attention_forward(MODULE, q, k, v, None, scaling=scaling, position_ids=pos)
+        assert weights is None
+    else:
+        config = SequenceParallelConfig(ring_query_chunk_size=chunk, ring_head_stride=None)
+        out = torch.cat(
+            [
+                ring_attention_forward(
+                    MODULE,
+                    q[b : b + 1],
+                    k[b : b + 1],
+                    v[b : b + 1],
+                    None,
+                    scaling=scaling,
+                    ring_attn_meta=packed_row_metadata(pos[b], config),
+                )[0]
+                for b in range(2)
+            ]
+        )
+    out.backward(grad_out)
+    for b, row in enumerate(rows):
+        ref_out, ref_dq, ref_dk, ref_dv = reference_with_grads(*problems[b], row, scaling)
+        torch.testing.assert_close(out[b].detach(), ref_out, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(q.grad[b], ref_dq, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(k.grad[b], ref_dk, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(v.grad[b], ref_dv, atol=1e-5, rtol=1e-5)
+
+
+def test_single_process_is_not_plain_causal():
+    """Guard against a vacuous reference: document masking changes the result compared with one causal sequence."""
+    q, k, v, _ = random_problem(4, 2, 12, seed=3)
+    pos = positions([5, 7]).unsqueeze(0)
+    out, _ = ring_attention_forward(MODULE, q[None], k[None], v[None], None, scaling=0.3, position_ids=pos)
+    causal = reference_attention(q, k, v, [12], 0.3)
+    torch.testing.assert_close(out[0, :5], causal[:5])
+    assert (out[0, 5:] - causal[5:]).abs().max() > 1e-2
+
+
+def reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale):
+    """flash-attn semantics on CPU: per document, query i of nq sees key j of nk iff j <= i + nk - nq."""
+    outs = []
+    for i in range(len(cu_q) - 1):
+        qi, ki, vi = q[cu_q[i] : cu_q[i + 1]], k[cu_k[i] : cu_k[i + 1]], v[cu_k[i] : cu_k[i + 1]]
+        nq, nk = qi.shape[0], ki.shape[0]
+        assert nq <= max_q and nk <= max_k
+        mask = torch.arange(nk)[None, :] <= torch.arange(nq)[:, None] + nk - nq
+        out = F.scaled_dot_product_attention(
+            qi.transpose(0, 1),
+            ki.transpose(0, 1),
+            vi.transpose(0, 1),
+            attn_mask=mask,
+            scale=scale,
+            enable_gqa=True,
+        )
+        outs.append(out.transpose(0, 1))
+    return torch.cat(outs)
+
+
+def emulated_ring(kernel, q, k, v, grad_out, doc_lengths, group_size, chunk, scaling):
+    """Run a kernel rank by rank in one process, as the ring does (keys [kv_start, local_end) of the padded row),
+    summing the key/value gradients of all ranks like the reduce-scatter."""
+    length = sum(doc_lengths)
+    pad = -length % group_size
+    total = length + pad
+    q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))  # [H, total, D]
+    grad_out = F.pad(grad_out, (0, 0, 0, 0, 0, pad))
+    cu = [0]
+    for n in doc_lengths + ([pad] if pad else []):
+        cu.append(cu[-1] + n)
+    local = total // group_size
+    out, dq = torch.zeros(total, q.shape[0], q.shape[2]), torch.zeros(total, q.shape[0], q.shape[2])
+    dk, dv = torch.zeros(total, k.shape[0], k.shape[2]), torch.zeros(total, k.shape[0], k.shape[2])
+    for rank in range(group_size):
+        meta = RingAttentionMetadata(
+            cu_seqlens=tuple(cu),
+            total_length=total,
+            unpadded_length=length,
+            local_start=rank * local,
+            local_length=local,
+            group_size=group_size,
+            rank=rank,
+            query_chunk_size=chunk,
+        )
+        lo, hi, ks = rank * local, (rank + 1) * local, meta.kv_start
+        ql, kr, vr = q[:, lo:hi].transpose(0, 1), k[:, ks:hi].transpose(0, 1), v[:, ks:hi].transpose(0, 1)
+        out[lo:hi] = kernel.forward(ql, kr, vr, meta, scaling)
+        g_q, g_k, g_v = kernel.backward(ql, kr, vr, grad_out[lo:hi], meta, scaling)
+        dq[lo:hi] = g_q
+        dk[ks:hi] += g_k
+        dv[ks:hi] += g_v
+    return out[:length], dq[:length], dk[:length], dv[:length]
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads,doc_lengths", CASES)
+@pytest.mark.parametrize("group_size", [1, 2, 4])
+@pytest.mark.parametrize(
+    "kernel", [TorchBlockKernel(), VarlenKernel("reference_varlen", reference_varlen)], ids=["torch", "varlen"]
+)
+def test_kernels_on_emulated_ring_match_reference(kernel, group_size, num_heads, num_kv_heads, doc_lengths):
+    """Kernel-level geometry (slice offsets, key ranges, varlen boundaries with bottom-right causal alignment)."""
+    length, scaling = sum(doc_lengths), 0.25
+    q, k, v, grad_out = random_problem(num_heads, num_kv_heads, length, seed=group_size)
+    expected = reference_with_grads(q, k, v, grad_out, doc_lengths, scaling)
+    got = emulated_ring(kernel, q, k, v, grad_out, doc_lengths, group_size, chunk=3, scaling=scaling)
+    expected = (expected[0], *(grad.transpose(0, 1) for grad in expected[1:]))  # token-major like the kernels
+    for name, g, e in zip(["out", "dq", "dk", "dv"], got, expected):
+        torch.testing.assert_close(g, e, atol=1e-5, rtol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_auto_backend_on_cpu_is_torch():
+    assert resolve_kernel("auto", torch.device("cpu"), torch.float32).name == "torch"
+    assert resolve_kernel("torch", torch.device("cpu"), torch.bfloat16).name == "torch"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Multi-process: the real collectives on gloo.
+
+
+def _ring_attention_worker(rank, world_size, sequence_parallel_sizes):
+    for sequence_parallel_size in sequence_parallel_sizes:
+        _check_ring_attention(rank, world_size, sequence_parallel_size)
+
+
+def _check_ring_attention(rank, world_size, sequence_parallel_size):
+    groups = init_sequence_parallel_groups(sequence_parallel_size)
+    scaling = 0.3
+    for case_index, (num_heads, num_kv_heads, doc_lengths) in enumerate(CASES):
+        # Different rings get different rows (data parallelism): rotate the documents and change the seed.
+        shift = groups.data_parallel_rank % len(doc_lengths)
+        docs = doc_lengths[shift:] + doc_lengths[:shift]
+        length = sum(docs)
+        q, k, v, grad_out = random_problem(num_heads, num_kv_heads, length, seed=10 * case_index + shift)
+        ref_out, ref_dq, ref_dk, ref_dv = reference_with_grads(q, k, v, grad_out, docs, scaling)
+        # Small query blocks for every stride; one run with a block longer than the slice.
+        for stride, chunk in [(s, 4) for s in strides(num_kv_heads)] + [(None, 1024)]:
+            config = SequenceParallelConfig(
+                sequence_parallel_size=sequence_parallel_size, ring_head_stride=stride, ring_query_chunk_size=chunk
+            )
+            shard = shard_packed_row(
+                torch.zeros(1, length, dtype=torch.long), positions(docs)[None], groups=groups, config=config
+            )
+            meta = shard.attention_meta
+            pad = meta.num_padding
+            lo, hi = meta.local_start, meta.local_end
+            real = min(hi, length) - lo  # real tokens in this slice
+            # Padding gets random q/k/v: it must not leak into real tokens.
+            noise = torch.Generator().manual_seed(99 + rank)
+            qp, kp, vp = (
+                torch.cat([t, torch.randn(t.shape[0], pad, t.shape[2], generator=noise)], dim=1) for t in (q, k, v)
+            )
+            ql, kl, vl = (t[None, :, lo:hi].clone().requires_grad_() for t in (qp, kp, vp))
+            dout = torch.zeros(hi - lo, num_heads, q.shape[2])
+            dout[:real] = grad_out[lo : lo + real]
+            out, _ = ring_attention_forward(MODULE, ql, kl, vl, None, scaling=scaling, ring_attn_meta=meta)
+            out.backward(dout[None])
+            label = f"rank {rank}/{world_size} sp={sequence_parallel_size} case {case_index} stride {stride}"
+            checks = [
+                ("out", out[0, :real].detach(), ref_out[lo : lo + real]),
+                ("dq", ql.grad[0, :, :real], ref_dq[:, lo : lo + real]),
+                ("dk", kl.grad[0, :, :real], ref_dk[:, lo : lo + real]),
+                ("dv", vl.grad[0, :, :real], ref_dv[:, lo : lo + real]),
+            ]
+            for name, got, expected in checks:
+                torch.testing.assert_close(
+                    got, expected, atol=1e-5, rtol=1e-5, msg=lambda m, n=name, lb=label: f"{lb} {n}: {m}"
+                )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size,sequence_parallel_sizes", [(2, [2]), (4, [4, 2])])
+def test_ring_attention_on_gloo_matches_reference(world_size, sequence_parallel_sizes):
+    """2- and 4-process rings, and two rings of 2 holding different rows (data x sequence parallel): every head
+    stride, GQA, padding."""
+    run_on_gloo_ranks(_ring_attention_worker, world_size, sequence_parallel_sizes)

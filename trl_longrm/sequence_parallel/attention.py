@@ -1,0 +1,212 @@
+"""Exact attention over a packed row split across a ring group, as a transformers attention implementation.
+
+Each rank keeps the queries of its slice and all-gathers the keys/values of the whole ring, `ring_head_stride` key/value
+heads at a time (gather a chunk, attend with the query heads that use it, free it, next chunk), so the peak memory is
+one chunk of the gathered row. The backward gathers each chunk again, recomputes its attention and sends the key/value
+gradients back to their owners with a summing reduce-scatter. Masking is causal within each document, with the
+document boundaries of the global row and this rank's offset in it (from `RingAttentionMetadata`).
+
+Without metadata (`ring_attn_meta=None`) the same code attends a packed single-process batch document-causally, the
+documents being read from `position_ids`: trainers get one attention path for packed rows.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from .collectives import all_gather_dim0, reduce_scatter_dim0
+from .config import SequenceParallelConfig
+from .kernels import resolve_kernel
+from .sharding import RingAttentionMetadata, packed_row_metadata
+from .validation import check_ring_head_stride, validate_ring_attention_model
+
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+
+RING_ATTENTION_NAME = "longrm_ring"
+
+
+def _head_chunks(num_heads: int, num_kv_heads: int, stride: int | None):
+    stride = stride or num_kv_heads
+    group = num_heads // num_kv_heads
+    for kv_lo in range(0, num_kv_heads, stride):
+        kv_hi = kv_lo + stride
+        yield kv_lo, kv_hi, kv_lo * group, kv_hi * group
+
+
+def _gather_keys_values(k: torch.Tensor, v: torch.Tensor, meta: RingAttentionMetadata):
+    """Keys/values `[local_end - kv_start, heads, D]` of the global row from the local `[local_length, heads, D]`."""
+    if meta.group is None:
+        return k[meta.kv_start : meta.local_end], v[meta.kv_start : meta.local_end]
+    if k.shape[-1] == v.shape[-1]:  # one collective for both
+        kv = all_gather_dim0(torch.cat([k, v], dim=1), meta.group)[meta.kv_start : meta.local_end]
+        return kv[:, : k.shape[1]], kv[:, k.shape[1] :]
+    k_all = all_gather_dim0(k, meta.group)[meta.kv_start : meta.local_end]
+    v_all = all_gather_dim0(v, meta.group)[meta.kv_start : meta.local_end]
+    return k_all, v_all
+
+
+def _scatter_key_value_grads(dk: torch.Tensor, dv: torch.Tensor, meta: RingAttentionMetadata):
+    """Sum the gradients every rank computed for the gathered keys/values and return each owner its slice."""
+    if meta.group is None:
+        return dk, dv
+    grads = []
+    for grad in [torch.cat([dk, dv], dim=1)] if dk.shape[-1] == dv.shape[-1] else [dk, dv]:
+        full = grad.new_zeros((meta.total_length, *grad.shape[1:]))
+        full[meta.kv_start : meta.local_end] = grad
+        grads.append(reduce_scatter_dim0(full, meta.group))
+    if len(grads) == 1:
+        return grads[0][:, : dk.shape[1]], grads[0][:, dk.shape[1] :]
+    return grads[0], grads[1]
+
+
+class _RingAttention(torch.autograd.Function):
+    """q `[local_length, H, D]`, k/v `[local_length, Hkv, D]` -> out `[local_length, H, D]`."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, meta, scaling, kernel):
+        ctx.save_for_backward(q, k, v)
+        ctx.meta, ctx.scaling, ctx.kernel = meta, scaling, kernel
+        out = q.new_empty(q.shape[0], q.shape[1], v.shape[2])
+        for kv_lo, kv_hi, q_lo, q_hi in _head_chunks(q.shape[1], k.shape[1], meta.ring_head_stride):
+            k_all, v_all = _gather_keys_values(k[:, kv_lo:kv_hi], v[:, kv_lo:kv_hi], meta)
+            out[:, q_lo:q_hi] = kernel.forward(q[:, q_lo:q_hi], k_all, v_all, meta, scaling)
+            del k_all, v_all
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v = ctx.saved_tensors
+        meta, scaling, kernel = ctx.meta, ctx.scaling, ctx.kernel
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        for kv_lo, kv_hi, q_lo, q_hi in _head_chunks(q.shape[1], k.shape[1], meta.ring_head_stride):
+            k_all, v_all = _gather_keys_values(k[:, kv_lo:kv_hi], v[:, kv_lo:kv_hi], meta)
+            dq_c, dk_all, dv_all = kernel.backward(
+                q[:, q_lo:q_hi], k_all, v_all, grad_out[:, q_lo:q_hi], meta, scaling
+            )
+            dq[:, q_lo:q_hi] = dq_c
+            dk[:, kv_lo:kv_hi], dv[:, kv_lo:kv_hi] = _scatter_key_value_grads(dk_all, dv_all, meta)
+            del k_all, v_all, dk_all, dv_all
+        return dq, dk, dv, None, None, None
+
+
+def _check_call(module, query, key, attention_mask, dropout, kwargs):
+    where = f"{RING_ATTENTION_NAME} attention ({type(module).__name__})"
+    if attention_mask is not None:
+        raise ValueError(
+            f"{where} received an attention mask; it takes packed rows whose documents are given by position_ids "
+            "(or ring_attn_meta). Pass position_ids instead of attention_mask."
+        )
+    if dropout:
+        raise NotImplementedError(f"{where} does not support attention dropout (got {dropout}); set it to 0.")
+    if kwargs.get("softcap") is not None:
+        raise NotImplementedError(f"{where} does not support attention logit softcapping.")
+    if kwargs.get("sliding_window") is not None:
+        raise NotImplementedError(f"{where} does not support sliding-window attention.")
+    if kwargs.get("s_aux") is not None:
+        raise NotImplementedError(f"{where} does not support attention sinks.")
+    if kwargs.get("is_causal") is False or not getattr(module, "is_causal", True):
+        raise NotImplementedError(f"{where} supports causal (decoder) attention only.")
+    if key.shape[2] != query.shape[2]:
+        raise NotImplementedError(
+            f"{where} got {query.shape[2]} queries but {key.shape[2]} keys: a KV cache or cross-attention is not "
+            "supported. Call the model with use_cache=False (switch to 'sdpa' for generation)."
+        )
+    if query.shape[1] % key.shape[1]:
+        raise ValueError(f"{where}: {query.shape[1]} query heads are not a multiple of {key.shape[1]} KV heads.")
+
+
+def ring_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    ring_attn_meta: RingAttentionMetadata | None = None,
+    position_ids: torch.Tensor | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """The attention implementation registered as `"longrm_ring"`.
+
+    query `[B, H, L, D]`, key/value `[B, Hkv, L, D]` -> (`[B, L, H, D]`, None). With `ring_attn_meta`, `B == 1` and `L`
+    is this rank's slice of the row described by the metadata; without, each row of the batch is a packed row whose
+    documents restart their `position_ids` at 0.
+
+    Example:
+    ```python
+    >>> out, _ = ring_attention_forward(attn_module, q, k, v, None, scaling=0.125, ring_attn_meta=shard.attention_meta)
+    ```
+    """
+    _check_call(module, query, key, attention_mask, dropout, kwargs)
+    batch, _, length, head_dim = query.shape
+    scaling = head_dim**-0.5 if scaling is None else scaling
+    if ring_attn_meta is None:
+        if position_ids is None:
+            position_ids = torch.arange(length, device=query.device).unsqueeze(0)
+        position_ids = position_ids.expand(batch, -1)
+        metas = [packed_row_metadata(position_ids[b]) for b in range(batch)]
+    else:
+        if batch != 1 or length != ring_attn_meta.local_length:
+            raise ValueError(
+                f"{RING_ATTENTION_NAME} attention: ring_attn_meta describes a slice of {ring_attn_meta.local_length} "
+                f"tokens of one row, but the model got a batch of shape [{batch}, {length}]. Pass exactly the "
+                "tensors returned by shard_packed_row."
+            )
+        metas = [ring_attn_meta]
+    outputs = []
+    for b, meta in enumerate(metas):
+        check_ring_head_stride(meta.ring_head_stride, key.shape[1])
+        kernel = resolve_kernel(meta.backend, query.device, query.dtype)
+        q, k, v = (t[b].transpose(0, 1) for t in (query, key, value))
+        outputs.append(_RingAttention.apply(q, k, v, meta, scaling, kernel))
+    return torch.stack(outputs), None
+
+
+def register_ring_attention() -> str:
+    """Register the ring attention with transformers' `AttentionInterface`; returns its name.
+
+    No attention mask function is registered on purpose: for this name `create_causal_mask` returns None, and the
+    documents come from `position_ids` / `ring_attn_meta`.
+
+    Example:
+    ```python
+    >>> model = AutoModelForCausalLM.from_pretrained(path, attn_implementation=register_ring_attention())
+    ```
+    """
+    # transformers is imported here only: the attention math and the collectives do not need it (faster workers).
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(RING_ATTENTION_NAME, ring_attention_forward)
+    return RING_ATTENTION_NAME
+
+
+def apply_ring_attention(model: PreTrainedModel, config: SequenceParallelConfig | None = None) -> PreTrainedModel:
+    """Check that `model` can use the ring attention with `config`, then switch it (in place) to `"longrm_ring"`.
+
+    Raises a clear error for models that do not dispatch attention through `ALL_ATTENTION_FUNCTIONS` or use
+    features the ring attention lacks (sliding windows, softcapping, attention dropout), for a `ring_head_stride`
+    not dividing the number of key/value heads, and for the flash_attn backend without flash-attn.
+
+    Example:
+    ```python
+    >>> model = apply_ring_attention(model, SequenceParallelConfig(sequence_parallel_size=2))
+    >>> shard = shard_packed_row(ids, pos, labels, groups=groups)
+    >>> logits = model(**shard.model_inputs()).logits
+    ```
+    """
+    config = config or SequenceParallelConfig()
+    base = validate_ring_attention_model(model, config)
+    name = register_ring_attention()
+    base.set_attn_implementation(name)
+    if base.config._attn_implementation != name:
+        raise RuntimeError(
+            f"{type(base).__name__} kept attn_implementation={base.config._attn_implementation!r} after "
+            f"set_attn_implementation({name!r}); its attention cannot be replaced."
+        )
+    return model

@@ -1,0 +1,105 @@
+"""Autograd-aware collectives over the ring group.
+
+`all_gather_autograd` concatenates the ranks' tensors; its backward *sums* the gradient contributions of every rank and
+returns each rank the part for its own tensor (a reduce-scatter). Gradient convention that follows: when every rank of
+a ring computes the same loss from gathered values, each rank's parameter gradient is `group_size` x its own share, so
+the *average* of the parameter gradients over the ring (what DDP / DeepSpeed all-reduce does over the world) is exactly
+the gradient of the loss; equivalently, their sum is `group_size` x that gradient.
+
+`torch.distributed.nn.functional.all_gather` has the same backward but is deprecated in torch 2.13 and emulates the
+reduce-scatter with scatters on gloo; the functional collectives' autograd differs across torch versions. The small
+Function below uses the stable tensor collectives on any backend.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+# torch 2.13 renames the single-tensor collectives (the old names warn); older versions only have the old names.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def collective_device(group: dist.ProcessGroup | None) -> torch.device:
+    """The device tensors must be on for a collective in `group` (CUDA for NCCL, else CPU)."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def all_gather_dim0(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Concatenate equally shaped tensors of all ranks along dim 0 (no autograd)."""
+    size = dist.get_world_size(group)
+    out = torch.empty((size * tensor.shape[0], *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
+    _all_gather_single(out, tensor.contiguous(), group=group)
+    return out
+
+
+def reduce_scatter_dim0(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Sum `tensor` over all ranks and return this rank's dim-0 slice (no autograd)."""
+    size = dist.get_world_size(group)
+    out = torch.empty((tensor.shape[0] // size, *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
+    _reduce_scatter_single(out, tensor.contiguous(), op=dist.ReduceOp.SUM, group=group)
+    return out
+
+
+class _AllGatherDim0(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, group):
+        ctx.group = group
+        return all_gather_dim0(tensor, group)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return reduce_scatter_dim0(grad_output, ctx.group), None
+
+
+def all_gather_autograd(tensor: torch.Tensor, group: dist.ProcessGroup | None, dim: int = 0) -> torch.Tensor:
+    """Concatenate the tensors of all ranks of `group` along `dim`; the backward sums gradients into the owner.
+
+    Sizes along `dim` may differ between ranks (they are padded to the largest for the collective, which gloo needs,
+    and trimmed afterwards); the other dimensions must match. With `group=None` and torch.distributed not initialised,
+    or a group of one, the tensor is returned as is.
+
+    Example:
+    ```python
+    >>> scores = all_gather_autograd(local_scores, groups.ring_group)  # [sum of local sizes]
+    >>> loss = -torch.nn.functional.logsigmoid(scores[0::2] - scores[1::2]).mean()  # same on every rank
+    ```
+    """
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        return tensor
+    moved = tensor.movedim(dim, 0)
+    size = torch.tensor([moved.shape[0]], dtype=torch.long, device=collective_device(group))
+    sizes = all_gather_dim0(size, group).tolist()
+    longest = max(sizes)
+    if longest != moved.shape[0]:
+        moved = torch.cat([moved, moved.new_zeros((longest - moved.shape[0], *moved.shape[1:]))])
+    gathered = _AllGatherDim0.apply(moved, group)
+    if any(s != longest for s in sizes):
+        gathered = torch.cat([gathered[i * longest : i * longest + s] for i, s in enumerate(sizes)])
+    return gathered.movedim(0, dim)
+
+
+def gather_sequence(local: torch.Tensor, meta, dim: int = 1, trim_padding: bool = True) -> torch.Tensor:
+    """Gather a per-token tensor of this rank's slice (e.g. per-token log-probs `[1, local_length]`) into the whole row.
+
+    Gather per-token values, never logits. With `trim_padding`, the padding added by `shard_packed_row` is removed so
+    that the result lines up with the unpadded row.
+
+    Example:
+    ```python
+    >>> logps = gather_sequence(local_logps, shard.attention_meta)  # [1, unpadded_length]
+    ```
+    """
+    if local.shape[dim] != meta.local_length:
+        raise ValueError(
+            f"gather_sequence: dimension {dim} has {local.shape[dim]} entries but this rank's slice has "
+            f"{meta.local_length} tokens."
+        )
+    full = local if meta.group is None else all_gather_autograd(local, meta.group, dim=dim)
+    if trim_padding:
+        full = full.narrow(dim, 0, meta.unpadded_length)
+    return full

@@ -1,0 +1,115 @@
+"""Process groups for data parallelism x sequence parallelism.
+
+The world is split into rings of `sequence_parallel_size` contiguous ranks ([0..sp-1], [sp..2sp-1], ...). The ranks of
+one ring hold the same packed row, each a contiguous slice of it. Ranks with the same position in their ring form a
+data-parallel group (they see different rows).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+
+def check_sequence_parallel_size(sequence_parallel_size: int, world_size: int) -> None:
+    """Raise a clear error unless `sequence_parallel_size` is a positive divisor of `world_size`.
+
+    Example:
+    ```python
+    >>> check_sequence_parallel_size(2, 4)  # fine
+    >>> check_sequence_parallel_size(3, 4)  # raises ValueError
+    ```
+    """
+    if not isinstance(sequence_parallel_size, int) or sequence_parallel_size < 1:
+        raise ValueError(f"sequence_parallel_size must be a positive integer, got {sequence_parallel_size!r}.")
+    if world_size % sequence_parallel_size != 0:
+        raise ValueError(
+            f"sequence_parallel_size={sequence_parallel_size} does not divide the world size {world_size}: the "
+            f"world is split into rings of sequence_parallel_size contiguous ranks, so the number of processes must "
+            f"be a multiple of it (for example {sequence_parallel_size * max(1, world_size // sequence_parallel_size)})."
+        )
+
+
+@dataclass(frozen=True)
+class SequenceParallelGroups:
+    """The ring (sequence-parallel) and data-parallel groups of this process. Keep it on the trainer.
+
+    `ring_group` is None when sequence parallelism is off (size 1); `data_parallel_group` is None when it is the
+    whole world (or torch.distributed is not initialised), which torch.distributed treats as the default group.
+
+    Example:
+    ```python
+    >>> groups = init_sequence_parallel_groups(2)  # after torch.distributed.init_process_group
+    >>> groups.ring_rank, groups.data_parallel_rank, groups.data_parallel_size
+    ```
+    """
+
+    sequence_parallel_size: int
+    ring_group: dist.ProcessGroup | None
+    ring_rank: int
+    ring_ranks: tuple[int, ...]
+    data_parallel_group: dist.ProcessGroup | None
+    data_parallel_rank: int
+    data_parallel_size: int
+
+    @property
+    def enabled(self) -> bool:
+        """Whether rows are split over more than one process."""
+        return self.sequence_parallel_size > 1
+
+
+def init_sequence_parallel_groups(sequence_parallel_size: int) -> SequenceParallelGroups:
+    """Create the ring and data-parallel groups; every process of the world must call it (collectively).
+
+    With `sequence_parallel_size == 1` no group is created and torch.distributed need not be initialised.
+
+    Example:
+    ```python
+    >>> import torch.distributed as dist
+    >>> dist.init_process_group("gloo")  # world of 4 processes
+    >>> groups = init_sequence_parallel_groups(2)  # rings [0, 1] and [2, 3]; data-parallel groups [0, 2] and [1, 3]
+    ```
+    """
+    initialized = dist.is_available() and dist.is_initialized()
+    world_size = dist.get_world_size() if initialized else 1
+    rank = dist.get_rank() if initialized else 0
+    check_sequence_parallel_size(sequence_parallel_size, world_size)
+    if sequence_parallel_size == 1:
+        return SequenceParallelGroups(
+            sequence_parallel_size=1,
+            ring_group=None,
+            ring_rank=0,
+            ring_ranks=(rank,),
+            data_parallel_group=None,
+            data_parallel_rank=rank,
+            data_parallel_size=world_size,
+        )
+    if not initialized:
+        raise RuntimeError(
+            f"sequence_parallel_size={sequence_parallel_size} needs torch.distributed to be initialised (launch with "
+            "accelerate/torchrun), but it is not."
+        )
+    dp_size = world_size // sequence_parallel_size
+    ring_group = data_parallel_group = None
+    ring_ranks: tuple[int, ...] = ()
+    # new_group is collective over the whole world: every process creates every group, in the same order.
+    for ring_index in range(dp_size):
+        ranks = tuple(range(ring_index * sequence_parallel_size, (ring_index + 1) * sequence_parallel_size))
+        group = dist.new_group(list(ranks))
+        if rank in ranks:
+            ring_group, ring_ranks = group, ranks
+    for position in range(sequence_parallel_size):
+        ranks = list(range(position, world_size, sequence_parallel_size))
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            data_parallel_group = group
+    return SequenceParallelGroups(
+        sequence_parallel_size=sequence_parallel_size,
+        ring_group=ring_group,
+        ring_rank=rank % sequence_parallel_size,
+        ring_ranks=ring_ranks,
+        data_parallel_group=data_parallel_group,
+        data_parallel_rank=rank // sequence_parallel_size,
+        data_parallel_size=dp_size,
+    )

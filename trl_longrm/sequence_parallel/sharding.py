@@ -1,0 +1,379 @@
+"""Split one packed row over a ring group, and the attention metadata that goes with the slices.
+
+A packed row (batch size 1) lays documents out contiguously, with `position_ids` restarting at 0 at each document. The
+row is padded to a multiple of the ring size, its document boundaries and shifted labels are computed on the *whole*
+row, and each rank receives one contiguous slice; documents cross slice boundaries. The attention needs the global
+boundaries and the slice's place in the row: they travel in a `RingAttentionMetadata` passed to `model(...)` as the
+`ring_attn_meta` keyword, never through process-global state, so a gradient-checkpoint recompute always sees the
+boundaries of its own forward.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from .config import SequenceParallelConfig
+from .groups import SequenceParallelGroups
+
+
+IGNORE_INDEX = -100
+RING_META_KWARG = "ring_attn_meta"
+
+
+def document_starts(position_ids: torch.Tensor) -> torch.Tensor:
+    """Boolean mask of the tokens that start a document in a 1-D packed row.
+
+    A document starts at the first token and wherever the position does not continue the previous one (in a packed
+    row, where it restarts at 0).
+
+    Example:
+    ```python
+    >>> document_starts(torch.tensor([0, 1, 2, 0, 1, 0]))
+    tensor([ True, False, False,  True, False,  True])
+    ```
+    """
+    starts = torch.ones_like(position_ids, dtype=torch.bool)
+    if position_ids.numel() > 1:
+        starts[1:] = position_ids[1:] != position_ids[:-1] + 1
+    return starts
+
+
+def cu_seqlens_from_position_ids(position_ids: torch.Tensor) -> list[int]:
+    """Cumulative document boundaries `[0, end_0, end_1, ..., L]` of a 1-D packed row (python ints).
+
+    Example:
+    ```python
+    >>> cu_seqlens_from_position_ids(torch.tensor([0, 1, 2, 0, 1, 0]))
+    [0, 3, 5, 6]
+    ```
+    """
+    starts = torch.nonzero(document_starts(position_ids.reshape(-1))).flatten().tolist()
+    return starts + [position_ids.numel()]
+
+
+@dataclass(eq=False)
+class RingAttentionMetadata:
+    """What the ring attention needs to know about the row a forward pass belongs to.
+
+    All positions are indices in the padded global row. Build it with `shard_packed_row` (or `packed_row_metadata` for
+    one process) and pass it to the model as `model(..., ring_attn_meta=meta)`.
+
+    Example:
+    ```python
+    >>> meta = packed_row_metadata(torch.tensor([[0, 1, 2, 0, 1]]))
+    >>> meta.cu_seqlens, meta.local_start, meta.local_length
+    ((0, 3, 5), 0, 5)
+    ```
+    """
+
+    cu_seqlens: tuple[int, ...]
+    """Document boundaries over the padded global row; the padding, if any, is its own last document."""
+    total_length: int
+    """Length of the padded global row (a multiple of `group_size`)."""
+    unpadded_length: int
+    """Length of the row before padding."""
+    local_start: int
+    """Index in the global row of this rank's first token."""
+    local_length: int
+    """Number of tokens on this rank."""
+    group: dist.ProcessGroup | None = None
+    """The ring group; None for a single process."""
+    group_size: int = 1
+    rank: int = 0
+    """This process's rank in the ring group."""
+    ring_head_stride: int | None = None
+    """Key/value heads gathered at once; None for all of them."""
+    backend: str = "auto"
+    query_chunk_size: int = 1024
+    _cache: dict = field(default_factory=dict, init=False, repr=False)
+
+    def __post_init__(self):
+        self.cu_seqlens = tuple(int(x) for x in self.cu_seqlens)
+        if self.cu_seqlens[0] != 0 or self.cu_seqlens[-1] != self.total_length:
+            raise ValueError(
+                f"cu_seqlens must start at 0 and end at total_length={self.total_length}, got {self.cu_seqlens}."
+            )
+        if self.total_length != self.local_length * self.group_size:
+            raise ValueError(
+                f"total_length={self.total_length} is not group_size={self.group_size} x "
+                f"local_length={self.local_length}: the row must be padded to a multiple of the ring size."
+            )
+
+    @property
+    def local_end(self) -> int:
+        return self.local_start + self.local_length
+
+    @property
+    def kv_start(self) -> int:
+        """Start of the document holding this rank's first token: no local query looks at keys before it."""
+        return self.cu_seqlens[bisect.bisect_right(self.cu_seqlens, self.local_start) - 1]
+
+    @property
+    def num_padding(self) -> int:
+        return self.total_length - self.unpadded_length
+
+    def document_spans(self, include_padding: bool = False) -> list[tuple[int, int]]:
+        """`(start, end)` of every document in the global row; the padding document is left out by default."""
+        spans = list(zip(self.cu_seqlens[:-1], self.cu_seqlens[1:]))
+        if not include_padding and self.num_padding:
+            spans = spans[:-1]
+        return spans
+
+    def document_last_token_indices(self) -> list[int]:
+        """Global index of the last token of every (non-padding) document: where a sequence score is read."""
+        return [end - 1 for _, end in self.document_spans()]
+
+    def key_document_ids(self, device: torch.device) -> torch.Tensor:
+        """Document index of every global position in `[kv_start, local_end)` (the keys local queries can see)."""
+        key = ("doc_ids", str(device))
+        if key not in self._cache:
+            lengths = torch.tensor(self.cu_seqlens[1:]) - torch.tensor(self.cu_seqlens[:-1])
+            ids = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
+            self._cache[key] = ids[self.kv_start : self.local_end].to(device)
+        return self._cache[key]
+
+    def varlen_layout(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+        """`(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)` for a varlen kernel with bottom-right causal
+        alignment: the local queries of each document against the keys `[document start, last local query]`, the
+        keys being the global row's `[kv_start, local_end)`."""
+        key = ("varlen", str(device))
+        if key not in self._cache:
+            cu_q, cu_k, max_q, max_k = [0], [0], 0, 0
+            first = bisect.bisect_right(self.cu_seqlens, self.local_start) - 1
+            for doc in range(first, len(self.cu_seqlens) - 1):
+                doc_start, doc_end = self.cu_seqlens[doc], self.cu_seqlens[doc + 1]
+                if doc_start >= self.local_end:
+                    break
+                q_lo, q_hi = max(doc_start, self.local_start), min(doc_end, self.local_end)
+                cu_q.append(cu_q[-1] + q_hi - q_lo)
+                cu_k.append(cu_k[-1] + q_hi - doc_start)
+                max_q, max_k = max(max_q, q_hi - q_lo), max(max_k, q_hi - doc_start)
+            self._cache[key] = (
+                torch.tensor(cu_q, dtype=torch.int32, device=device),
+                torch.tensor(cu_k, dtype=torch.int32, device=device),
+                max_q,
+                max_k,
+            )
+        return self._cache[key]
+
+
+def packed_row_metadata(
+    position_ids: torch.Tensor, config: SequenceParallelConfig | None = None
+) -> RingAttentionMetadata:
+    """Metadata of a whole packed row on one process (no ring), from its `position_ids` (`[L]` or `[1, L]`).
+
+    Passing it to the model spares the attention from recomputing the boundaries in every layer.
+
+    Example:
+    ```python
+    >>> meta = packed_row_metadata(torch.tensor([[0, 1, 0, 1, 2]]))
+    >>> logits = model(input_ids=ids, position_ids=pos, use_cache=False, ring_attn_meta=meta).logits
+    ```
+    """
+    config = config or SequenceParallelConfig()
+    length = position_ids.numel()
+    return RingAttentionMetadata(
+        cu_seqlens=tuple(cu_seqlens_from_position_ids(position_ids)),
+        total_length=length,
+        unpadded_length=length,
+        local_start=0,
+        local_length=length,
+        ring_head_stride=config.ring_head_stride,
+        backend=config.ring_attn_backend,
+        query_chunk_size=config.ring_query_chunk_size,
+    )
+
+
+@dataclass
+class ShardedRow:
+    """This rank's slice of a packed row. All tensors have batch size 1 and `local_length` tokens.
+
+    Example:
+    ```python
+    >>> shard = shard_packed_row(input_ids, position_ids, labels, groups=groups, pad_token_id=tok.pad_token_id)
+    >>> logits = model(**shard.model_inputs()).logits  # [1, local_length, vocab]
+    ```
+    """
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    shift_labels: torch.Tensor
+    """Label of each token = the next token of the same document, -100 at document ends, padding and no-loss tokens.
+    Already shifted: compare `logits[:, t]` with `shift_labels[:, t]`."""
+    document_ids: torch.Tensor
+    """Index of each token's document in the global row; -1 on padding."""
+    extras: dict[str, torch.Tensor]
+    """The other per-token tensors, padded with zeros and sliced like `input_ids` (not shifted)."""
+    attention_meta: RingAttentionMetadata
+
+    def model_inputs(self) -> dict:
+        """Keyword arguments for `model(...)`: ids, positions, the metadata, and `use_cache=False` (needed for packed
+        rows to stay document-separated)."""
+        return {
+            "input_ids": self.input_ids,
+            "position_ids": self.position_ids,
+            RING_META_KWARG: self.attention_meta,
+            "use_cache": False,
+        }
+
+
+def _as_row(tensor: torch.Tensor, name: str, source: str, length: int | None = None) -> torch.Tensor:
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{source}: `{name}` must be a torch.Tensor, got {type(tensor).__name__}.")
+    if tensor.dim() >= 2 and tensor.shape[0] == 1:
+        tensor = tensor[0]
+    elif tensor.dim() >= 2:
+        raise ValueError(
+            f"{source}: `{name}` has batch size {tensor.shape[0]}; sequence parallelism takes one packed row "
+            f"(batch size 1, shape [1, L])."
+        )
+    if tensor.dim() == 0:
+        raise ValueError(f"{source}: `{name}` must have a token dimension, got a scalar.")
+    if length is not None and tensor.shape[0] != length:
+        raise ValueError(f"{source}: `{name}` has {tensor.shape[0]} tokens but `input_ids` has {length}.")
+    return tensor
+
+
+def _pad(tensor: torch.Tensor, amount: int, value) -> torch.Tensor:
+    if amount == 0:
+        return tensor
+    padding = torch.full((amount, *tensor.shape[1:]), value, dtype=tensor.dtype, device=tensor.device)
+    return torch.cat([tensor, padding])
+
+
+def shifted_labels(labels: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    """Next-token labels of a 1-D packed row: `out[t] = labels[t + 1]` when `t + 1` is in the same document, else -100.
+
+    Example:
+    ```python
+    >>> shifted_labels(torch.tensor([5, 6, 7, 8, 9]), torch.tensor([0, 1, 2, 0, 1]))
+    tensor([   6,    7, -100,    9, -100])
+    ```
+    """
+    starts = document_starts(position_ids)
+    out = torch.full_like(labels, IGNORE_INDEX)
+    out[:-1] = torch.where(starts[1:], torch.full_like(labels[1:], IGNORE_INDEX), labels[1:])
+    return out
+
+
+def _verify_same_row(input_ids: torch.Tensor, group: dist.ProcessGroup, source: str) -> None:
+    # Every rank of a ring must slice the *same* row; a sampler sharding over the world instead of the data-parallel
+    # group would silently give each rank a different one.
+    from .collectives import collective_device
+
+    weights = torch.arange(input_ids.numel(), device=input_ids.device) % 65521 + 1
+    fingerprint = torch.stack([torch.tensor(input_ids.numel()), (input_ids.long() * weights).sum().cpu()])
+    fingerprint = fingerprint.to(collective_device(group))
+    gathered = [torch.empty_like(fingerprint) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, fingerprint, group=group)
+    if any(not torch.equal(g, gathered[0]) for g in gathered):
+        lengths = [int(g[0]) for g in gathered]
+        raise RuntimeError(
+            f"{source}: the ranks of one sequence-parallel ring hold different rows (lengths {lengths}). All ranks of "
+            "a ring must receive the same packed row: shard the data over the data-parallel group "
+            "(SequenceParallelGroups.data_parallel_rank / data_parallel_size), not over the world."
+        )
+
+
+def shard_packed_row(
+    input_ids: torch.Tensor,
+    position_ids: torch.Tensor | None = None,
+    labels: torch.Tensor | None = None,
+    *,
+    loss_mask: torch.Tensor | None = None,
+    extras: dict[str, torch.Tensor] | None = None,
+    groups: SequenceParallelGroups | None = None,
+    config: SequenceParallelConfig | None = None,
+    pad_token_id: int = 0,
+    verify_same_row: bool = True,
+    source: str = "packed row",
+) -> ShardedRow:
+    """Pad a packed row to a multiple of the ring size, compute its global boundaries and shifted labels, and return
+    this rank's contiguous slice with the attention metadata.
+
+    Args:
+        input_ids: `[1, L]` (or `[L]`) token ids of one packed row.
+        position_ids: `[1, L]` positions restarting at 0 at each document; None means one document.
+        labels: per-token (unshifted) labels, -100 where no loss; defaults to `input_ids` (loss everywhere).
+        loss_mask: alternative to `labels`: 1 where a token is a prediction target (labels = input_ids there).
+        extras: other per-token tensors (`[1, L, ...]`), padded with zeros and sliced.
+        groups: the ring; None (or a size-1 ring) keeps the whole row on this process.
+        config: ring head stride, kernel backend and query chunk size carried by the metadata.
+        pad_token_id: id of the padding tokens (they form their own document, with no loss).
+        verify_same_row: check with one tiny collective that all ranks of the ring hold the same row.
+        source: name of the data in error messages.
+
+    Example:
+    ```python
+    >>> shard = shard_packed_row(batch["input_ids"], batch["position_ids"], batch["labels"], groups=groups)
+    >>> out = model(**shard.model_inputs())
+    ```
+    """
+    config = config or SequenceParallelConfig()
+    ids = _as_row(input_ids, "input_ids", source)
+    length = ids.shape[0]
+    if length == 0:
+        raise ValueError(f"{source}: the packed row is empty.")
+    if position_ids is None:
+        pos = torch.arange(length, device=ids.device)
+    else:
+        pos = _as_row(position_ids, "position_ids", source, length)
+        if (pos < 0).any():
+            raise ValueError(f"{source}: `position_ids` has negative entries.")
+    if labels is not None and loss_mask is not None:
+        raise ValueError(f"{source}: give either `labels` or `loss_mask`, not both.")
+    if loss_mask is not None:
+        mask = _as_row(loss_mask, "loss_mask", source, length).bool()
+        lab = torch.where(mask, ids, torch.full_like(ids, IGNORE_INDEX))
+    elif labels is not None:
+        lab = _as_row(labels, "labels", source, length)
+    else:
+        lab = ids
+    extras = {name: _as_row(value, f"extras[{name!r}]", source, length) for name, value in (extras or {}).items()}
+
+    group = groups.ring_group if groups is not None and groups.enabled else None
+    size = groups.sequence_parallel_size if group is not None else 1
+    rank = groups.ring_rank if group is not None else 0
+    if group is not None and verify_same_row:
+        _verify_same_row(ids, group, source)
+
+    num_padding = -length % size
+    total = length + num_padding
+    # The padding is a document of its own (positions 0, 1, ...), so no real token attends to it.
+    ids_p = _pad(ids, num_padding, pad_token_id)
+    pos_p = torch.cat([pos, torch.arange(num_padding, dtype=pos.dtype, device=pos.device)])
+    lab_p = _pad(lab, num_padding, IGNORE_INDEX)
+    shift = shifted_labels(lab_p, pos_p)
+    starts = document_starts(pos_p)
+    doc_ids = torch.cumsum(starts.long(), 0) - 1
+    if num_padding:
+        doc_ids[length:] = -1
+    cu_seqlens = torch.nonzero(starts).flatten().tolist() + [total]
+
+    local = total // size
+    lo, hi = rank * local, (rank + 1) * local
+    meta = RingAttentionMetadata(
+        cu_seqlens=tuple(cu_seqlens),
+        total_length=total,
+        unpadded_length=length,
+        local_start=lo,
+        local_length=local,
+        group=group,
+        group_size=size,
+        rank=rank,
+        ring_head_stride=config.ring_head_stride,
+        backend=config.ring_attn_backend,
+        query_chunk_size=config.ring_query_chunk_size,
+    )
+    return ShardedRow(
+        input_ids=ids_p[lo:hi].unsqueeze(0),
+        position_ids=pos_p[lo:hi].unsqueeze(0),
+        shift_labels=shift[lo:hi].unsqueeze(0),
+        document_ids=doc_ids[lo:hi].unsqueeze(0),
+        extras={name: _pad(value, num_padding, 0)[lo:hi].unsqueeze(0) for name, value in extras.items()},
+        attention_meta=meta,
+    )

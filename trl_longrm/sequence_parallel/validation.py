@@ -1,0 +1,117 @@
+"""Checks that fail before training, with a clear message, on configurations the ring attention cannot run."""
+
+from __future__ import annotations
+
+from .config import RING_ATTENTION_BACKENDS, SequenceParallelConfig
+from .groups import check_sequence_parallel_size
+
+
+def check_ring_head_stride(ring_head_stride: int | None, num_key_value_heads: int) -> None:
+    """Raise unless `ring_head_stride` (None = all heads) divides the number of key/value heads.
+
+    Example:
+    ```python
+    >>> check_ring_head_stride(2, 8)  # fine
+    >>> check_ring_head_stride(3, 8)  # raises ValueError
+    ```
+    """
+    if ring_head_stride is None:
+        return
+    if not isinstance(ring_head_stride, int) or ring_head_stride < 1 or num_key_value_heads % ring_head_stride:
+        divisors = [d for d in range(1, num_key_value_heads + 1) if num_key_value_heads % d == 0]
+        raise ValueError(
+            f"ring_head_stride={ring_head_stride!r} must divide the model's number of key/value heads "
+            f"({num_key_value_heads}); valid values: {divisors} (or None for all heads at once)."
+        )
+
+
+def check_ring_attention_backend(backend: str) -> None:
+    """Raise for an unknown backend, or for 'flash_attn' when flash-attn cannot be imported.
+
+    Example:
+    ```python
+    >>> check_ring_attention_backend("torch")  # fine
+    ```
+    """
+    from .kernels import is_flash_attn_available
+
+    if backend not in RING_ATTENTION_BACKENDS:
+        raise ValueError(f"ring_attn_backend must be one of {RING_ATTENTION_BACKENDS}, got {backend!r}.")
+    if backend == "flash_attn" and not is_flash_attn_available():
+        raise ImportError(
+            "ring_attn_backend='flash_attn' needs the flash-attn package, which is not importable here "
+            "(`pip install flash-attn --no-build-isolation` on a CUDA machine), or use ring_attn_backend='torch'."
+        )
+
+
+def _unwrap(model):
+    # PEFT wraps the transformers model; its attention is the base model's.
+    if hasattr(model, "get_base_model"):
+        model = model.get_base_model()
+    return model
+
+
+def validate_ring_attention_model(model, config: SequenceParallelConfig | None = None):
+    """Raise a clear error unless the ring attention can replace `model`'s attention; returns the (unwrapped) model.
+
+    Example:
+    ```python
+    >>> validate_ring_attention_model(model, SequenceParallelConfig(ring_head_stride=2))
+    ```
+    """
+    from transformers import PreTrainedModel
+
+    config = config or SequenceParallelConfig()
+    base = _unwrap(model)
+    name = type(base).__name__
+    if not isinstance(base, PreTrainedModel):
+        raise TypeError(f"Ring attention needs a transformers PreTrainedModel, got {name}.")
+    model_config = getattr(base, "config", None)
+    if model_config is None or not hasattr(model_config, "_attn_implementation"):
+        raise TypeError(f"{name} has no config._attn_implementation: its attention cannot be replaced.")
+    if not getattr(type(base), "_supports_attention_backend", False) or not base._can_set_attn_implementation():
+        raise TypeError(
+            f"{name} does not dispatch its attention through transformers' AttentionInterface "
+            "(ALL_ATTENTION_FUNCTIONS), so the ring attention cannot be installed in it."
+        )
+    text_config = model_config.get_text_config()
+    layer_types = set(getattr(text_config, "layer_types", None) or ["full_attention"])
+    if layer_types - {"full_attention"}:
+        raise NotImplementedError(
+            f"{name} has attention layers of types {sorted(layer_types)}; the ring attention supports full causal "
+            "attention only (no sliding-window, chunked or linear attention layers)."
+        )
+    if getattr(text_config, "sliding_window", None) and getattr(text_config, "use_sliding_window", True):
+        raise NotImplementedError(
+            f"{name} uses sliding-window attention (sliding_window={text_config.sliding_window}); the ring attention "
+            "supports full causal attention only."
+        )
+    if getattr(text_config, "attn_logit_softcapping", None):
+        raise NotImplementedError(
+            f"{name} uses attention logit softcapping ({text_config.attn_logit_softcapping}), which the ring attention "
+            "does not support."
+        )
+    if getattr(text_config, "attention_dropout", 0.0):
+        raise NotImplementedError(
+            f"{name} has attention_dropout={text_config.attention_dropout}; the ring attention does not support "
+            "attention dropout (set it to 0)."
+        )
+    num_heads = text_config.num_attention_heads
+    num_kv_heads = getattr(text_config, "num_key_value_heads", None) or num_heads
+    if num_heads % num_kv_heads:
+        raise ValueError(f"{name}: {num_heads} attention heads are not a multiple of {num_kv_heads} KV heads.")
+    check_ring_head_stride(config.ring_head_stride, num_kv_heads)
+    check_ring_attention_backend(config.ring_attn_backend)
+    return base
+
+
+def validate_sequence_parallel_setup(model, config: SequenceParallelConfig, world_size: int) -> None:
+    """All checks a trainer should run before training with sequence parallelism.
+
+    Example:
+    ```python
+    >>> validate_sequence_parallel_setup(model, config, accelerator.num_processes)
+    ```
+    """
+    check_sequence_parallel_size(config.sequence_parallel_size, world_size)
+    validate_ring_attention_model(model, config)
