@@ -5,7 +5,13 @@ import json
 import pytest
 from datasets import Dataset, DatasetDict
 
-from trl_longrm.data import DataFormatError, load_preference_dataset, load_raw_dataset, load_sft_dataset
+from trl_longrm.data import (
+    DataFormatError,
+    load_preference_dataset,
+    load_raw_dataset,
+    load_sft_dataset,
+    read_source,
+)
 
 
 USER = {"role": "user", "content": "Read the context and judge the response."}
@@ -64,6 +70,8 @@ def test_dataset_dict_defaults_to_train_and_names_split(tmp_path):
     folder = tmp_path / "dd"
     DatasetDict({"train": Dataset.from_list(rows[:2]), "test": Dataset.from_list(rows[2:])}).save_to_disk(str(folder))
     assert load_preference_dataset(folder).to_list() == expected_groups(rows[:2])
+    rows_read, name = read_source(folder, split="test")
+    assert name == f"{folder} [split=test]" and rows_read.to_list() == rows[2:]
     with pytest.raises(DataFormatError, match=r"dd \[split=validation\]|split 'validation' not found") as info:
         load_preference_dataset(folder, split="validation")
     assert str(folder) in str(info.value) and "['test', 'train']" in str(info.value)
@@ -154,7 +162,8 @@ def test_shared_longrm_sample_normalises_to_16_groups(shared_sample_path):
     dataset = load_preference_dataset(shared_sample_path, split="train")
     assert len(dataset) == 16
     assert all(len(rejected) == 4 for rejected in dataset["rejected"])
-    raw = load_raw_dataset(shared_sample_path, split="train")[0]
+    raw = load_raw_dataset(shared_sample_path, split="train")
+    assert raw.cache_files == []  # the shared folder is read-only: kept in memory, no cache files written there
     for record, row in zip(dataset, raw):
         assert record["prompt"] == row["chat_template"] and [m["role"] for m in record["prompt"]] == ["system", "user"]
         assert record["chosen"] == row["chosen"] and record["rejected"] == row["rejects"]

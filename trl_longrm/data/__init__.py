@@ -21,7 +21,7 @@ from .records import (
     resolve_preference_layout,
     resolve_sft_layout,
 )
-from .sources import load_preference_dataset, load_raw_dataset, load_sft_dataset
+from .sources import load_preference_dataset, load_raw_dataset, load_sft_dataset, read_source
 from .tokenization import (
     TRUNCATION_POLICIES,
     TokenizationReport,
@@ -47,6 +47,7 @@ __all__ = [
     "load_sft_dataset",
     "normalize_preference_record",
     "normalize_sft_record",
+    "read_source",
     "resolve_preference_layout",
     "resolve_sft_layout",
     "tokenize_preference_dataset",

@@ -44,11 +44,12 @@ def _read_only(path: Path) -> bool:
 
 def load_raw_dataset(
     source: DataSource, split: str | None = None, source_name: str | None = None, keep_in_memory: bool | None = None
-):
-    """Read a source as it is stored, returning `(Dataset or list of dicts, source name used in messages)`.
+) -> Dataset | list:
+    """Read a source as it is stored (no normalisation): a `Dataset`, or the list itself for a list of dicts.
 
     A `DatasetDict` (on disk or in memory) needs `split`, which defaults to `"train"` when there is one. A string that
-    is neither an existing path nor path-like (`./x`, `/x`, `x.jsonl`) is taken as a Hub dataset name.
+    is neither an existing path nor path-like (`./x`, `/x`, `x.jsonl`) is taken as a Hub dataset name. Unreadable
+    sources raise [`DataFormatError`] naming the source (`source_name` if given).
 
     `keep_in_memory=True` reads the data into memory, so that later `map`s keep their results there instead of writing
     `datasets` cache files; None does this for read-only `save_to_disk` folders only (`map` writes its cache next to
@@ -56,7 +57,21 @@ def load_raw_dataset(
 
     Example:
     ```python
-    >>> rows, name = load_raw_dataset([{"prompt": "p", "chosen": "a", "rejected": "b"}])
+    >>> load_raw_dataset("path/to/longrm_simpo_sample", split="test").column_names[:2]
+    ['index', 'extra_generate_kwargs']
+    ```
+    """
+    return read_source(source, split, source_name, keep_in_memory)[0]
+
+
+def read_source(
+    source: DataSource, split: str | None = None, source_name: str | None = None, keep_in_memory: bool | None = None
+) -> tuple[Dataset | list, str]:
+    """[`load_raw_dataset`] plus the name of the source used in messages (e.g. `"data.jsonl"`, `"dir [split=eval]"`).
+
+    Example:
+    ```python
+    >>> rows, name = read_source([{"prompt": "p", "chosen": "a", "rejected": "b"}])
     >>> name
     '<list of 1 rows>'
     ```
@@ -115,7 +130,7 @@ def _normalize_all(
     num_proc: int | None,
     keep_in_memory: bool | None,
 ) -> Dataset:
-    rows, name = load_raw_dataset(source, split, source_name, keep_in_memory)
+    rows, name = read_source(source, split, source_name, keep_in_memory)
     if len(rows) == 0:
         raise DataFormatError("the data source has no rows", source=name)
     if isinstance(rows, list):
@@ -171,7 +186,8 @@ def load_preference_dataset(
 
     `data_format` is `"longrm"` (`chat_template`/`chosen`/`rejects`), `"trl"` (`prompt`/`chosen`/`rejected`, prompt
     possibly implicit) or `"auto"` (detected from the columns); the `*_key` arguments rename the columns read.
-    `source_name` replaces the name used in messages; `keep_in_memory` is as in [`load_raw_dataset`].
+    `source_name` replaces the name used in messages (pass it for in-memory data); `keep_in_memory` is as in
+    [`load_raw_dataset`].
 
     Example:
     ```python
