@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 
 _EXPORTS = {
-    "benchmark": ["BenchmarkRecord", "load_benchmark"],
+    "benchmark": ["BenchmarkRecord", "load_benchmark", "load_preference_records"],
     "cli": ["add_eval_arguments", "run_eval"],
     "config": ["FORMATS", "LENGTH_BUCKETS", "TASKS", "EvalConfig"],
     "fixtures": ["make_toy_benchmark"],
@@ -53,6 +53,7 @@ __all__ = [
     "evaluate_reward_model",
     "load_benchmark",
     "load_judge",
+    "load_preference_records",
     "make_toy_benchmark",
     "run_eval",
     "score_ranking",
@@ -71,7 +72,7 @@ def __dir__():
 
 
 if TYPE_CHECKING:
-    from trl_longrm.evaluation.benchmark import BenchmarkRecord, load_benchmark
+    from trl_longrm.evaluation.benchmark import BenchmarkRecord, load_benchmark, load_preference_records
     from trl_longrm.evaluation.cli import add_eval_arguments, run_eval
     from trl_longrm.evaluation.config import FORMATS, LENGTH_BUCKETS, TASKS, EvalConfig
     from trl_longrm.evaluation.fixtures import make_toy_benchmark

@@ -35,7 +35,7 @@ class BenchmarkRecord:
     id: str
     task: str
     tasktype: str
-    subtype: str
+    subtype: str | None
     length: str | None
     prompt_messages: list[dict[str, str]]
     candidates: list[str]
@@ -147,4 +147,41 @@ def load_benchmark(data_path: str | Path, tasks: list[str], formats: list[str]) 
             records.append(record)
     if skipped:
         logger.info("Skipped %d records whose tasktype is not among the selected formats %s.", skipped, formats)
+    return records
+
+
+def load_preference_records(source, split: str | None = None, name: str | None = None) -> list[BenchmarkRecord]:
+    """PairWise records from any preference dataset the data layer reads (`trl_longrm.data.load_preference_dataset`).
+
+    A row with k rejected responses gives k records (`chosen` vs each rejected), with ids `{name}/{row}-{k}`. The
+    task is `name` (default: the source's file or folder name); subtype and length bucket are unknown (None), so
+    these records count in the PairWise and overall accuracies and the AUC, not in Same/Diff or the length buckets.
+
+    Example:
+    ```python
+    >>> records = load_preference_records("/path/to/longrm_simpo_sample", split="test")
+    ```
+    """
+    from trl_longrm.data import load_preference_dataset
+
+    dataset = load_preference_dataset(source, split=split)
+    name = name or Path(str(source)).stem
+    records = []
+    for row_index, row in enumerate(dataset):
+        prompt = row["prompt"]
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        for k, rejected in enumerate(row["rejected"]):
+            records.append(
+                BenchmarkRecord(
+                    id=f"{name}/{row_index}-{k}",
+                    task=name,
+                    tasktype="PairWise",
+                    subtype=None,
+                    length=None,
+                    prompt_messages=[{"role": m["role"], "content": m["content"]} for m in messages],
+                    candidates=[row["chosen"], rejected],
+                    source=str(source),
+                    line=row_index,
+                )
+            )
     return records

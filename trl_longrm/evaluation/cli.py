@@ -7,7 +7,7 @@ import dataclasses
 import logging
 import typing
 
-from trl_longrm.evaluation.config import DTYPES, FORMATS, EvalConfig
+from trl_longrm.evaluation.config import DATA_FORMATS, DTYPES, FORMATS, EvalConfig
 
 
 def add_eval_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -40,8 +40,8 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
             kwargs.update(type=base, required=required)
             if not required:
                 kwargs["default"] = field.default
-            if field.name == "dtype":
-                kwargs["choices"] = list(DTYPES)
+            if field.name in ("dtype", "data_format"):
+                kwargs["choices"] = list(DTYPES if field.name == "dtype" else DATA_FORMATS)
         parser.add_argument(flag, **kwargs)
     return parser
 

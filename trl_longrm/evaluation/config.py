@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
 
 TASKS = ("LongQA", "Summ", "Safety", "ICL", "Cite", "Code", "Math")
@@ -11,6 +12,7 @@ FORMATS = ("PairWise", "BestOfN")
 LENGTH_BUCKETS = ("4k", "8k", "16k", "32k", "64k", "128k")
 RANK_SUBTYPES = ("2", "3", "4")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+DATA_FORMATS = ("auto", "long_rewardbench", "preference")
 
 
 @dataclass
@@ -30,7 +32,21 @@ class EvalConfig:
         metadata={"help": "Local directory of the reward model (a causal LM judge, or a 1-label sequence classifier)."}
     )
     data_path: str = field(
-        metadata={"help": "Directory holding one `{Task}.jsonl` file per Long-RewardBench task."},
+        metadata={
+            "help": "Directory holding one `{Task}.jsonl` file per Long-RewardBench task, or (with `data_format` "
+            "`preference`) any preference dataset that `trl_longrm.data.load_preference_dataset` reads."
+        },
+    )
+    data_format: str = field(
+        default="auto",
+        metadata={
+            "help": "`long_rewardbench`, `preference` (pairwise only: chosen vs each rejected), or `auto`: "
+            "long_rewardbench when `data_path` is a directory with a `{Task}.jsonl` of a selected task. Default auto."
+        },
+    )
+    split: str | None = field(
+        default=None,
+        metadata={"help": "Split of a `preference` dataset with several splits; default None (its `train` split)."},
     )
     is_disrm: bool = field(
         default=False,
@@ -97,6 +113,14 @@ class EvalConfig:
         },
     )
 
+    def resolved_data_format(self) -> str:
+        """`long_rewardbench` or `preference`: `data_format`, with `auto` decided by the files under `data_path`."""
+        if self.data_format != "auto":
+            return self.data_format
+        path = Path(self.data_path)
+        has_task_file = path.is_dir() and any((path / f"{task}.jsonl").is_file() for task in self.tasks)
+        return "long_rewardbench" if has_task_file else "preference"
+
     def __post_init__(self):
         self.tasks = list(self.tasks)
         self.formats = list(self.formats)
@@ -111,6 +135,8 @@ class EvalConfig:
             raise ValueError(f"`max_length` must be >= 16 tokens, got {self.max_length}.")
         if self.max_new_tokens < 1:
             raise ValueError(f"`max_new_tokens` must be >= 1, got {self.max_new_tokens}.")
+        if self.data_format not in DATA_FORMATS:
+            raise ValueError(f"`data_format` must be one of {list(DATA_FORMATS)}, got {self.data_format!r}.")
         if self.dtype not in DTYPES:
             raise ValueError(f"`dtype` must be one of {list(DTYPES)}, got {self.dtype!r}.")
         if self.save_path is None:

@@ -84,7 +84,8 @@ def compute_auc(predictions: list[dict]) -> tuple[float | None, str | None, int]
 def compute_metrics(predictions: list[dict], tasks: list[str]) -> dict:
     """The paper's table (and more) from predictions; groups without records are None.
 
-    Keys: `tasks` (PairWise accuracy per task), `same`, `diff`, `pairwise_avg`, `rank` / `rank_exact` (per BestOfN
+    Records without a subtype or length (from a plain preference dataset) are left out of Same/Diff and of the
+    length buckets only. Keys: `tasks` (PairWise accuracy per task), `same`, `diff`, `pairwise_avg`, `rank` / `rank_exact` (per BestOfN
     subtype 2/3/4), `rank_avg`, `rank_exact_avg`, `length` (PairWise accuracy per length bucket), `average` (over all
     records), `auc`, `auc_source`, `auc_pairs`, `counts`, `unparseable`, `truncated`.
 
@@ -106,7 +107,7 @@ def compute_metrics(predictions: list[dict], tasks: list[str]) -> dict:
     results: dict = {
         "tasks": {task: _mean([r for p, r in pairwise if p["task"] == task]) for task in tasks},
         "same": _mean([r for p, r in pairwise if p["subtype"] == "same"]),
-        "diff": _mean([r for p, r in pairwise if p["subtype"] != "same"]),
+        "diff": _mean([r for p, r in pairwise if p["subtype"] not in ("same", None)]),
         "pairwise_avg": _mean([r for _, r in pairwise]),
         "rank": {s: _mean([r for p, r, _ in bestofn if p["subtype"] == s]) for s in RANK_SUBTYPES},
         "rank_exact": {s: _mean([float(e) for p, _, e in bestofn if p["subtype"] == s]) for s in RANK_SUBTYPES},
@@ -114,7 +115,7 @@ def compute_metrics(predictions: list[dict], tasks: list[str]) -> dict:
         "rank_exact_avg": _mean([float(e) for _, _, e in bestofn]),
         "length": {
             length: _mean([r for p, r in pairwise if p["length"] == length])
-            for length in _ordered_lengths(p["length"] for p, _ in pairwise)
+            for length in _ordered_lengths(p["length"] for p, _ in pairwise if p["length"] is not None)
         },
         "average": _mean([r for _, r, _ in scored]),
     }
@@ -129,7 +130,7 @@ def compute_metrics(predictions: list[dict], tasks: list[str]) -> dict:
         "pairwise": len(pairwise),
         "bestofn": len(bestofn),
         "same": sum(1 for p, _ in pairwise if p["subtype"] == "same"),
-        "diff": sum(1 for p, _ in pairwise if p["subtype"] != "same"),
+        "diff": sum(1 for p, _ in pairwise if p["subtype"] not in ("same", None)),
         "tasks": {task: sum(1 for p, _ in pairwise if p["task"] == task) for task in tasks},
         "length": {length: sum(1 for p, _ in pairwise if p["length"] == length) for length in results["length"]},
         "rank": {s: sum(1 for p, _, _ in bestofn if p["subtype"] == s) for s in results["rank"]},

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from trl_longrm.evaluation.benchmark import BenchmarkRecord, load_benchmark
+from trl_longrm.evaluation.benchmark import BenchmarkRecord, load_benchmark, load_preference_records
 from trl_longrm.evaluation.config import EvalConfig
 from trl_longrm.evaluation.judges import Judge, JudgeOutput, JudgeRequest, load_judge
 from trl_longrm.evaluation.metrics import compute_metrics, score_ranking
@@ -130,11 +130,27 @@ def make_prediction(record: BenchmarkRecord, order: list[int], output: JudgeOutp
     }
 
 
+def load_records(config: EvalConfig) -> list[BenchmarkRecord]:
+    """The records to evaluate: Long-RewardBench task files, or the PairWise records of a preference dataset."""
+    if config.resolved_data_format() == "long_rewardbench":
+        records = load_benchmark(config.data_path, config.tasks, config.formats)
+    elif "PairWise" not in config.formats:
+        raise ValueError(f"A preference dataset only has PairWise records, but formats={config.formats}.")
+    else:
+        records = load_preference_records(config.data_path, split=config.split)
+    if not records:
+        raise ValueError(
+            f"No records to evaluate in {config.data_path} for tasks {config.tasks}, formats {config.formats}."
+        )
+    return records
+
+
 def _run_identity(config: EvalConfig, model_type: str) -> dict:
     """Settings that change predictions: a resumed run must share them with the run that wrote the file."""
     return {
         "model_path": os.path.abspath(config.model_path),
         "model_type": model_type,
+        "data_path": os.path.abspath(config.data_path),
         "seed": config.seed,
         "max_length": config.max_length,
         "max_new_tokens": config.max_new_tokens if model_type == "GRM" else None,
@@ -171,7 +187,7 @@ def evaluate_reward_model(config: EvalConfig, judge: Judge | None = None) -> dic
     >>> results["tasks"]["LongQA"], results["auc"]
     ```
     """
-    records = load_benchmark(config.data_path, config.tasks, config.formats)
+    records = load_records(config)
     save_path = Path(config.save_path)
     save_path.mkdir(parents=True, exist_ok=True)
     store = PredictionStore(save_path / PREDICTIONS_FILE)
@@ -211,7 +227,8 @@ def evaluate_reward_model(config: EvalConfig, judge: Judge | None = None) -> dic
 
     done = store.load()
     predictions = [done[record.id] for record in records]
-    results = compute_metrics(predictions, config.tasks)
+    tasks = list(dict.fromkeys(record.task for record in records))
+    results = compute_metrics(predictions, tasks)
     results = {"model": config.model_path, "model_type": model_type, **results, "config": asdict(config)}
     if results["unparseable"]["total"]:
         logger.warning(
