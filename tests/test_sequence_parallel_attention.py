@@ -20,6 +20,7 @@ from trl_longrm.sequence_parallel.sharding import RingAttentionMetadata
 
 
 MODULE = types.SimpleNamespace(is_causal=True)
+PRELOAD = ("trl_longrm.testing_utils",)  # the fork server imports it once for all multi-process tests
 # (query heads, key/value heads, document lengths): GQA and MHA, documents crossing slice boundaries, total lengths
 # that are not multiples of 2 or 4, a one-token document.
 CASES = [(4, 2, [5, 13, 1, 9, 3]), (6, 3, [17, 4, 6]), (2, 2, [2, 21, 8])]
@@ -245,4 +246,4 @@ def _check_ring_attention(rank, world_size, sequence_parallel_size):
 def test_ring_attention_on_gloo_matches_reference(world_size, sequence_parallel_sizes):
     """2- and 4-process rings, and two rings of 2 holding different rows (data x sequence parallel): every head
     stride, GQA, padding."""
-    run_on_gloo_ranks(_ring_attention_worker, world_size, sequence_parallel_sizes)
+    run_on_gloo_ranks(_ring_attention_worker, world_size, sequence_parallel_sizes, preload=PRELOAD)

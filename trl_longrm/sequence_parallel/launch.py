@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 
 import torch
@@ -35,11 +35,20 @@ def _entry(rank: int, fn: Callable, world_size: int, port: int, args: tuple, num
         dist.destroy_process_group()
 
 
-def run_on_gloo_ranks(fn: Callable, world_size: int, *args, timeout: float = 300.0, num_threads: int = 1) -> None:
+def run_on_gloo_ranks(
+    fn: Callable,
+    world_size: int,
+    *args,
+    timeout: float = 300.0,
+    num_threads: int = 1,
+    preload: Sequence[str] = (),
+) -> None:
     """Spawn `world_size` processes joined in a gloo group on 127.0.0.1 and run `fn(rank, world_size, *args)` in each.
 
     `fn` must be importable by name (a module-level function). An exception in any process is raised here with its
     traceback; processes still running after `timeout` seconds are terminated and a `TimeoutError` is raised.
+    The workers are forked from a fork server that imports torch and the `preload` modules once; `preload` only
+    counts when this process starts its fork server (its first launch), so pass the same list on every call.
 
     Example:
     ```python
@@ -51,7 +60,7 @@ def run_on_gloo_ranks(fn: Callable, world_size: int, *args, timeout: float = 300
     port = find_free_port()
     # A fork server that imported torch once forks every worker: far cheaper than a fresh interpreter per worker
     # (spawn), and safe, unlike forking a parent whose OpenMP thread pool may already be running.
-    mp.get_context("forkserver").set_forkserver_preload(["torch", "torch.distributed", __name__])
+    mp.get_context("forkserver").set_forkserver_preload(["torch", "torch.distributed", __name__, *preload])
     context = mp.start_processes(
         _entry,
         args=(fn, world_size, port, args, num_threads),
