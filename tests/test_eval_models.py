@@ -57,7 +57,7 @@ def _lines(path):
 
 def test_generative_judge_end_to_end_batch_invariant(paths):
     root = paths["root"]
-    kwargs = dict(model_path=paths["grm"], data_path=paths["bench"], max_new_tokens=4, max_length=560)
+    kwargs = dict(model_path=paths["grm"], data_path=paths["bench"], max_new_tokens=3, max_length=512)
     one = evaluate_reward_model(EvalConfig(save_path=str(root / "grm1"), batch_size=1, **kwargs))
     four = evaluate_reward_model(EvalConfig(save_path=str(root / "grm4"), batch_size=4, **kwargs))
     assert one["model_type"] == "GRM" and one["counts"]["records"] == 14
@@ -74,7 +74,7 @@ def test_generative_judge_end_to_end_batch_invariant(paths):
     for record in load_benchmark(paths["bench"], list(TASKS), ["PairWise", "BestOfN"]):
         messages = build_judge_messages(record.task_prompt, record.candidates, ranking=record.tasktype == "BestOfN")
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        over += len(tokenizer(text, add_special_tokens=False)["input_ids"]) > 560
+        over += len(tokenizer(text, add_special_tokens=False)["input_ids"]) > 512
     assert 0 < one["truncated"] == over < 14
 
 

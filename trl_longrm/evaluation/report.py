@@ -92,6 +92,8 @@ def plot_length_accuracy(results: dict, path: str | Path) -> Path:
     fig, ax = plt.subplots(figsize=(6, 4))
     if points:
         ax.plot([p[0] for p in points], [100 * p[1] for p in points], marker="o")
+    ax.axhline(50, color="grey", linestyle="--", linewidth=1, label="chance (50%)")
+    ax.legend(loc="lower left")
     ax.set_xlabel("context length")
     ax.set_ylabel("PairWise accuracy (%)")
     ax.set_ylim(0, 100)
