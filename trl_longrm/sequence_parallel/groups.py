@@ -74,6 +74,11 @@ def init_sequence_parallel_groups(sequence_parallel_size: int) -> SequenceParall
     initialized = dist.is_available() and dist.is_initialized()
     world_size = dist.get_world_size() if initialized else 1
     rank = dist.get_rank() if initialized else 0
+    if sequence_parallel_size != 1 and not initialized:
+        raise RuntimeError(
+            f"sequence_parallel_size={sequence_parallel_size} needs torch.distributed to be initialised (launch with "
+            "accelerate/torchrun), but it is not."
+        )
     check_sequence_parallel_size(sequence_parallel_size, world_size)
     if sequence_parallel_size == 1:
         return SequenceParallelGroups(
@@ -84,11 +89,6 @@ def init_sequence_parallel_groups(sequence_parallel_size: int) -> SequenceParall
             data_parallel_group=None,
             data_parallel_rank=rank,
             data_parallel_size=world_size,
-        )
-    if not initialized:
-        raise RuntimeError(
-            f"sequence_parallel_size={sequence_parallel_size} needs torch.distributed to be initialised (launch with "
-            "accelerate/torchrun), but it is not."
         )
     dp_size = world_size // sequence_parallel_size
     ring_group = data_parallel_group = None

@@ -75,13 +75,18 @@ def validate_ring_attention_model(model, config: SequenceParallelConfig | None =
             "(ALL_ATTENTION_FUNCTIONS), so the ring attention cannot be installed in it."
         )
     text_config = model_config.get_text_config()
-    layer_types = set(getattr(text_config, "layer_types", None) or ["full_attention"])
-    if layer_types - {"full_attention"}:
+    layer_types = getattr(text_config, "layer_types", None)
+    if layer_types is not None and set(layer_types) - {"full_attention"}:
         raise NotImplementedError(
-            f"{name} has attention layers of types {sorted(layer_types)}; the ring attention supports full causal "
-            "attention only (no sliding-window, chunked or linear attention layers)."
+            f"{name} has attention layers of types {sorted(set(layer_types))}; the ring attention supports full "
+            "causal attention only (no sliding-window, chunked or linear attention layers)."
         )
-    if getattr(text_config, "sliding_window", None) and getattr(text_config, "use_sliding_window", True):
+    # Models without `layer_types` (Mistral style) apply `sliding_window` to every layer when it is set.
+    if (
+        layer_types is None
+        and getattr(text_config, "sliding_window", None)
+        and getattr(text_config, "use_sliding_window", True)
+    ):
         raise NotImplementedError(
             f"{name} uses sliding-window attention (sliding_window={text_config.sliding_window}); the ring attention "
             "supports full causal attention only."

@@ -1,0 +1,130 @@
+"""Sharding of a packed row over a ring, checked against hand-computed values (single process: the ring is described
+by a `SequenceParallelGroups` whose group is never used for a collective)."""
+
+import pytest
+import torch
+
+from trl_longrm.sequence_parallel import (
+    RING_META_KWARG,
+    RingAttentionMetadata,
+    SequenceParallelConfig,
+    SequenceParallelGroups,
+    cu_seqlens_from_position_ids,
+    document_starts,
+    packed_row_metadata,
+    shard_packed_row,
+    shifted_labels,
+)
+
+
+IDS = torch.tensor([[10, 11, 12, 20, 21, 22, 23, 30, 31]])  # documents of 3, 4 and 2 tokens
+POS = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 0, 1]])
+LABELS = torch.tensor([[-100, 11, 12, -100, -100, 22, 23, -100, 31]])  # prompts carry no loss
+# Padded to 12 for 4 ranks; label of t = label of t+1 in the same document.
+SHIFTED = [11, 12, -100, -100, 22, 23, -100, 31, -100, -100, -100, -100]
+DOC_IDS = [0, 0, 0, 1, 1, 1, 1, 2, 2, -1, -1, -1]
+PADDED_POS = [0, 1, 2, 0, 1, 2, 3, 0, 1, 0, 1, 2]
+
+
+def ring(size, rank):
+    return SequenceParallelGroups(
+        sequence_parallel_size=size,
+        ring_group=object(),  # a stand-in: verify_same_row=False keeps it out of collectives
+        ring_rank=rank,
+        ring_ranks=tuple(range(size)),
+        data_parallel_group=None,
+        data_parallel_rank=0,
+        data_parallel_size=1,
+    )
+
+
+def shards(size, **kwargs):
+    return [
+        shard_packed_row(IDS, POS, groups=ring(size, r), verify_same_row=False, pad_token_id=0, **kwargs)
+        for r in range(size)
+    ]
+
+
+def test_document_boundaries_by_hand():
+    assert document_starts(POS[0]).tolist() == [True, False, False, True, False, False, False, True, False]
+    assert cu_seqlens_from_position_ids(POS) == [0, 3, 7, 9]
+    # Restarts that do not go back to 0 still start a document (the positions do not continue).
+    assert cu_seqlens_from_position_ids(torch.tensor([0, 1, 5, 6, 0])) == [0, 2, 4, 5]
+    assert shifted_labels(LABELS[0], POS[0]).tolist() == SHIFTED[:9]
+
+
+@pytest.mark.parametrize("mask_kind", ["labels", "loss_mask"])
+def test_four_ranks_slices_padding_and_shifted_labels(mask_kind):
+    if mask_kind == "labels":
+        parts = shards(4, labels=LABELS, extras={"weight": torch.arange(1.0, 10.0)[None]})
+    else:
+        parts = shards(4, loss_mask=LABELS != -100, extras={"weight": torch.arange(1.0, 10.0)[None]})
+    assert [p.input_ids.shape for p in parts] == [torch.Size([1, 3])] * 4
+    assert torch.cat([p.input_ids for p in parts], 1).tolist() == [IDS[0].tolist() + [0, 0, 0]]
+    assert torch.cat([p.position_ids for p in parts], 1).tolist() == [PADDED_POS]
+    assert torch.cat([p.shift_labels for p in parts], 1).tolist() == [SHIFTED]
+    assert torch.cat([p.document_ids for p in parts], 1).tolist() == [DOC_IDS]
+    assert torch.cat([p.extras["weight"] for p in parts], 1).tolist() == [[1, 2, 3, 4, 5, 6, 7, 8, 9, 0, 0, 0]]
+    metas = [p.attention_meta for p in parts]
+    assert all(m.cu_seqlens == (0, 3, 7, 9, 12) and m.total_length == 12 and m.unpadded_length == 9 for m in metas)
+    assert [(m.local_start, m.local_length, m.rank, m.group_size) for m in metas] == [
+        (0, 3, 0, 4),
+        (3, 3, 1, 4),
+        (6, 3, 2, 4),
+        (9, 3, 3, 4),
+    ]
+    # Keys a rank needs start at the document of its first token: rank 2 starts inside document 1 (tokens 3..6).
+    assert [m.kv_start for m in metas] == [0, 3, 3, 9]
+    assert metas[0].document_last_token_indices() == [2, 6, 8]
+    cu_q, cu_k, max_q, max_k = metas[2].varlen_layout(torch.device("cpu"))
+    assert (cu_q.tolist(), cu_k.tolist(), max_q, max_k) == ([0, 1, 3], [0, 4, 6], 2, 4)
+    inputs = parts[1].model_inputs()
+    assert inputs[RING_META_KWARG] is metas[1] and inputs["use_cache"] is False
+    assert inputs["input_ids"].tolist() == [[20, 21, 22]]
+
+
+def test_config_travels_in_metadata():
+    config = SequenceParallelConfig(ring_head_stride=2, ring_attn_backend="torch", ring_query_chunk_size=7)
+    meta = shard_packed_row(IDS, POS, groups=ring(2, 1), verify_same_row=False, config=config).attention_meta
+    assert (meta.ring_head_stride, meta.backend, meta.query_chunk_size) == (2, "torch", 7)
+    # 9 tokens on 2 ranks: one padding token.
+    assert (meta.total_length, meta.local_start, meta.num_padding) == (10, 5, 1)
+
+
+def test_no_ring_keeps_the_whole_row():
+    shard = shard_packed_row(IDS, POS, LABELS)
+    assert shard.input_ids.tolist() == IDS.tolist() and shard.shift_labels.tolist() == [SHIFTED[:9]]
+    meta = shard.attention_meta
+    assert meta.group is None and (meta.local_start, meta.local_length, meta.total_length) == (0, 9, 9)
+    assert packed_row_metadata(POS).cu_seqlens == meta.cu_seqlens == (0, 3, 7, 9)
+    # Without labels every next token of the same document is a target; without positions the row is one document.
+    assert shard_packed_row(IDS, POS).shift_labels.tolist() == [[11, 12, -100, 21, 22, 23, -100, 31, -100]]
+    assert shard_packed_row(IDS).shift_labels.tolist() == [IDS[0, 1:].tolist() + [-100]]
+
+
+@pytest.mark.parametrize(
+    "kwargs,error,match",
+    [
+        ({"input_ids": IDS.repeat(2, 1)}, ValueError, "my_data: `input_ids` has batch size 2"),
+        ({"position_ids": POS[:, :5]}, ValueError, "my_data: `position_ids` has 5 tokens"),
+        ({"labels": LABELS[:, :4]}, ValueError, "my_data: `labels` has 4 tokens"),
+        ({"labels": LABELS, "loss_mask": LABELS != -100}, ValueError, "either `labels` or `loss_mask`"),
+        ({"extras": {"w": torch.ones(1, 3)}}, ValueError, r"my_data: `extras\['w'\]` has 3 tokens"),
+        ({"position_ids": -POS}, ValueError, "negative"),
+        ({"input_ids": torch.zeros(1, 0, dtype=torch.long), "position_ids": None}, ValueError, "empty"),
+        ({"input_ids": [1, 2, 3], "position_ids": None}, TypeError, "must be a torch.Tensor"),
+    ],
+)
+def test_bad_rows_fail_clearly(kwargs, error, match):
+    args = {"input_ids": IDS, "position_ids": POS, **kwargs}
+    with pytest.raises(error, match=match):
+        shard_packed_row(args.pop("input_ids"), args.pop("position_ids"), source="my_data", **args)
+
+
+def test_metadata_rejects_inconsistent_geometry():
+    with pytest.raises(ValueError, match="must start at 0 and end at total_length"):
+        RingAttentionMetadata(cu_seqlens=(0, 5), total_length=6, unpadded_length=6, local_start=0, local_length=6)
+    with pytest.raises(ValueError, match="padded to a multiple of the ring size"):
+        RingAttentionMetadata(
+            cu_seqlens=(0, 7), total_length=7, unpadded_length=7, local_start=0, local_length=3, group_size=2
+        )
