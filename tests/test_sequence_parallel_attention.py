@@ -143,8 +143,8 @@ def emulated_ring(kernel, q, k, v, grad_out, doc_lengths, group_size, chunk, sca
     for n in doc_lengths + ([pad] if pad else []):
         cu.append(cu[-1] + n)
     local = total // group_size
-    out, dq = torch.zeros(total, q.shape[0], q.shape[2]), torch.zeros(total, q.shape[0], q.shape[2])
-    dk, dv = torch.zeros(total, k.shape[0], k.shape[2]), torch.zeros(total, k.shape[0], k.shape[2])
+    out, dq = q.new_zeros(total, q.shape[0], q.shape[2]), q.new_zeros(total, q.shape[0], q.shape[2])
+    dk, dv = k.new_zeros(total, k.shape[0], k.shape[2]), k.new_zeros(total, k.shape[0], k.shape[2])
     for rank in range(group_size):
         meta = RingAttentionMetadata(
             cu_seqlens=tuple(cu),
@@ -180,6 +180,31 @@ def test_kernels_on_emulated_ring_match_reference(kernel, group_size, num_heads,
     expected = (expected[0], *(grad.transpose(0, 1) for grad in expected[1:]))  # token-major like the kernels
     for name, g, e in zip(["out", "dq", "dk", "dv"], got, expected):
         torch.testing.assert_close(g, e, atol=1e-5, rtol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("backend", ["torch", "auto", "flash_attn"])
+@pytest.mark.parametrize("group_size", [1, 4])
+def test_cuda_kernels_on_emulated_ring(backend, group_size):
+    """The CUDA kernels (torch varlen_attn / flash-attn in bf16) with the same ring geometry, against the fp32
+    reference. Runs only where a GPU is present."""
+    from trl_longrm.sequence_parallel import is_flash_attn_available
+
+    if backend == "flash_attn" and not is_flash_attn_available():
+        pytest.skip("flash-attn is not installed")
+    num_heads, num_kv_heads, doc_lengths = 8, 2, [37, 150, 3, 66]
+    length, scaling = sum(doc_lengths), 0.125
+    q, k, v, grad_out = random_problem(num_heads, num_kv_heads, length, seed=5, head_dim=64)
+    q, k, v, grad_out = (t.bfloat16().float() for t in (q, k, v, grad_out))  # the reference sees the same inputs
+    expected = reference_with_grads(q, k, v, grad_out, doc_lengths, scaling)
+    expected = (expected[0], *(grad.transpose(0, 1) for grad in expected[1:]))
+    kernel = resolve_kernel(backend, torch.device("cuda"), torch.bfloat16)
+    cuda = [t.cuda().bfloat16() for t in (q, k, v, grad_out)]
+    got = emulated_ring(kernel, *cuda, doc_lengths, group_size, chunk=64, scaling=scaling)
+    for name, g, e in zip(["out", "dq", "dk", "dv"], got, expected):
+        torch.testing.assert_close(
+            g.float().cpu(), e, atol=3e-2, rtol=3e-2, msg=lambda m, name=name: f"{kernel.name} {name}: {m}"
+        )
 
 
 def test_auto_backend_on_cpu_is_torch():

@@ -90,6 +90,8 @@ class VarlenKernel:
 
     def _call(self, q, k, v, meta, scaling):
         cu_q, cu_k, max_q, max_k = meta.varlen_layout(q.device)
+        # Head-chunk slices of transposed views: give the fused kernels plain contiguous [tokens, heads, dim] tensors.
+        q, k, v = (t.contiguous() for t in (q, k, v))
         return self.fn(q, k, v, cu_q, cu_k, max_q, max_k, scaling)
 
     def forward(self, q, k, v, meta: RingAttentionMetadata, scaling: float) -> torch.Tensor:
