@@ -45,7 +45,7 @@ class TokenizationReport:
 
     Example:
     ```python
-    >>> dataset, report = tokenize_preference_dataset(groups, tokenizer, max_length=2048, truncation="truncate_prompt")
+    >>> dataset, report = tokenize_preference_dataset(groups, tokenizer, max_length=4096, truncation="truncate_prompt")
     >>> report.num_truncated, report.num_dropped
     (16, 0)
     ```
