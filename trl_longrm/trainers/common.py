@@ -93,7 +93,11 @@ def prepare_preference_dataset(dataset, tokenizer, args, dataset_name: str) -> D
         if "num_tokens" in (columns or []):
             return dataset  # already packed
         dataset = load_preference_dataset(
-            dataset, prompt_key=args.prompt_key, chosen_key=args.chosen_key, rejected_key=args.rejected_key
+            dataset,
+            prompt_key=args.prompt_key,
+            chosen_key=args.chosen_key,
+            rejected_key=args.rejected_key,
+            source_name=f"{dataset_name} dataset",
         )
         dataset, _ = tokenize_preference_dataset(
             dataset,
@@ -117,7 +121,9 @@ def prepare_sft_dataset(dataset, tokenizer, args, dataset_name: str, packing_bud
         return None
     columns = dataset.column_names if isinstance(dataset, Dataset) else None
     if columns is None or "input_ids" not in columns:
-        dataset = load_sft_dataset(dataset)
+        dataset = load_sft_dataset(
+            dataset, prompt_key=args.prompt_key, completion_key=args.chosen_key, source_name=f"{dataset_name} dataset"
+        )
         dataset, _ = tokenize_sft_dataset(
             dataset,
             tokenizer,

@@ -9,16 +9,13 @@ from trl import SFTConfig, SFTTrainer
 
 from trl_longrm.heads import add_token_logprob_head
 from trl_longrm.packing import SFTCollator
-from trl_longrm.trainers.common import (
-    LongContextDataArguments,
-    model_inputs,
-    pad_token_id_of,
-    prepare_sft_dataset,
-)
+from trl_longrm.sequence_parallel import SequenceParallelConfig
+from trl_longrm.trainers.common import LongContextDataArguments, pad_token_id_of, prepare_sft_dataset
+from trl_longrm.trainers.parallel import SequenceParallelMixin
 
 
 @dataclass
-class LongSFTConfig(SFTConfig, LongContextDataArguments):
+class LongSFTConfig(SFTConfig, LongContextDataArguments, SequenceParallelConfig):
     """Configuration of [`LongSFTTrainer`]: TRL's `SFTConfig` plus long-context data fields.
 
     `max_length` bounds one example (longer ones are truncated in the middle of the prompt's longest message, or
@@ -44,8 +41,12 @@ class LongSFTConfig(SFTConfig, LongContextDataArguments):
     )
     learning_rate: float = field(default=2e-6, metadata={"help": "Initial AdamW learning rate. Default 2e-6."})
 
+    def __post_init__(self):
+        super().__post_init__()
+        SequenceParallelConfig.__post_init__(self)
 
-class LongSFTTrainer(SFTTrainer):
+
+class LongSFTTrainer(SequenceParallelMixin, SFTTrainer):
     """SFT on judgment tokens only (assistant turns), for long conversations; a drop-in for TRL's `SFTTrainer`.
 
     Accepts LongRM's SFT format (`chat_template` + `golden`) and TRL's `messages` / `prompt`+`completion` formats;
@@ -79,6 +80,7 @@ class LongSFTTrainer(SFTTrainer):
             pad_to_multiple_of=args.pad_to_multiple_of,
         )
         add_token_logprob_head(self.model, chunk_elements=args.logprob_chunk_elements)
+        self._init_long_context(pad_token_id_of(self._tokenizer))
 
     def _prepare_dataset(self, dataset, processing_class, args, packing, formatting_func, dataset_name):
         if formatting_func is not None:
@@ -93,8 +95,7 @@ class LongSFTTrainer(SFTTrainer):
 
     def token_logps(self, model, batch: dict[str, torch.Tensor]):
         """Per-position log-probs of the next token and the mask of trained positions."""
-        output = model(**model_inputs(batch), logprob_labels=batch["labels"], use_cache=False)
-        return output.token_logps, output.label_mask
+        return self.forward_token_logps(model, batch)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         mode = "train" if self.model.training else "eval"
@@ -108,7 +109,7 @@ class LongSFTTrainer(SFTTrainer):
         gather = self.accelerator.gather_for_metrics
         with torch.no_grad():
             if mode == "train":
-                self._total_train_tokens += gather(inputs["sequence_lengths"].sum()).sum().item()
+                self._total_train_tokens += self._count_tokens(inputs)
             self._metrics[mode]["num_tokens"] = [self._total_train_tokens]
             scored = gather(label_mask.sum()).sum()
             nll = gather(-token_logps.detach().sum()).sum() / scored.clamp(min=1)

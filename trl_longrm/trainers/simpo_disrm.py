@@ -10,11 +10,13 @@ from trl import RewardConfig, RewardTrainer
 from trl_longrm.heads import add_last_token_score_head
 from trl_longrm.losses import bradley_terry_loss, center_rewards_penalty, group_values
 from trl_longrm.packing import PreferenceCollator
-from trl_longrm.trainers.common import LongContextDataArguments, model_inputs, prepare_preference_dataset
+from trl_longrm.sequence_parallel import SequenceParallelConfig
+from trl_longrm.trainers.common import LongContextDataArguments, prepare_preference_dataset
+from trl_longrm.trainers.parallel import SequenceParallelMixin
 
 
 @dataclass
-class SimPODisRMConfig(RewardConfig, LongContextDataArguments):
+class SimPODisRMConfig(RewardConfig, LongContextDataArguments, SequenceParallelConfig):
     """Configuration of [`SimPODisRMTrainer`]: TRL's `RewardConfig` plus the LongRM loss options and long-context
     data fields (see `LongContextDataArguments`).
 
@@ -47,8 +49,12 @@ class SimPODisRMConfig(RewardConfig, LongContextDataArguments):
     )
     learning_rate: float = field(default=2e-6, metadata={"help": "Initial AdamW learning rate. Default 2e-6."})
 
+    def __post_init__(self):
+        super().__post_init__()
+        SequenceParallelConfig.__post_init__(self)
 
-class SimPODisRMTrainer(RewardTrainer):
+
+class SimPODisRMTrainer(SequenceParallelMixin, RewardTrainer):
     """Bradley-Terry trainer for long-context discriminative reward models, a drop-in for TRL's `RewardTrainer`.
 
     Accepts the formats of `trl_longrm.data` with k >= 1 rejected responses per prompt, packs them padding-free,
@@ -79,6 +85,7 @@ class SimPODisRMTrainer(RewardTrainer):
                 pad_to_multiple_of=args.pad_to_multiple_of,
             )
         add_last_token_score_head(self.model)
+        self._init_long_context(self.processing_class.pad_token_id)
 
     def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
         return prepare_preference_dataset(dataset, processing_class, args, dataset_name)
@@ -95,7 +102,7 @@ class SimPODisRMTrainer(RewardTrainer):
 
     def sequence_scores(self, model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Score of every sequence of the batch, `[S]`, from the hidden state at its last token."""
-        return model(**model_inputs(batch), score_positions=batch["score_positions"], use_cache=False).scores
+        return self.forward_sequence_scores(model, batch)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         mode = "train" if self.model.training else "eval"
@@ -117,7 +124,7 @@ class SimPODisRMTrainer(RewardTrainer):
         gather = self.accelerator.gather_for_metrics
         with torch.no_grad():
             if mode == "train":
-                self._total_train_tokens += gather(inputs["sequence_lengths"].sum()).sum().item()
+                self._total_train_tokens += self._count_tokens(inputs)
             self._metrics[mode]["num_tokens"] = [self._total_train_tokens]
             all_scores = gather(scores.detach())
             self._metrics[mode]["min_reward"].append(all_scores.min().item())

@@ -15,18 +15,19 @@ from trl.experimental.cpo import CPOConfig, CPOTrainer  # noqa: E402
 from trl_longrm.heads import add_token_logprob_head  # noqa: E402
 from trl_longrm.losses import group_values, simpo_loss  # noqa: E402
 from trl_longrm.packing import PreferenceCollator  # noqa: E402
+from trl_longrm.sequence_parallel import SequenceParallelConfig  # noqa: E402
 from trl_longrm.trainers.common import (  # noqa: E402
     LongContextDataArguments,
-    model_inputs,
     pad_token_id_of,
     per_sequence_logps,
     prepare_preference_dataset,
     resolve_tokenizer,
 )
+from trl_longrm.trainers.parallel import SequenceParallelMixin  # noqa: E402
 
 
 @dataclass
-class SimPOGRMConfig(CPOConfig, LongContextDataArguments):
+class SimPOGRMConfig(CPOConfig, LongContextDataArguments, SequenceParallelConfig):
     """Configuration of [`SimPOGRMTrainer`]: TRL's `CPOConfig` with LongRM stage II defaults and long-context data
     fields (see `LongContextDataArguments`).
 
@@ -67,9 +68,10 @@ class SimPOGRMConfig(CPOConfig, LongContextDataArguments):
     def __post_init__(self):
         self.cpo_alpha = self.nll_loss_weight
         super().__post_init__()
+        SequenceParallelConfig.__post_init__(self)
 
 
-class SimPOGRMTrainer(CPOTrainer):
+class SimPOGRMTrainer(SequenceParallelMixin, CPOTrainer):
     """SimPO trainer for long-context generative reward models (LongRM stage II), a drop-in for TRL's `CPOTrainer`.
 
     Accepts every data format of `trl_longrm.data` (LongRM's `chat_template`/`chosen`/`rejects`, TRL's preference
@@ -133,6 +135,7 @@ class SimPOGRMTrainer(CPOTrainer):
             compute_metrics=compute_metrics,
         )
         add_token_logprob_head(self.model, chunk_elements=args.logprob_chunk_elements)
+        self._init_long_context(pad_token_id_of(tokenizer))
         self._total_train_tokens = 0
 
     # The dataset is tokenised before `CPOTrainer.__init__` (its own tokeniser handles one rejected string only).
@@ -145,8 +148,8 @@ class SimPOGRMTrainer(CPOTrainer):
 
     def sequence_logps(self, model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """Summed log-prob and number of scored tokens of every sequence of the batch, `[S]` each."""
-        output = model(**model_inputs(batch), logprob_labels=batch["labels"], use_cache=False)
-        return per_sequence_logps(output.token_logps, output.label_mask, batch)
+        token_logps, label_mask = self.forward_token_logps(model, batch)
+        return per_sequence_logps(token_logps, label_mask, batch)
 
     def get_batch_loss_metrics(self, model, batch, train_eval: Literal["train", "eval"] = "train"):
         sums, counts = self.sequence_logps(model, batch)
@@ -183,7 +186,7 @@ class SimPOGRMTrainer(CPOTrainer):
                 "logps/rejected": gather(rejected_logps.detach()[rejected_mask]).mean().item(),
                 "nll_loss": gather(nll_loss.detach()).mean().item(),
             }
-            tokens = gather(batch["sequence_lengths"].sum()).sum().item()
+            tokens = self._count_tokens(batch)
             metrics["tokens_per_step"] = float(tokens)
             if train_eval == "train":
                 self._total_train_tokens += tokens

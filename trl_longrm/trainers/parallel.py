@@ -1,0 +1,113 @@
+"""What makes the three trainers long: packed rows through the ring attention, optionally split over a ring group of
+processes (sequence parallelism), with data sharded by data-parallel rank and values gathered across the ring.
+
+The mixin goes first in a trainer's bases so that its dataloader and batch-size overrides win over the HF Trainer's:
+`class SimPOGRMTrainer(SequenceParallelMixin, CPOTrainer)`.
+"""
+
+from __future__ import annotations
+
+import torch
+from accelerate.data_loader import BatchSamplerShard
+
+from trl_longrm.heads import shift_labels_left
+from trl_longrm.sequence_parallel import (
+    apply_ring_attention,
+    gather_sequence,
+    init_sequence_parallel_groups,
+    shard_packed_row,
+    validate_sequence_parallel_setup,
+)
+from trl_longrm.trainers.common import model_inputs
+
+
+class SequenceParallelMixin:
+    """Ring groups, ring attention, per-ring data and sharded forwards, shared by the LongRM trainers."""
+
+    sp_groups = None
+
+    def _init_long_context(self, pad_token_id: int) -> None:
+        """Call at the end of `__init__`, once the accelerator (and so the process group) exists."""
+        args = self.args
+        self._pad_token_id = pad_token_id
+        sp = args.sequence_parallel_size
+        if sp > 1 and not args.padding_free:
+            raise ValueError(
+                f"sequence_parallel_size={sp} splits one packed row over a ring of processes; it needs "
+                "`padding_free=True`."
+            )
+        if sp > 1:
+            validate_sequence_parallel_setup(self.model, args, self.accelerator.num_processes)
+            self.sp_groups = init_sequence_parallel_groups(sp)
+        if args.padding_free:
+            # Our attention keeps the documents of a packed row apart without an L x L mask (and runs the ring).
+            apply_ring_attention(self.model, args)
+
+    @property
+    def sequence_parallel_size(self) -> int:
+        return self.sp_groups.group_size if self.sp_groups is not None else 1
+
+    # ------------------------------------------------------------------ data: one row per ring, disjoint per replica
+
+    def _shard_by_data_parallel_rank(self, dataloader):
+        if self.sp_groups is None:
+            return dataloader
+        batch_sampler = getattr(dataloader, "batch_sampler", None)
+        if not isinstance(batch_sampler, BatchSamplerShard):
+            raise ValueError(
+                "Sequence parallelism needs a map-style dataset (a `datasets.Dataset`), so that every rank of a ring "
+                "receives the same packed row."
+            )
+        # accelerate shards batches over every process; ranks of one ring must share a batch instead.
+        batch_sampler.num_processes = self.sp_groups.data_parallel_size
+        batch_sampler.process_index = self.sp_groups.data_parallel_rank
+        return dataloader
+
+    def get_train_dataloader(self):
+        return self._shard_by_data_parallel_rank(super().get_train_dataloader())
+
+    def get_eval_dataloader(self, eval_dataset=None):
+        return self._shard_by_data_parallel_rank(super().get_eval_dataloader(eval_dataset))
+
+    def get_total_train_batch_size(self, args) -> int:
+        # Ring ranks train on the same rows: the global batch counts data-parallel replicas only.
+        return super().get_total_train_batch_size(args) // self.sequence_parallel_size
+
+    def _count_tokens(self, batch) -> int:
+        """Real tokens of this step over all data-parallel replicas (each ring rank holds the same row)."""
+        total = self.accelerator.gather_for_metrics(batch["sequence_lengths"].sum()).sum().item()
+        return int(total) // self.sequence_parallel_size
+
+    # ------------------------------------------------------------------ forwards over a whole (possibly split) row
+
+    def _shard(self, batch, labels=None):
+        return shard_packed_row(
+            batch["input_ids"],
+            batch["position_ids"],
+            labels,
+            groups=self.sp_groups,
+            config=self.args,
+            pad_token_id=self._pad_token_id,
+        )
+
+    def forward_token_logps(self, model, batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-position log-prob of the next token (`[B, L]`, 0 where unscored) and the mask of scored positions,
+        for the whole row even when it is split over a ring."""
+        if self.sp_groups is None:
+            output = model(**model_inputs(batch), logprob_labels=batch["labels"], use_cache=False)
+            return output.token_logps, output.label_mask
+        shard = self._shard(batch, batch["labels"])
+        output = model(**shard.model_inputs(), logprob_shift_labels=shard.shift_labels)
+        # The gather's backward sums every rank's contribution: averaging gradients over the world is then exact.
+        token_logps = gather_sequence(output.token_logps, shard.attention_meta)
+        return token_logps, shift_labels_left(batch["labels"]) != -100
+
+    def forward_sequence_scores(self, model, batch) -> torch.Tensor:
+        """Score of every sequence of the batch, `[S]`, read at its last token, even when the row is split."""
+        if self.sp_groups is None:
+            return model(**model_inputs(batch), score_positions=batch["score_positions"], use_cache=False).scores
+        shard = self._shard(batch)
+        local = torch.arange(shard.input_ids.shape[1], device=shard.input_ids.device)
+        local_scores = model(**shard.model_inputs(), score_positions=local).scores
+        scores = gather_sequence(local_scores.unsqueeze(0), shard.attention_meta)[0]
+        return scores[batch["score_positions"]]
