@@ -31,46 +31,67 @@ def is_flash_attn_available() -> bool:
 
 
 class TorchBlockKernel:
-    """Pure PyTorch kernel: `scaled_dot_product_attention` over blocks of `query_chunk_size` queries, each against
-    the keys of its documents with a document-causal mask, so no `L x L` mask or score matrix ever exists. Any device.
+    """Pure PyTorch kernel over the document pieces of the local queries, any device.
+
+    A piece that starts at its document's start attends with one `is_causal` call (the fused CPU/CUDA kernels, no
+    mask, memory linear in its length). A piece that starts inside its document (a document crossing into this rank
+    from the previous one) sees every earlier key of that document: its queries go in blocks of `query_chunk_size`
+    with a bottom-right causal mask, so no `L x L` mask or score matrix ever exists.
     """
 
     name = "torch"
 
     def _blocks(self, meta: RingAttentionMetadata):
-        cu, offset = meta.cu_seqlens, meta.kv_start
-        for a in range(0, meta.local_length, meta.query_chunk_size):
-            b = min(a + meta.query_chunk_size, meta.local_length)
-            first_doc_start = cu[bisect.bisect_right(cu, meta.local_start + a) - 1]
-            yield a, b, first_doc_start - offset, meta.local_start + b - offset
+        """`(a, b, k_lo, k_hi, is_causal_square)`: local queries `[a, b)` against keys `[k_lo, k_hi)` (relative to
+        `kv_start`)."""
+        offset = meta.kv_start
+        cu = meta.cu_seqlens
+        first = bisect.bisect_right(cu, meta.local_start) - 1
+        for doc in range(first, len(cu) - 1):
+            doc_start, doc_end = cu[doc], cu[doc + 1]
+            if doc_start >= meta.local_end:
+                break
+            q_lo, q_hi = max(doc_start, meta.local_start), min(doc_end, meta.local_end)
+            if q_lo == doc_start:
+                yield q_lo - meta.local_start, q_hi - meta.local_start, doc_start - offset, q_hi - offset, True
+                continue
+            for a in range(q_lo, q_hi, meta.query_chunk_size):
+                b = min(a + meta.query_chunk_size, q_hi)
+                yield a - meta.local_start, b - meta.local_start, doc_start - offset, b - offset, False
 
-    def _block(self, q, k, v, meta, doc_ids, a, b, k_lo, k_hi, scaling):
-        q_rel = torch.arange(meta.local_start + a, meta.local_start + b, device=q.device) - meta.kv_start
-        k_rel = torch.arange(k_lo, k_hi, device=q.device)
-        mask = (doc_ids[q_rel][:, None] == doc_ids[k_lo:k_hi][None, :]) & (k_rel[None, :] <= q_rel[:, None])
+    @staticmethod
+    def _block(q, k, v, a, b, k_lo, k_hi, is_causal_square, scaling):
+        # [1, heads, tokens, dim]: the batched 4-D layout takes SDPA's fused kernels (3-D inputs fall back to math).
+        query = q[a:b].transpose(0, 1).unsqueeze(0)
+        key = k[k_lo:k_hi].transpose(0, 1).unsqueeze(0)
+        value = v[k_lo:k_hi].transpose(0, 1).unsqueeze(0)
+        mask = None
+        if not is_causal_square:
+            # Bottom-right causal: query i (the last b - a of the k_hi - k_lo keys) sees keys up to its own position.
+            q_pos = torch.arange(k_hi - (b - a), k_hi, device=q.device)
+            mask = torch.arange(k_lo, k_hi, device=q.device)[None, :] <= q_pos[:, None]
         out = F.scaled_dot_product_attention(
-            q[a:b].transpose(0, 1),
-            k[k_lo:k_hi].transpose(0, 1),
-            v[k_lo:k_hi].transpose(0, 1),
+            query,
+            key,
+            value,
             attn_mask=mask,
+            is_causal=is_causal_square,
             scale=scaling,
             enable_gqa=q.shape[1] != k.shape[1],
         )
-        return out.transpose(0, 1)
+        return out[0].transpose(0, 1)
 
     def forward(self, q, k, v, meta: RingAttentionMetadata, scaling: float) -> torch.Tensor:
-        doc_ids = meta.key_document_ids(q.device)
-        out = q.new_empty(q.shape[0], q.shape[1], v.shape[2])
-        for a, b, k_lo, k_hi in self._blocks(meta):
-            out[a:b] = self._block(q, k, v, meta, doc_ids, a, b, k_lo, k_hi, scaling)
+        out = q.new_zeros(q.shape[0], q.shape[1], v.shape[2])
+        for a, b, k_lo, k_hi, square in self._blocks(meta):
+            out[a:b] = self._block(q, k, v, a, b, k_lo, k_hi, square, scaling)
         return out
 
     def backward(self, q, k, v, grad_out, meta: RingAttentionMetadata, scaling: float):
-        doc_ids = meta.key_document_ids(q.device)
         q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
         with torch.enable_grad():
-            for a, b, k_lo, k_hi in self._blocks(meta):
-                block = self._block(q, k, v, meta, doc_ids, a, b, k_lo, k_hi, scaling)
+            for a, b, k_lo, k_hi, square in self._blocks(meta):
+                block = self._block(q, k, v, a, b, k_lo, k_hi, square, scaling)
                 torch.autograd.backward(block, grad_out[a:b])
         return tuple(t.grad if t.grad is not None else torch.zeros_like(t) for t in (q, k, v))
 
