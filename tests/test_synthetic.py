@@ -1,0 +1,224 @@
+"""The synthetic judging suite: determinism, formats, consistency of responses and verdicts with the documents,
+held-out keys, length buckets, and the CLI."""
+
+import json
+import re
+
+import pytest
+
+from trl_longrm.data import load_preference_dataset, load_sft_dataset
+from trl_longrm.evaluation.benchmark import load_benchmark
+from trl_longrm.evaluation.config import FORMATS, TASKS
+from trl_longrm.evaluation.prompts import (
+    PAIRWISE_SYSTEM_PROMPT,
+    build_judge_messages,
+    parse_pairwise_verdict,
+    parse_ranking_verdict,
+)
+from trl_longrm.evaluation.runner import make_request
+from trl_longrm.synthetic import (
+    SURFACES,
+    VALUES,
+    SyntheticConfig,
+    count_errors,
+    generate_synthetic_suite,
+    key_split,
+    parse_facts,
+)
+from trl_longrm.synthetic.__main__ import main as cli_main
+
+
+SMALL = dict(
+    num_train=21,
+    train_tokens=(80, 200),
+    lengths={"4k": 120, "8k": 250, "16k": 500},
+    pairwise_per_bucket=2,
+    bestofn_per_bucket=3,
+)
+
+
+@pytest.fixture(scope="module")
+def suite(tmp_path_factory):
+    return generate_synthetic_suite(tmp_path_factory.mktemp("suite"), seed=3, **SMALL)
+
+
+@pytest.fixture(scope="module")
+def absent_suite(tmp_path_factory):
+    return generate_synthetic_suite(tmp_path_factory.mktemp("absent"), seed=3, swap_probability=0.0, **SMALL)
+
+
+def read_jsonl(path):
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+
+
+def all_files(suite):
+    return sorted(p for p in suite.root.rglob("*") if p.is_file())
+
+
+def task_of_document(text):
+    """The task whose surface the document uses (each surface has its own fact sentence)."""
+    found = [task for task in SURFACES if parse_facts(task, text)]
+    assert len(found) == 1, found
+    return found[0]
+
+
+def document_of(user_content):
+    return user_content.split("\n\n# Question\n")[0]
+
+
+def displayed_responses(judge_user_content):
+    return re.findall(r"# Response ([A-Z])\n(.*?)\n# End of Response \1", judge_user_content, flags=re.S)
+
+
+def test_values_are_single_tokens_and_absent_from_templates(tokenizer):
+    from trl_longrm.synthetic.world import FILLER_WORDS
+
+    assert not set(VALUES) & set(FILLER_WORDS)
+    for value in VALUES:
+        assert len(tokenizer(" " + value, add_special_tokens=False)["input_ids"]) == 1, value
+    judge_texts = [m["content"] for n in (2, 3, 4) for m in build_judge_messages("task", ["x"] * n, ranking=n > 2)]
+    for surface in SURFACES.values():
+        text = " ".join([surface.fact, surface.question, surface.title, surface.system, *judge_texts])
+        for value in VALUES:
+            assert not re.search(rf"\b{value}\b", text), value
+
+
+def test_same_seed_same_files_other_seed_other_files(tmp_path, suite):
+    again = generate_synthetic_suite(tmp_path / "again", seed=3, **SMALL)
+    other = generate_synthetic_suite(tmp_path / "other", seed=4, **SMALL)
+    names = [p.relative_to(suite.root) for p in all_files(suite)]
+    assert names == [p.relative_to(again.root) for p in all_files(again)]
+    assert len(names) == 3 + len(TASKS) + 1
+    for name in names:
+        assert (suite.root / name).read_bytes() == (again.root / name).read_bytes(), name
+    assert suite.disrm.read_bytes() != other.disrm.read_bytes()
+    assert (suite.benchmark / "Math.jsonl").read_bytes() != (other.benchmark / "Math.jsonl").read_bytes()
+
+
+def test_files_load_through_the_data_layer_and_the_evaluator(suite):
+    disrm = load_preference_dataset(str(suite.disrm))
+    grm = load_preference_dataset(str(suite.grm))
+    sft = load_sft_dataset(str(suite.sft))
+    assert len(disrm) == len(grm) == len(sft) == SMALL["num_train"]
+    assert all(len(row["rejected"]) == 3 for row in disrm)
+    assert [m["role"] for m in sft[0]["messages"]] == ["system", "user", "assistant"]
+
+    records = load_benchmark(suite.benchmark, list(TASKS), list(FORMATS))
+    per_task = len(SMALL["lengths"]) * (SMALL["pairwise_per_bucket"] + SMALL["bestofn_per_bucket"])
+    assert len(records) == len(TASKS) * per_task
+    assert {r.task for r in records} == set(TASKS)
+    assert {r.length for r in records} == set(SMALL["lengths"])
+    assert sorted({len(r.candidates) for r in records if r.tasktype == "BestOfN"}) == [2, 3, 4]
+    assert all(len(r.candidates) == 2 for r in records if r.tasktype == "PairWise")
+
+
+@pytest.mark.parametrize("fixture", ["suite", "absent_suite"])
+def test_chosen_is_consistent_and_every_rejected_contradicts_the_document(request, fixture):
+    suite = request.getfixturevalue(fixture)
+    swap = fixture == "suite"
+    for row in read_jsonl(suite.disrm):
+        document = document_of(row["chat_template"][-1]["content"])
+        task = task_of_document(document)
+        facts = parse_facts(task, document)
+        assert count_errors(task, document, row["chosen"]) == 0
+        (key,) = parse_facts(task, row["chosen"])
+        assert len(set(row["rejects"])) == len(row["rejects"])
+        for rejected in row["rejects"]:
+            (wrong_key, wrong_value), *_ = parse_facts(task, rejected).items()
+            assert wrong_key == key and wrong_value != facts[key]
+            # A swap distractor is stated in the document for another key; an absent one is nowhere in it.
+            assert (wrong_value in facts.values()) == swap
+
+    for path in sorted(suite.benchmark.glob("*.jsonl")):
+        for record in read_jsonl(path):
+            document = document_of(record["prompt_template"][-1]["content"])
+            task = path.stem
+            candidates = record.get("candidates") or [record["chosen"], record["rejected"]]
+            # Best first: the k-th candidate has exactly k wrong values.
+            assert [count_errors(task, document, c) for c in candidates] == list(range(len(candidates)))
+
+
+def verdict(text, n, ranking):
+    return parse_ranking_verdict(text, n) if ranking else parse_pairwise_verdict(text)
+
+
+def test_judge_data_uses_the_evaluator_prompt_and_the_right_verdicts(suite):
+    for row in read_jsonl(suite.sft) + read_jsonl(suite.grm):
+        system, user = row["chat_template"]
+        shown = displayed_responses(user["content"])
+        ranking = len(shown) > 2 or system["content"] != PAIRWISE_SYSTEM_PROMPT
+        task_text = user["content"].split("\n\n# Response A\n")[0]
+        assert task_text.startswith("# Task\n")
+        document = document_of(task_text)
+        task = task_of_document(document)
+        errors = [count_errors(task, document, text) for _, text in shown]
+        # Gold rank of each displayed response from its number of wrong values (distinct by construction).
+        gold = [sorted(errors).index(e) for e in errors]
+
+        answer = row.get("golden", row.get("chosen"))
+        assert verdict(answer, len(shown), ranking) == gold, answer
+        for rejected in row.get("rejects", []):
+            assert verdict(rejected, len(shown), ranking) not in (None, gold), rejected
+
+
+def test_judge_prompt_matches_what_the_evaluator_shows(suite):
+    """A benchmark record judged by the runner gets a prompt of the same layout as the SFT rows."""
+    record = load_benchmark(suite.benchmark, ["Code"], ["PairWise"])[0]
+    request, _ = make_request(record, seed=42)
+    surface = SURFACES["Code"]
+    assert request.task_prompt.startswith(f"{surface.system}\n\n# {surface.title}\n")
+    sft_code = [r for r in read_jsonl(suite.sft) if parse_facts("Code", document_of(r["chat_template"][1]["content"]))]
+    assert sft_code, "num_train covers every task"
+    assert sft_code[0]["chat_template"][1]["content"].startswith(f"# Task\n{surface.system}\n\n# {surface.title}\n")
+
+
+def test_benchmark_keys_are_held_out_from_training(suite):
+    train_keys = set()
+    for path in (suite.disrm, suite.grm, suite.sft):
+        for row in read_jsonl(path):
+            text = " ".join(m["content"] for m in row["chat_template"])
+            train_keys |= {key for surface in SURFACES.values() for key, _ in surface.pattern().findall(text)}
+    # Only the fact sentences carry keys: also read the asked keys back from the questions.
+    assert train_keys and all(key_split(k) == "train" for k in train_keys)
+    bench_keys = set()
+    for path in suite.benchmark.glob("*.jsonl"):
+        for record in read_jsonl(path):
+            bench_keys |= set(parse_facts(path.stem, record["prompt_template"][-1]["content"]))
+    assert bench_keys and not bench_keys & train_keys
+
+
+def test_length_buckets_are_monotone_and_near_their_targets(suite, tokenizer):
+    by_bucket = {}
+    for path in suite.benchmark.glob("*.jsonl"):
+        for record in read_jsonl(path):
+            ids = tokenizer.apply_chat_template(record["prompt_template"], tokenize=True)["input_ids"]
+            by_bucket.setdefault(record["ctx_length_for_length"], []).append((len(ids), record["ctx_tokens"]))
+    means = []
+    for bucket, target in SMALL["lengths"].items():
+        lengths = by_bucket[bucket]
+        assert all(target <= ctx <= target + 40 for _, ctx in lengths), (bucket, lengths)
+        means.append(sum(n for n, _ in lengths) / len(lengths))
+    assert means == sorted(means) and means[0] < means[-1] / 2
+
+
+def test_cli_writes_the_same_suite_as_the_api(tmp_path, suite):
+    args = ["--output-dir", str(tmp_path), "--seed", "3", "--num-train", "21", "--train-tokens", "80", "200"]
+    args += ["--lengths", "4k=120", "8k=250", "16k=500", "--pairwise-per-bucket", "2", "--bestofn-per-bucket", "3"]
+    assert cli_main(args) == 0
+    for path in all_files(suite):
+        assert (tmp_path / path.relative_to(suite.root)).read_bytes() == path.read_bytes(), path
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"tasks": ["LongQA", "Poetry"]}, "Unknown task"),
+        ({"lengths": {"4k": 0}}, "lengths"),
+        ({"train_tokens": (300, 100)}, "train_tokens"),
+        ({"num_rejected": 0}, "num_rejected"),
+        ({"swap_probability": 1.5}, "swap_probability"),
+    ],
+)
+def test_bad_settings_fail_clearly(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        SyntheticConfig(**overrides)

@@ -1,0 +1,400 @@
+"""Writing a synthetic long-context judging suite: judge SFT data, SimPO-GRM and DisRM preference data, and a held-out
+mini Long-RewardBench, all built on the fact sheets of `trl_longrm.synthetic.world`.
+
+The judge prompts are the evaluator's own (`trl_longrm.evaluation.prompts.build_judge_messages` applied to the task
+prompt a `BenchmarkRecord` shows the judge), so a judge trained here is evaluated on exactly the inputs it learnt.
+Training data uses the `train` keys of `world.key_split` and the benchmark the `eval` keys, with their own seeds.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from trl_longrm.evaluation.benchmark import BenchmarkRecord
+from trl_longrm.evaluation.config import TASKS
+from trl_longrm.evaluation.prompts import build_judge_messages, label
+from trl_longrm.synthetic.world import SURFACES, VALUES, FactSheet, make_fact_sheet, make_responses, split_keys
+
+
+logger = logging.getLogger(__name__)
+
+SFT_FILE = "sft/train.jsonl"
+GRM_FILE = "grm/train.jsonl"
+DISRM_FILE = "disrm/train.jsonl"
+BENCHMARK_DIR = "bench"
+MANIFEST_FILE = "manifest.json"
+
+
+@dataclass
+class SyntheticConfig:
+    """Settings of `generate_synthetic_suite` (each field is a `--kebab-case` flag of `python -m trl_longrm.synthetic`).
+
+    Example:
+    ```python
+    >>> config = SyntheticConfig(seed=1, num_train=200, lengths={"4k": 300, "8k": 600})
+    ```
+    """
+
+    seed: int = field(default=0, metadata={"help": "Seed of every random choice; same seed, same files. Default 0."})
+    num_train: int = field(
+        default=400,
+        metadata={"help": "Examples in each training set (judge SFT, SimPO-GRM, DisRM). Default 400."},
+    )
+    train_tokens: tuple[int, int] = field(
+        default=(150, 600),
+        metadata={
+            "help": "Range (min, max) of the document length in tokens of a training example, drawn uniformly. "
+            "Default (150, 600)."
+        },
+    )
+    num_rejected: int = field(
+        default=3, metadata={"help": "Rejected responses (DisRM) or judgments (SimPO-GRM) per example. Default 3."}
+    )
+    ranking_fraction: float = field(
+        default=0.3,
+        metadata={
+            "help": "Fraction of judge training examples (SFT, SimPO-GRM) that use the ranking protocol with 3 or 4 "
+            "responses; the rest are pairwise. Default 0.3."
+        },
+    )
+    lengths: dict[str, int] = field(
+        default_factory=lambda: {"4k": 300, "8k": 700, "16k": 1500},
+        metadata={
+            "help": "Benchmark length buckets: bucket name (`ctx_length_for_length`) -> document length in tokens. "
+            "Default {'4k': 300, '8k': 700, '16k': 1500}."
+        },
+    )
+    pairwise_per_bucket: int = field(
+        default=4, metadata={"help": "PairWise benchmark records per task and length bucket. Default 4."}
+    )
+    bestofn_per_bucket: int = field(
+        default=3,
+        metadata={
+            "help": "BestOfN benchmark records per task and length bucket, cycling through 2, 3 and 4 candidates. "
+            "Default 3."
+        },
+    )
+    tasks: list[str] = field(
+        default_factory=lambda: list(TASKS), metadata={"help": f"Tasks to write; default all of {', '.join(TASKS)}."}
+    )
+    tokens_per_fact: int = field(
+        default=60,
+        metadata={
+            "help": "Document tokens per fact: a document of T tokens states about T / tokens_per_fact facts (at "
+            "least 4, at most 26). Default 60."
+        },
+    )
+    swap_probability: float = field(
+        default=1.0,
+        metadata={
+            "help": "Probability that a wrong value is another key's value from the same document (`swap`) rather "
+            "than a value the document never states (`absent`). Default 1.0 (always swap)."
+        },
+    )
+    key_digits: int = field(default=2, metadata={"help": "Digits of a key after its letter (`P27`). Default 2."})
+    eval_key_fraction: float = field(
+        default=0.25, metadata={"help": "Fraction of keys reserved for the benchmark. Default 0.25."}
+    )
+
+    def __post_init__(self):
+        self.train_tokens = tuple(self.train_tokens)
+        self.tasks = list(self.tasks)
+        unknown = [task for task in self.tasks if task not in SURFACES]
+        if unknown:
+            raise ValueError(f"Unknown task(s) {unknown}; expected a subset of {list(SURFACES)}.")
+        if len(self.train_tokens) != 2 or not 0 < self.train_tokens[0] <= self.train_tokens[1]:
+            raise ValueError(f"train_tokens must be (min, max) with 0 < min <= max, got {self.train_tokens}.")
+        if self.num_rejected < 1:
+            raise ValueError(f"num_rejected must be >= 1, got {self.num_rejected}.")
+        if not 0 <= self.ranking_fraction <= 1 or not 0 <= self.swap_probability <= 1:
+            raise ValueError("ranking_fraction and swap_probability must lie in [0, 1].")
+        if not self.lengths or any(tokens <= 0 for tokens in self.lengths.values()):
+            raise ValueError(f"lengths must map bucket names to positive token counts, got {self.lengths}.")
+
+
+@dataclass
+class JudgingExample:
+    """One generated item: a fact sheet, the prompt messages built on it, and responses best first.
+
+    `errors[i]` is the number of wrong values in `responses[i]` (0 for the first, rising); gold ranks follow it.
+    """
+
+    sheet: FactSheet
+    asked: list[str]
+    prompt_messages: list[dict[str, str]]
+    responses: list[str]
+    errors: list[int]
+    tokens: int
+
+    @property
+    def task_prompt(self) -> str:
+        """The task text a generative judge sees (as the evaluator builds it from a `BenchmarkRecord`)."""
+        return BenchmarkRecord(
+            id="", task="", tasktype="", subtype=None, length=None, prompt_messages=self.prompt_messages, candidates=[]
+        ).task_prompt
+
+
+class _TokenCounter:
+    """Token counts of sentences with the suite's tokenizer, cached (filler sentences repeat)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.cache: dict[str, int] = {}
+
+    def __call__(self, text: str) -> int:
+        if text in self.cache:
+            return self.cache[text]
+        count = len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        if len(text) < 300:  # sentences repeat, whole documents do not
+            self.cache[text] = count
+        return count
+
+
+# Some values must stay unstated in every document, for `absent` distractors.
+MAX_FACTS = len(VALUES) - 8
+
+
+def _num_facts(tokens: int, config: SyntheticConfig) -> int:
+    return max(4, min(MAX_FACTS, tokens // config.tokens_per_fact))
+
+
+def make_example(
+    rng: random.Random, task: str, keys: list[str], tokens: int, errors: list[int], config: SyntheticConfig, counter
+) -> JudgingExample:
+    """A fact sheet of about `tokens` tokens, a question about `max(errors)` (at least 1) of its keys, and responses."""
+    num_asked = max(1, max(errors))
+    sheet = make_fact_sheet(rng, task, keys, _num_facts(tokens, config), tokens, counter)
+    asked = rng.sample(sheet.keys, num_asked)
+    surface = sheet.surface
+    question = surface.question.format(keys=", ".join(asked))
+    messages = [
+        {"role": "system", "content": surface.system},
+        {"role": "user", "content": f"# {surface.title}\n{sheet.context}\n\n# Question\n{question}"},
+    ]
+    responses = make_responses(rng, sheet, asked, errors, config.swap_probability)
+    return JudgingExample(sheet, asked, messages, responses, list(errors), counter(sheet.context))
+
+
+def judgment(example: JudgingExample, order: list[int], ranking: bool, claimed: list[int] | None = None) -> str:
+    """A judge's answer for the responses shown in `order` (`order[p]`: index of the response at position p).
+
+    The answer quotes the facts the question needs, counts each displayed response's correct values and ends with the
+    verdict. `claimed[p]` (default: the true ranks) is the rank the judgment gives position p; a wrong `claimed` gives
+    a fluent judgment with wrong counts and verdict (a rejected judgment for SimPO).
+    """
+    surface = example.sheet.surface
+    num_asked = len(example.asked)
+    true_ranks = list(order)
+    claimed = true_ranks if claimed is None else claimed
+    # Correct counts, sorted best first, handed out by claimed rank: the counts agree with the verdict.
+    counts_best_first = sorted(num_asked - example.errors[i] for i in order)[::-1]
+    evidence = " ".join(surface.fact_sentence(key, example.sheet.facts[key]) for key in example.asked)
+    lines = [f"Evidence: {evidence}"]
+    for position in range(len(order)):
+        lines.append(f"Response {label(position)}: {counts_best_first[claimed[position]]}/{num_asked} correct.")
+    if ranking:
+        best_first = sorted(range(len(order)), key=lambda p: claimed[p])
+        verdict = "[[" + ">".join(label(p) for p in best_first) + "]]"
+    else:
+        verdict = f"[[{label(claimed.index(0))}]]"
+    return "\n".join(lines + [verdict])
+
+
+def _judge_prompt(example: JudgingExample, order: list[int], ranking: bool) -> list[dict[str, str]]:
+    return build_judge_messages(example.task_prompt, [example.responses[i] for i in order], ranking=ranking)
+
+
+def _wrong_rankings(rng: random.Random, n: int, true_ranks: list[int], k: int) -> list[list[int]]:
+    """`k` rank assignments different from `true_ranks` (repeating when fewer than k exist, as with n = 2)."""
+    import itertools
+
+    wrong = [list(p) for p in itertools.permutations(range(n)) if list(p) != true_ranks]
+    rng.shuffle(wrong)
+    return [wrong[i % len(wrong)] for i in range(k)]
+
+
+def _train_errors(rng: random.Random, ranking: bool, config: SyntheticConfig) -> list[int]:
+    if not ranking:
+        return [0, 1]
+    n = rng.choice([3, 4])
+    return list(range(n))
+
+
+class SuiteBuilder:
+    """Builds the rows of each file of the suite; `generate_synthetic_suite` writes them.
+
+    Each row comes from its own random stream (seeded by the suite seed, the dataset and the row index), so a row
+    does not depend on how many rows come before it.
+    """
+
+    def __init__(self, config: SyntheticConfig, tokenizer=None):
+        if tokenizer is None:
+            from trl_longrm.testing_utils import build_chat_tokenizer
+
+            tokenizer = build_chat_tokenizer()
+        self.config = config
+        self.counter = _TokenCounter(tokenizer)
+        self.train_keys = split_keys("train", config.key_digits, config.eval_key_fraction)
+        self.eval_keys = split_keys("eval", config.key_digits, config.eval_key_fraction)
+
+    def _rng(self, *parts) -> random.Random:
+        return random.Random(":".join(str(p) for p in (self.config.seed, *parts)))
+
+    def _train_example(self, dataset: str, index: int, errors_fn) -> tuple[random.Random, JudgingExample]:
+        rng = self._rng(dataset, index)
+        task = self.config.tasks[index % len(self.config.tasks)]
+        tokens = rng.randint(*self.config.train_tokens)
+        return rng, make_example(rng, task, self.train_keys, tokens, errors_fn(rng), self.config, self.counter)
+
+    def disrm_rows(self) -> list[dict]:
+        """DisRM preference rows: prompt messages, the consistent response, `num_rejected` inconsistent ones."""
+        rows = []
+        errors = [0] + [1] * self.config.num_rejected
+        for index in range(self.config.num_train):
+            _, example = self._train_example("disrm", index, lambda rng: errors)
+            rows.append(
+                {
+                    "chat_template": example.prompt_messages,
+                    "chosen": example.responses[0],
+                    "rejects": example.responses[1:],
+                    "task": example.sheet.task,
+                    "ctx_tokens": example.tokens,
+                }
+            )
+        return rows
+
+    def _judge_example(self, dataset: str, index: int):
+        rng, example = self._train_example(
+            dataset, index, lambda r: _train_errors(r, r.random() < self.config.ranking_fraction, self.config)
+        )
+        ranking = len(example.responses) > 2
+        order = list(range(len(example.responses)))
+        rng.shuffle(order)
+        return rng, example, order, ranking
+
+    def sft_rows(self) -> list[dict]:
+        """Judge SFT rows: the evaluator's judge prompt and the correct judgment as `golden`."""
+        rows = []
+        for index in range(self.config.num_train):
+            _, example, order, ranking = self._judge_example("sft", index)
+            rows.append(
+                {
+                    "chat_template": _judge_prompt(example, order, ranking),
+                    "golden": judgment(example, order, ranking),
+                    "task": example.sheet.task,
+                    "ctx_tokens": example.tokens,
+                }
+            )
+        return rows
+
+    def grm_rows(self) -> list[dict]:
+        """SimPO-GRM rows: the judge prompt, the correct judgment, and `num_rejected` wrong judgments."""
+        rows = []
+        for index in range(self.config.num_train):
+            rng, example, order, ranking = self._judge_example("grm", index)
+            wrong = _wrong_rankings(rng, len(order), list(order), self.config.num_rejected)
+            rejects = list(dict.fromkeys(judgment(example, order, ranking, claimed) for claimed in wrong))
+            rows.append(
+                {
+                    "chat_template": _judge_prompt(example, order, ranking),
+                    "chosen": judgment(example, order, ranking),
+                    "rejects": rejects,
+                    "task": example.sheet.task,
+                    "ctx_tokens": example.tokens,
+                }
+            )
+        return rows
+
+    def benchmark_rows(self, task: str) -> list[dict]:
+        """Long-RewardBench records of one task: per length bucket, PairWise then BestOfN (2, 3, 4 candidates)."""
+        rows = []
+        for bucket, tokens in self.config.lengths.items():
+            for i in range(self.config.pairwise_per_bucket + self.config.bestofn_per_bucket):
+                rng = self._rng("bench", task, bucket, i)
+                pairwise = i < self.config.pairwise_per_bucket
+                n = 2 if pairwise else 2 + (i - self.config.pairwise_per_bucket) % 3
+                example = make_example(rng, task, self.eval_keys, tokens, list(range(n)), self.config, self.counter)
+                record = {
+                    "id": f"{task.lower()}-{bucket}-{i:03d}",
+                    "prompt_template": example.prompt_messages,
+                    "tasktype": "PairWise" if pairwise else "BestOfN",
+                    "subtype": "same" if pairwise else str(n),
+                    "ctx_length_for_length": bucket,
+                    "source": f"synthetic_{task.lower()}",
+                    "ctx_tokens": example.tokens,
+                }
+                if pairwise:
+                    record.update(chosen=example.responses[0], rejected=example.responses[1])
+                else:
+                    record["candidates"] = example.responses
+                rows.append(record)
+        return rows
+
+
+def _write_jsonl(path: Path, rows: list[dict]):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", encoding="utf-8") as handle:
+        for row in rows:
+            handle.write(json.dumps(row, ensure_ascii=False) + "\n")
+
+
+@dataclass
+class SyntheticSuite:
+    """Paths of a written suite. `benchmark` is a directory of `{Task}.jsonl` files (Long-RewardBench layout)."""
+
+    root: Path
+    sft: Path
+    grm: Path
+    disrm: Path
+    benchmark: Path
+    manifest: Path
+
+
+def generate_synthetic_suite(
+    output_dir: str | Path, config: SyntheticConfig | None = None, tokenizer=None, **overrides
+) -> SyntheticSuite:
+    """Write the judge SFT data, SimPO-GRM and DisRM preference data and a held-out mini benchmark into `output_dir`.
+
+    Files: `sft/train.jsonl` (`chat_template` + `golden`), `grm/train.jsonl` and `disrm/train.jsonl`
+    (`chat_template` + `chosen` + `rejects`), `bench/{Task}.jsonl` and `manifest.json` (settings and row counts).
+    Keyword arguments override fields of `config` (default `SyntheticConfig()`). `tokenizer` measures document
+    lengths (default: the tiny test tokenizer of `trl_longrm.testing_utils`).
+
+    Example:
+    ```python
+    >>> from trl_longrm.synthetic import generate_synthetic_suite
+    >>> suite = generate_synthetic_suite("/tmp/synthetic", seed=0, num_train=200, lengths={"4k": 300, "8k": 800})
+    >>> suite.disrm, suite.benchmark
+    ```
+    """
+    config = SyntheticConfig(**{**asdict(config or SyntheticConfig()), **overrides})
+    root = Path(output_dir)
+    builder = SuiteBuilder(config, tokenizer)
+    suite = SyntheticSuite(
+        root=root,
+        sft=root / SFT_FILE,
+        grm=root / GRM_FILE,
+        disrm=root / DISRM_FILE,
+        benchmark=root / BENCHMARK_DIR,
+        manifest=root / MANIFEST_FILE,
+    )
+    counts = {}
+    for name, path, rows in (
+        ("sft", suite.sft, builder.sft_rows()),
+        ("grm", suite.grm, builder.grm_rows()),
+        ("disrm", suite.disrm, builder.disrm_rows()),
+    ):
+        _write_jsonl(path, rows)
+        counts[name] = len(rows)
+    for task in config.tasks:
+        rows = builder.benchmark_rows(task)
+        _write_jsonl(suite.benchmark / f"{task}.jsonl", rows)
+        counts[f"bench/{task}"] = len(rows)
+    manifest = {"config": asdict(config), "counts": counts}
+    suite.manifest.write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
+    logger.info("Wrote the synthetic suite to %s: %s", root, counts)
+    return suite
