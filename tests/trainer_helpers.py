@@ -53,3 +53,33 @@ def learnable_groups(tokenizer, num_groups, num_rejected, seed=0):
     for group in groups:
         group["chosen_completion_ids"] = verdict
     return Dataset.from_list(groups)
+
+
+_WORDS = "the city river number name year color animal planet capital author book price height".split()
+
+
+def write_longrm_jsonl(path, num_rows, num_rejected=2, seed=0, sft=False):
+    """Text data in the original LongRM format (`chat_template` + `chosen` + `rejects`, or `golden` for SFT) with a
+    learnable pattern: the chosen judgment is always the same verdict."""
+    import json
+
+    rng = random.Random(seed)
+
+    def sentence(n):
+        return " ".join(rng.choice(_WORDS) for _ in range(n))
+
+    with open(path, "w", encoding="utf-8") as handle:
+        for _ in range(num_rows):
+            row = {
+                "chat_template": [
+                    {"role": "system", "content": "You judge whether a response is consistent with the context."},
+                    {"role": "user", "content": f"Context: {sentence(rng.randint(30, 60))}\nResponse: {sentence(8)}"},
+                ]
+            }
+            if sft:
+                row["golden"] = "[Analysis] consistent. [Score: 9]"
+            else:
+                row["chosen"] = "[Analysis] consistent. [Score: 9]"
+                row["rejects"] = [sentence(rng.randint(3, 8)) for _ in range(num_rejected)]
+            handle.write(json.dumps(row) + "\n")
+    return str(path)

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import os
+import subprocess
 import sys
+from pathlib import Path
 
 from trl_longrm.evaluation.cli import add_eval_arguments, run_eval
 
@@ -14,7 +17,18 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train and evaluate long-context reward models (LongRM) with TRL.",
     )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
-    subparsers.add_parser("train", help="Run a training stage (sft, simpo_grm, simpo_disrm) from a YAML recipe.")
+    # No `-h` of its own: `train RECIPE --help` is answered by the stage's parser, which knows every option.
+    train_parser = subparsers.add_parser(
+        "train",
+        add_help=False,
+        help="Run a training stage (sft, simpo_grm, simpo_disrm) from a YAML recipe, under `accelerate launch`.",
+        description="Launch `accelerate launch -m trl_longrm RECIPE [OPTIONS]` with the accelerate config and process "
+        "count the recipe names (`accelerate_config`, `num_processes`). Options after the recipe override its values "
+        "(`--learning_rate 1e-6`); `--dry_run` prints the plan without launching or loading weights. "
+        "`trl-longrm train RECIPE --help` lists every option of the recipe's stage.",
+    )
+    train_parser.add_argument("recipe", nargs="?", help="YAML recipe; its `stage` key picks the trainer.")
+    train_parser.set_defaults(handler=run_train, print_help=train_parser.print_help)
     eval_parser = subparsers.add_parser(
         "eval",
         help="Evaluate a reward model on Long-RewardBench.",
@@ -25,18 +39,65 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def find_accelerate_config(name: str) -> str:
+    """A path as given, else a file of that name under ./accelerate_configs or the project's accelerate_configs."""
+    candidates = [
+        Path(name),
+        Path("accelerate_configs") / name,
+        Path(__file__).resolve().parents[1] / "accelerate_configs" / name,
+    ]
+    for candidate in candidates:
+        if candidate.is_file():
+            return str(candidate)
+    raise FileNotFoundError(f"Accelerate config {name!r} not found (looked at {', '.join(map(str, candidates))}).")
+
+
+def launch_command(recipe: str, overrides: list[str]) -> list[str]:
+    """The `accelerate launch` command line that runs `recipe` with the recipe's accelerate settings."""
+    from trl_longrm.train import _flag_value, read_recipe
+
+    settings = read_recipe(["--config", recipe])
+    accelerate_config = _flag_value(overrides, "--accelerate_config") or settings.get("accelerate_config")
+    num_processes = _flag_value(overrides, "--num_processes") or settings.get("num_processes")
+    command = [sys.executable, "-m", "accelerate.commands.launch"]
+    if accelerate_config:
+        command += ["--config_file", find_accelerate_config(str(accelerate_config))]
+    if num_processes:
+        command += ["--num_processes", str(num_processes)]
+    return [*command, "-m", "trl_longrm", recipe, *overrides]
+
+
+def run_train(args: argparse.Namespace, overrides: list[str]) -> int:
+    if args.recipe is None:
+        args.print_help()
+        return 0 if any(flag in overrides for flag in ("-h", "--help")) else 2
+    if any(flag in overrides for flag in ("--dry_run", "--dry-run", "-h", "--help")):
+        # Nothing to launch: resolve and print in this process.
+        from trl_longrm.train import main as train_main
+
+        return train_main([args.recipe, *overrides])
+    command = launch_command(args.recipe, overrides)
+    print("Launching:", " ".join(command), flush=True)
+    return subprocess.call(command, env=os.environ.copy())
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    # `python -m trl_longrm recipe.yaml ...` (what `accelerate launch -m trl_longrm` runs) trains one stage.
+    if argv and argv[0].endswith((".yaml", ".yml")):
+        from trl_longrm.train import main as train_main
+
+        return train_main(argv)
     parser = build_parser()
-    args, _ = parser.parse_known_args(argv)
+    args, unknown = parser.parse_known_args(argv)
     if args.command is None:
         parser.print_help()
         return 0
-    handler = getattr(args, "handler", None)
-    if handler is None:
-        parser.error(f"`{args.command}` is not available yet.")
-    # Subcommands with a handler take no unknown flags: re-parse strictly so that typos are errors.
-    return handler(parser.parse_args(argv))
+    if args.command == "train":
+        # Everything after the recipe belongs to the stage's own parser (TrlParser).
+        return args.handler(args, unknown)
+    # Other subcommands take no unknown flags: re-parse strictly so that typos are errors.
+    return args.handler(parser.parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,255 @@
+"""Recipes and the launch path: the paper's values, `--dry_run`, and tiny recipes through `accelerate launch`."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from trainer_helpers import write_longrm_jsonl
+
+from trl_longrm.testing_utils import save_tiny_model
+from trl_longrm.train import parse_args, training_plan
+
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPES = ROOT / "recipes"
+PAPER = ["sft.yaml", "simpo_grm.yaml", "simpo_disrm.yaml"]
+LOW_MEMORY = [f"{stage}_{kind}.yaml" for stage in ("sft", "simpo_grm", "simpo_disrm") for kind in ("lora", "qlora")]
+
+
+@pytest.mark.parametrize("name", PAPER + LOW_MEMORY)
+def test_recipe_dry_run_matches_the_paper(name, capsys):
+    from trl_longrm.train import main
+
+    assert main([str(RECIPES / name), "--dry_run"]) == 0
+    assert '"plan"' in capsys.readouterr().out
+    script, args, model = parse_args([str(RECIPES / name), "--dry_run"])
+    plan = training_plan(script, args, model)
+    # The LongRM paper's appendix: shared by every stage.
+    assert args.learning_rate == (2e-6 if name in PAPER else 1e-5)
+    assert args.warmup_steps == 0.03 and (args.adam_beta1, args.adam_beta2) == (0.9, 0.95)
+    assert args.num_train_epochs == 1 and args.max_grad_norm == 1.0 and args.bf16
+    assert args.per_device_train_batch_size == 1 and plan["global_batch_size"] == 32
+    assert args.gradient_checkpointing
+    if name in PAPER:
+        assert args.max_length == 131072 and args.sequence_parallel_size == 8 and args.ring_head_stride == 4
+        assert script.accelerate_config == "zero2.yaml" and plan["world_size"] == 8
+        assert plan["data_parallel_size"] == 1 and plan["ring_groups"] == [list(range(8))]
+    if "qlora" in name:
+        assert model.load_in_4bit and model.bnb_4bit_quant_type == "nf4" and model.use_bnb_nested_quant
+    if "lora" in name or "disrm" in name:
+        assert model.use_peft and model.lora_target_modules in ("all-linear", ["all-linear"])
+    stage = script.stage
+    assert name.startswith(stage)
+    if stage == "simpo_grm":
+        assert (args.beta, args.simpo_gamma, args.nll_loss_weight) == (2.5, 0.5, 0.05)
+        assert args.cpo_alpha == 0.05 and args.loss_type == "simpo"
+    if name == "simpo_disrm.yaml":
+        assert model.model_name_or_path == "Skywork/Skywork-Reward-V2-Llama-3.1-8B"
+        assert (model.lora_r, model.lora_alpha) == (8, 8)
+    if name == "sft.yaml":
+        assert model.model_name_or_path == "Qwen/Qwen3-8B"
+
+
+def test_cli_overrides_recipe_and_rejects_unknown_keys(tmp_path):
+    script, args, _ = parse_args([str(RECIPES / "simpo_grm.yaml"), "--dry_run", "--beta", "1.5"])
+    assert args.beta == 1.5 and args.simpo_gamma == 0.5
+    bad = tmp_path / "bad.yaml"
+    bad.write_text((RECIPES / "tiny" / "sft.yaml").read_text() + "not_an_option: 3\n")
+    with pytest.raises(ValueError, match="not_an_option"):
+        parse_args([str(bad), "--dry_run"])
+    no_stage = tmp_path / "no_stage.yaml"
+    no_stage.write_text("learning_rate: 1.0e-5\n")
+    with pytest.raises(SystemExit):
+        parse_args([str(no_stage)])
+
+
+def test_stage_help_lists_every_option():
+    out = subprocess.run(
+        [sys.executable, "-m", "trl_longrm", str(RECIPES / "simpo_grm.yaml"), "--help"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    ).stdout
+    for option in ("--nll_loss_weight", "--sequence_parallel_size", "--ring_head_stride", "--lora_r", "--dry_run"):
+        assert option in out
+    assert "Weight of the token-mean NLL" in out
+
+
+# ---------------------------------------------------------------- tiny recipes through accelerate (slow)
+
+
+@pytest.fixture(scope="module")
+def tiny_assets(tmp_path_factory):
+    root = tmp_path_factory.mktemp("recipes")
+    return {
+        "lm": save_tiny_model(root / "lm", arch="qwen3", task="causal-lm", seed=1),
+        "cls": save_tiny_model(root / "cls", arch="llama", task="seq-cls", seed=1),
+        "pref": write_longrm_jsonl(root / "pref.jsonl", 8, num_rejected=2),
+        "sft": write_longrm_jsonl(root / "sft.jsonl", 8, sft=True),
+    }
+
+
+def launch(accelerate_config, recipe, *overrides, timeout=600):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRL_EXPERIMENTAL_SILENCE": "1", "HF_HUB_OFFLINE": "1"}
+    command = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(ROOT / "accelerate_configs" / accelerate_config),
+        "--main_process_port",
+        "0",
+        "-m",
+        "trl_longrm",
+        str(RECIPES / "tiny" / recipe),
+        *overrides,
+    ]
+    result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=env, timeout=timeout)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    return result
+
+
+def weights(directory):
+    files = sorted(Path(directory).glob("*.safetensors"))
+    assert files, f"no weights saved in {directory}"
+    out = {}
+    for f in files:
+        out.update(load_file(str(f)))
+    return out
+
+
+@pytest.mark.slow
+def test_trl_longrm_train_launches_one_process(tiny_assets, tmp_path):
+    out = tmp_path / "sft"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    command = [
+        str(Path(sys.executable).parent / "trl-longrm"),
+        "train",
+        str(RECIPES / "tiny" / "sft.yaml"),
+        "--model_name_or_path",
+        tiny_assets["lm"],
+        "--dataset_name",
+        tiny_assets["sft"],
+        "--output_dir",
+        str(out),
+        "--max_steps",
+        "2",
+    ]
+    result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
+    assert result.returncode == 0, result.stderr[-6000:]
+    assert "accelerate" in result.stdout and "cpu_single.yaml" in result.stdout
+    assert (out / "trainer_state.json").exists() or any(out.glob("checkpoint-*"))
+    assert weights(out)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "accelerate_config,recipe,extra",
+    [
+        ("cpu_ddp.yaml", "simpo_grm.yaml", ["--sequence_parallel_size", "1"]),  # 2 processes, DDP
+        ("cpu_ddp.yaml", "simpo_disrm.yaml", []),  # 2 processes, one ring of 2
+        ("cpu_zero2.yaml", "simpo_grm.yaml", ["--sequence_parallel_size", "1"]),  # DeepSpeed ZeRO-2
+    ],
+)
+def test_tiny_recipes_multi_process(tiny_assets, tmp_path, accelerate_config, recipe, extra):
+    model = tiny_assets["cls"] if "disrm" in recipe else tiny_assets["lm"]
+    out = tmp_path / "run"
+    launch(
+        accelerate_config,
+        recipe,
+        "--model_name_or_path",
+        model,
+        "--dataset_name",
+        tiny_assets["pref"],
+        "--output_dir",
+        str(out),
+        "--max_steps",
+        "2",
+        *extra,
+    )
+    trained = weights(out)
+    assert all(torch.isfinite(t.float()).all() for t in trained.values())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", ["simpo_grm.yaml", "simpo_disrm.yaml"])
+def test_tiny_qlora_recipes(tiny_assets, tmp_path, recipe):
+    model = tiny_assets["cls"] if "disrm" in recipe else tiny_assets["lm"]
+    out = tmp_path / "qlora"
+    launch(
+        "cpu_single.yaml",
+        recipe,
+        "--model_name_or_path",
+        model,
+        "--dataset_name",
+        tiny_assets["pref"],
+        "--output_dir",
+        str(out),
+        "--max_steps",
+        "2",
+        "--sequence_parallel_size",
+        "1",
+        "--load_in_4bit",
+        "true",
+        "--use_peft",
+        "true",
+        "--lora_target_modules",
+        "all-linear",
+        "--bf16",
+        "true",
+        "--save_merged_model",
+        "true",
+    )
+    adapter = weights(out)
+    assert any("lora_" in name for name in adapter)
+    if "disrm" in recipe:
+        assert any("score" in name for name in adapter), "the score head is saved with the adapter"
+    assert weights(out / "merged")
+
+
+@pytest.mark.slow
+def test_killed_run_resumes_to_the_same_weights(tiny_assets, tmp_path):
+    common = [
+        "--model_name_or_path",
+        tiny_assets["lm"],
+        "--dataset_name",
+        tiny_assets["sft"],
+        "--max_steps",
+        "6",
+        "--per_device_train_batch_size",
+        "2",
+        "--save_strategy",
+        "steps",
+        "--save_steps",
+        "2",
+    ]
+    launch("cpu_single.yaml", "sft.yaml", "--output_dir", str(tmp_path / "full"), *common)
+
+    # The same run, killed (no clean-up at all) right after checkpoint-4 is written.
+    killed = tmp_path / "killed"
+    kill_after_save = (
+        "import os, sys, transformers\n"
+        "save = transformers.Trainer._save_checkpoint\n"
+        "def save_then_die(self, model, trial):\n"
+        "    save(self, model, trial)\n"
+        "    if self.state.global_step == 4:\n"
+        "        os._exit(137)\n"
+        "transformers.Trainer._save_checkpoint = save_then_die\n"
+        "from trl_longrm.train import main\n"
+        "sys.exit(main(sys.argv[1:]))\n"
+    )
+    args = [str(RECIPES / "tiny" / "sft.yaml"), "--output_dir", str(killed), *common]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([sys.executable, "-c", kill_after_save, *args], cwd=ROOT, env=env, capture_output=True)
+    assert result.returncode == 137, result.stderr[-3000:]
+    assert (killed / "checkpoint-4").is_dir() and not (killed / "checkpoint-6").exists()
+
+    launch("cpu_single.yaml", "sft.yaml", "--output_dir", str(killed), "--resume_from_checkpoint", "last", *common)
+    full, resumed = weights(tmp_path / "full"), weights(killed)
+    assert full.keys() == resumed.keys()
+    for name in full:
+        torch.testing.assert_close(resumed[name], full[name], atol=1e-5, rtol=0, msg=name)
