@@ -93,6 +93,14 @@ def tiny_assets(tmp_path_factory):
     }
 
 
+def free_port():
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return str(sock.getsockname()[1])
+
+
 def launch(accelerate_config, recipe, *overrides, timeout=600):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TRL_EXPERIMENTAL_SILENCE": "1", "HF_HUB_OFFLINE": "1"}
     command = [
@@ -102,7 +110,7 @@ def launch(accelerate_config, recipe, *overrides, timeout=600):
         "--config_file",
         str(ROOT / "accelerate_configs" / accelerate_config),
         "--main_process_port",
-        "0",
+        free_port(),
         "-m",
         "trl_longrm",
         str(RECIPES / "tiny" / recipe),

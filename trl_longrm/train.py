@@ -189,7 +189,8 @@ def training_plan(script_args, training_args, model_args, world_size: int | None
 def load_model(stage: str, model_args: ModelConfig, training_args):
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
-    from trl import get_kbit_device_map, get_quantization_config
+    from accelerate import PartialState
+    from trl import get_quantization_config
 
     _, _, head = stage_classes(stage)
     dtype = model_args.dtype if model_args.dtype in ("auto", None) else getattr(torch, model_args.dtype)
@@ -198,11 +199,12 @@ def load_model(stage: str, model_args: ModelConfig, training_args):
         revision=model_args.model_revision,
         attn_implementation=model_args.attn_implementation,
         dtype=dtype,
-        trust_remote_code=model_args.trust_remote_code,
+        trust_remote_code=training_args.trust_remote_code,
     )
     if quantization_config is not None:
         kwargs["quantization_config"] = quantization_config
-        kwargs["device_map"] = "cpu" if training_args.use_cpu else get_kbit_device_map()
+        # Quantised weights are placed at load time: on this process's device (one copy per process under DDP).
+        kwargs["device_map"] = "cpu" if training_args.use_cpu else {"": PartialState().local_process_index}
     if head == "seq-cls":
         return AutoModelForSequenceClassification.from_pretrained(
             model_args.model_name_or_path, num_labels=1, **kwargs
@@ -246,7 +248,7 @@ def run(script_args, training_args, model_args):
     tokenizer = AutoTokenizer.from_pretrained(
         model_args.model_name_or_path,
         revision=model_args.model_revision,
-        trust_remote_code=model_args.trust_remote_code,
+        trust_remote_code=training_args.trust_remote_code,
     )
     model = load_model(stage, model_args, training_args)
     train_dataset = load_raw_dataset(script_args.dataset_name, split=script_args.dataset_train_split)

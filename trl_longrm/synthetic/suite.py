@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import random
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -27,6 +28,8 @@ GRM_FILE = "grm/train.jsonl"
 DISRM_FILE = "disrm/train.jsonl"
 BENCHMARK_DIR = "bench"
 MANIFEST_FILE = "manifest.json"
+# Some values must stay unstated in every document, for `absent` distractors.
+MAX_FACTS = len(VALUES) - 8
 
 
 @dataclass
@@ -47,8 +50,8 @@ class SyntheticConfig:
     train_tokens: tuple[int, int] = field(
         default=(150, 600),
         metadata={
-            "help": "Range (min, max) of the document length in tokens of a training example, drawn uniformly. "
-            "Default (150, 600)."
+            "help": "Range (min, max) of the document length in tokens of a training example, drawn log-uniformly "
+            "(short documents are common, long ones still appear). Default (150, 600)."
         },
     )
     num_rejected: int = field(
@@ -85,8 +88,11 @@ class SyntheticConfig:
         default=60,
         metadata={
             "help": "Document tokens per fact: a document of T tokens states about T / tokens_per_fact facts (at "
-            "least 4, at most 26). Default 60."
+            "least `min_facts`, at most 26). Default 60."
         },
+    )
+    min_facts: int = field(
+        default=4, metadata={"help": "Fewest facts a document states, however short it is. Default 4."}
     )
     swap_probability: float = field(
         default=1.0,
@@ -112,6 +118,8 @@ class SyntheticConfig:
             raise ValueError(f"num_rejected must be >= 1, got {self.num_rejected}.")
         if not 0 <= self.ranking_fraction <= 1 or not 0 <= self.swap_probability <= 1:
             raise ValueError("ranking_fraction and swap_probability must lie in [0, 1].")
+        if not 2 <= self.min_facts <= MAX_FACTS:
+            raise ValueError(f"min_facts must be between 2 and {MAX_FACTS}, got {self.min_facts}.")
         if not self.lengths or any(tokens <= 0 for tokens in self.lengths.values()):
             raise ValueError(f"lengths must map bucket names to positive token counts, got {self.lengths}.")
 
@@ -154,12 +162,8 @@ class _TokenCounter:
         return count
 
 
-# Some values must stay unstated in every document, for `absent` distractors.
-MAX_FACTS = len(VALUES) - 8
-
-
 def _num_facts(tokens: int, config: SyntheticConfig) -> int:
-    return max(4, min(MAX_FACTS, tokens // config.tokens_per_fact))
+    return max(config.min_facts, min(MAX_FACTS, tokens // config.tokens_per_fact))
 
 
 def make_example(
@@ -167,7 +171,7 @@ def make_example(
 ) -> JudgingExample:
     """A fact sheet of about `tokens` tokens, a question about `max(errors)` (at least 1) of its keys, and responses."""
     num_asked = max(1, max(errors))
-    sheet = make_fact_sheet(rng, task, keys, _num_facts(tokens, config), tokens, counter)
+    sheet = make_fact_sheet(rng, task, keys, max(num_asked, _num_facts(tokens, config)), tokens, counter)
     asked = rng.sample(sheet.keys, num_asked)
     surface = sheet.surface
     question = surface.question.format(keys=", ".join(asked))
@@ -247,7 +251,10 @@ class SuiteBuilder:
     def _train_example(self, dataset: str, index: int, errors_fn) -> tuple[random.Random, JudgingExample]:
         rng = self._rng(dataset, index)
         task = self.config.tasks[index % len(self.config.tasks)]
-        tokens = rng.randint(*self.config.train_tokens)
+        # Log-uniform: as many examples between 50 and 100 tokens as between 500 and 1000, so that short examples,
+        # where a small model first finds the facts, are common while long ones still appear.
+        low, high = self.config.train_tokens
+        tokens = round(math.exp(rng.uniform(math.log(low), math.log(high))))
         return rng, make_example(rng, task, self.train_keys, tokens, errors_fn(rng), self.config, self.counter)
 
     def disrm_rows(self) -> list[dict]:

@@ -45,7 +45,7 @@ class SequenceParallelMixin:
 
     @property
     def sequence_parallel_size(self) -> int:
-        return self.sp_groups.group_size if self.sp_groups is not None else 1
+        return self.sp_groups.sequence_parallel_size if self.sp_groups is not None else 1
 
     # ------------------------------------------------------------------ data: one row per ring, disjoint per replica
 
@@ -97,9 +97,20 @@ class SequenceParallelMixin:
             output = model(**model_inputs(batch), logprob_labels=batch["labels"], use_cache=False)
             return output.token_logps, output.label_mask
         shard = self._shard(batch, batch["labels"])
-        output = model(**shard.model_inputs(), logprob_shift_labels=shard.shift_labels)
+        scored = shard.shift_labels != -100
+        shift_labels = shard.shift_labels
+        if not scored.any():
+            # A slice without any scored token (say, the head of a long prompt) must still be connected to the
+            # backbone's graph: the backward of every ring rank takes part in the attention's key/value
+            # reduce-scatter, and a rank whose loss has no graph would skip it (no grad_fn, or a hang). Score one
+            # dummy position and mask it out below.
+            shift_labels = torch.where(
+                torch.arange(scored.shape[1], device=scored.device) == 0, 0, shift_labels
+            ).to(shift_labels.dtype)
+        output = model(**shard.model_inputs(), logprob_shift_labels=shift_labels)
+        local = torch.where(scored, output.token_logps, 0.0)
         # The gather's backward sums every rank's contribution: averaging gradients over the world is then exact.
-        token_logps = gather_sequence(output.token_logps, shard.attention_meta)
+        token_logps = gather_sequence(local, shard.attention_meta)
         return token_logps, shift_labels_left(batch["labels"]) != -100
 
     def forward_sequence_scores(self, model, batch) -> torch.Tensor:

@@ -1,0 +1,239 @@
+"""Worker of tests/test_sequence_parallel_trainers.py: the three LongRM trainers with sequence parallelism on gloo.
+
+The test process computes single-process references with the same builders; the workers (forked by
+`run_on_gloo_ranks`, or started by `accelerate launch` when run as a script) write their results to a directory,
+rank 0 only, with `torch.save`.
+
+    accelerate launch --config_file accelerate_configs/cpu_zero2.yaml --num_processes 4 tests/sp_trainer_worker.py \
+        --out_dir /tmp/out --task train --sequence_parallel_size 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from datasets import Dataset
+
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # trainer_helpers, when run as a script
+
+from trainer_helpers import cpu_args, random_groups  # noqa: E402
+
+from trl_longrm import (  # noqa: E402
+    LongSFTConfig,
+    LongSFTTrainer,
+    SimPODisRMConfig,
+    SimPODisRMTrainer,
+    SimPOGRMConfig,
+    SimPOGRMTrainer,
+)
+from trl_longrm.testing_utils import build_chat_tokenizer, build_tiny_model  # noqa: E402
+
+
+KINDS = ("grm", "disrm", "sft")
+# One packed row of 3 groups x (chosen + 2 rejected) = 9 documents (~170 tokens) for the one-step checks.
+STEP_GROUPS, STEP_BATCH, STEP_SEED = 6, 3, 18
+# The training runs: 12 groups, 2 per micro-batch, 3 optimizer steps of 2 micro-batches (one epoch).
+TRAIN_GROUPS, TRAIN_BATCH, TRAIN_STEPS, TRAIN_SEED = 12, 2, 3, 21
+
+
+def sft_examples(groups: Dataset) -> Dataset:
+    """Prompt + chosen completion of each group, trained on the completion only."""
+    return Dataset.from_list(
+        [
+            {
+                "input_ids": g["prompt_ids"] + g["chosen_completion_ids"],
+                "completion_mask": [0] * len(g["prompt_ids"]) + [1] * len(g["chosen_completion_ids"]),
+            }
+            for g in groups
+        ]
+    )
+
+
+def build_trainer(kind, output_dir, tokenizer, num_groups, data_seed, **overrides):
+    """A trainer of `kind` on a tiny fp32 model (same weights on every process) and random tokenised groups."""
+    data = random_groups(tokenizer, num_groups, 2, seed=data_seed)
+    args = cpu_args(output_dir, **overrides)
+    if kind == "grm":
+        model = build_tiny_model("llama", "causal-lm", tokenizer, seed=3)
+        return SimPOGRMTrainer(model=model, args=SimPOGRMConfig(**args), train_dataset=data, processing_class=tokenizer)
+    if kind == "disrm":
+        model = build_tiny_model("qwen3", "seq-cls", tokenizer, seed=3)
+        return SimPODisRMTrainer(
+            model=model, args=SimPODisRMConfig(**args), train_dataset=data, processing_class=tokenizer
+        )
+    if kind == "sft":
+        model = build_tiny_model("qwen3", "causal-lm", tokenizer, seed=3)
+        return LongSFTTrainer(
+            model=model, args=LongSFTConfig(**args), train_dataset=sft_examples(data), processing_class=tokenizer
+        )
+    raise ValueError(f"unknown trainer kind {kind!r}")
+
+
+def step_trainer(kind, output_dir, tokenizer, **overrides):
+    return build_trainer(
+        kind,
+        output_dir,
+        tokenizer,
+        STEP_GROUPS,
+        STEP_SEED,
+        per_device_train_batch_size=STEP_BATCH,
+        train_sampling_strategy="sequential",
+        **overrides,
+    )
+
+
+def train_trainer(kind, output_dir, tokenizer, **overrides):
+    settings = dict(
+        per_device_train_batch_size=TRAIN_BATCH,
+        max_steps=TRAIN_STEPS,
+        learning_rate=0.05,
+        optim="sgd",
+        max_grad_norm=0.0,  # no clipping: it would hide a wrongly scaled gradient
+        lr_scheduler_type="constant",
+        logging_steps=1,
+    )
+    return build_trainer(kind, output_dir, tokenizer, TRAIN_GROUPS, TRAIN_SEED, **{**settings, **overrides})
+
+
+def one_step(trainer) -> dict:
+    """Loss and parameter gradients of the first batch of the trainer's dataloader (no optimizer step), the batch,
+    and the metrics the loss function records."""
+    batch = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
+    model = trainer.model
+    model.train()
+    model.zero_grad()
+    if isinstance(trainer, SimPOGRMTrainer):
+        loss, metrics = trainer.get_batch_loss_metrics(model, batch)
+    else:
+        loss = trainer.compute_loss(model, batch)
+        metrics = {k: v[-1] for k, v in trainer._metrics["train"].items()}
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return {
+        "loss": loss.detach(),
+        "grads": grads,
+        "input_ids": batch["input_ids"].clone(),
+        "position_ids": batch["position_ids"].clone(),
+        "metrics": metrics,
+    }
+
+
+def world_average(grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """What DDP / DeepSpeed apply: the mean of every rank's gradient."""
+    out = {}
+    for name, grad in grads.items():
+        grad = grad.clone()
+        dist.all_reduce(grad)
+        out[name] = grad / dist.get_world_size()
+    return out
+
+
+def final_state(trainer) -> dict:
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    logged = [
+        {k: v for k, v in log.items() if isinstance(v, (int, float))}
+        for log in trainer.state.log_history
+        if "loss" in log
+    ]
+    return {
+        "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+        "logs": logged,
+        "global_step": trainer.state.global_step,
+    }
+
+
+def run_step_task(out_dir: Path, world_size: int, tokenizer) -> None:
+    for kind in KINDS:
+        trainer = step_trainer(kind, out_dir / kind, tokenizer, sequence_parallel_size=world_size)
+        result = one_step(trainer)
+        result["grads"] = world_average(result["grads"])
+        if dist.get_rank() == 0:
+            torch.save(result, out_dir / f"step_{kind}_world{world_size}.pt")
+
+
+def run_bad_config_task(out_dir: Path, world_size: int, tokenizer) -> None:
+    """Configurations that must fail in `__init__` on a real world; rank 0 records the messages."""
+    cases = {
+        "size_not_dividing_world": dict(sequence_parallel_size=world_size + 1),
+        "bad_stride": dict(sequence_parallel_size=world_size, ring_head_stride=3),
+        "flash_without_flash_attn": dict(sequence_parallel_size=world_size, ring_attn_backend="flash_attn"),
+    }
+    messages = {}
+    for name, overrides in cases.items():
+        try:
+            step_trainer("grm", out_dir / name, tokenizer, **overrides)
+        except Exception as error:  # noqa: BLE001 - the test checks the type and message
+            messages[name] = (type(error).__name__, str(error))
+        else:
+            messages[name] = ("no error", "")
+    if dist.get_rank() == 0:
+        torch.save(messages, out_dir / f"bad_configs_world{world_size}.pt")
+
+
+def run_train_task(out_dir: Path, sequence_parallel_size: int, tokenizer, kinds=KINDS) -> None:
+    tag = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true" and "deepspeed" or "ddp"
+    for kind in kinds:
+        trainer = train_trainer(kind, out_dir / f"train_{kind}", tokenizer, sequence_parallel_size=sequence_parallel_size)
+        trainer.train()
+        state = final_state(trainer)
+        state["distributed_type"] = str(trainer.accelerator.distributed_type)
+        state["num_processes"] = trainer.accelerator.num_processes
+        if dist.get_rank() == 0:
+            torch.save(state, out_dir / f"train_{kind}_{tag}.pt")
+        del trainer
+
+
+def gloo_worker(rank: int, world_size: int, out_dir: str, tasks: list[str]) -> None:
+    """Entry point for `run_on_gloo_ranks`: tell accelerate about the already initialised world, run the tasks."""
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT="0",
+        OMP_NUM_THREADS="1",
+    )
+    out = Path(out_dir)
+    tokenizer = build_chat_tokenizer()
+    for task in tasks:
+        if task == "step":
+            run_step_task(out, world_size, tokenizer)
+        elif task == "bad_configs":
+            run_bad_config_task(out, world_size, tokenizer)
+        elif task.startswith("train"):  # "train" or "train:grm,sft"
+            kinds = task.partition(":")[2]
+            run_train_task(out, 2, tokenizer, kinds.split(",") if kinds else KINDS)
+        else:
+            raise ValueError(f"unknown task {task!r}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--out_dir", required=True)
+    parser.add_argument("--task", choices=["step", "train"], required=True)
+    parser.add_argument("--sequence_parallel_size", type=int, default=2)
+    parser.add_argument("--kinds", nargs="+", default=list(KINDS))
+    cli = parser.parse_args()
+    torch.set_num_threads(1)
+    out = Path(cli.out_dir)
+    tokenizer = build_chat_tokenizer()
+    try:
+        if cli.task == "train":
+            run_train_task(out, cli.sequence_parallel_size, tokenizer, cli.kinds)
+        else:
+            run_step_task(out, int(os.environ["WORLD_SIZE"]), tokenizer)
+    except Exception:
+        traceback.print_exc()
+        raise
+
+
+if __name__ == "__main__":
+    main()
