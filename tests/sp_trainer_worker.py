@@ -62,7 +62,9 @@ def build_trainer(kind, output_dir, tokenizer, num_groups, data_seed, **override
     args = cpu_args(output_dir, **overrides)
     if kind == "grm":
         model = build_tiny_model("llama", "causal-lm", tokenizer, seed=3)
-        return SimPOGRMTrainer(model=model, args=SimPOGRMConfig(**args), train_dataset=data, processing_class=tokenizer)
+        return SimPOGRMTrainer(
+            model=model, args=SimPOGRMConfig(**args), train_dataset=data, processing_class=tokenizer
+        )
     if kind == "disrm":
         model = build_tiny_model("qwen3", "seq-cls", tokenizer, seed=3)
         return SimPODisRMTrainer(
@@ -184,7 +186,9 @@ def run_bad_config_task(out_dir: Path, world_size: int, tokenizer) -> None:
 def run_train_task(out_dir: Path, sequence_parallel_size: int, tokenizer, kinds=KINDS) -> None:
     tag = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true" and "deepspeed" or "ddp"
     for kind in kinds:
-        trainer = train_trainer(kind, out_dir / f"train_{kind}", tokenizer, sequence_parallel_size=sequence_parallel_size)
+        trainer = train_trainer(
+            kind, out_dir / f"train_{kind}", tokenizer, sequence_parallel_size=sequence_parallel_size
+        )
         trainer.train()
         state = final_state(trainer)
         state["distributed_type"] = str(trainer.accelerator.distributed_type)

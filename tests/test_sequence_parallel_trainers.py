@@ -14,9 +14,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import sp_trainer_worker as worker
 import torch
 
-import sp_trainer_worker as worker
 from trl_longrm.sequence_parallel.launch import find_free_port, run_on_gloo_ranks
 from trl_longrm.testing_utils import build_chat_tokenizer
 
@@ -39,7 +39,9 @@ def document_bounds(position_ids: torch.Tensor) -> list[tuple[int, int]]:
 def assert_state_close(got: dict, want: dict, what: str, atol: float = 1e-5) -> None:
     assert got.keys() == want.keys(), what
     for name in want:
-        torch.testing.assert_close(got[name], want[name], atol=atol, rtol=1e-4, msg=lambda m, n=name: f"{what} {n}: {m}")
+        torch.testing.assert_close(
+            got[name], want[name], atol=atol, rtol=1e-4, msg=lambda m, n=name: f"{what} {n}: {m}"
+        )
 
 
 @pytest.mark.slow

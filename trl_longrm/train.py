@@ -188,8 +188,8 @@ def training_plan(script_args, training_args, model_args, world_size: int | None
 
 def load_model(stage: str, model_args: ModelConfig, training_args):
     import torch
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
     from accelerate import PartialState
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
     from trl import get_quantization_config
 
     _, _, head = stage_classes(stage)
