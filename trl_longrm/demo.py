@@ -1,0 +1,379 @@
+"""The main job (`make demo`): the whole LongRM pipeline on CPU with tiny models, and the proof that they learn.
+
+From nothing, in order:
+1. write a synthetic long-context judging suite (`trl_longrm.synthetic`): judge SFT data, SimPO-GRM and DisRM preference
+   data, and a held-out mini benchmark in the Long-RewardBench layout;
+2. save the tiny base models (a Qwen3 judge, a Llama score model) from random initialisation;
+3. evaluate both base models on the mini benchmark;
+4. train through the tiny recipes and `trl-longrm train` (so `accelerate launch`): stage I SFT -> stage II SimPO-GRM
+   (one process), and the DisRM with sequence parallelism (ring of 2 over 2 CPU processes);
+5. evaluate the trained models, print the before/after table and write it (`summary.md`, `summary.json`) with a plot
+   of pairwise accuracy against context length (`length_accuracy.png`).
+
+Every step is resumable: a finished stage (its output directory holds a saved model, an evaluation its results) is
+skipped when the demo runs again with the same output directory, so a killed demo loses only the step it was in.
+
+Example:
+```bash
+python -m trl_longrm.demo --output-dir demo_outputs
+```
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+
+logger = logging.getLogger(__name__)
+
+RECIPES = Path(__file__).resolve().parents[1] / "recipes" / "tiny"
+
+
+@dataclass
+class DemoConfig:
+    """Settings of `run_demo` (each field is a `--kebab-case` flag of `python -m trl_longrm.demo`).
+
+    Example:
+    ```python
+    >>> from trl_longrm.demo import DemoConfig, run_demo
+    >>> summary = run_demo(DemoConfig(output_dir="/tmp/demo", stages=["simpo_disrm"]))
+    ```
+    """
+
+    output_dir: str = field(
+        default="demo_outputs", metadata={"help": "Where data, models, runs and results go. Default `demo_outputs`."}
+    )
+    seed: int = field(default=0, metadata={"help": "Seed of the data and of the base models. Default 0."})
+    stages: list[str] = field(
+        default_factory=lambda: ["sft", "simpo_grm", "simpo_disrm"],
+        metadata={
+            "help": "Training stages to run (`simpo_grm` needs `sft`). Default all three: sft simpo_grm simpo_disrm."
+        },
+    )
+    num_train: int = field(
+        default=3000, metadata={"help": "Training examples in each synthetic training set. Default 3000."}
+    )
+    hidden_size: int = field(default=64, metadata={"help": "Hidden size of the tiny base models. Default 64."})
+    num_hidden_layers: int = field(default=2, metadata={"help": "Layers of the tiny base models. Default 2."})
+    train_overrides: dict[str, list[str]] = field(
+        default_factory=dict,
+        metadata={
+            "help": "Extra `--option value` flags per stage, passed to `trl-longrm train` after the recipe. Default "
+            "none (the recipes' values)."
+        },
+    )
+    eval_batch_size: int = field(default=16, metadata={"help": "Records judged per forward pass. Default 16."})
+    grm_formats: list[str] = field(
+        default_factory=lambda: ["PairWise"],
+        metadata={
+            "help": "Benchmark formats the generative judges are evaluated on (greedy generation is the slow part of "
+            "the demo on CPU). Default PairWise; add BestOfN for the ranking columns. The DisRMs get both."
+        },
+    )
+    max_new_tokens: int = field(
+        default=96,
+        metadata={
+            "help": "Most tokens a generative judge writes per record (a judgment of the synthetic suite takes about "
+            "60). Default 96."
+        },
+    )
+
+    def __post_init__(self):
+        unknown = [stage for stage in self.stages if stage not in STAGES]
+        if unknown:
+            raise ValueError(f"Unknown stage(s) {unknown}; expected some of {list(STAGES)}.")
+        if "simpo_grm" in self.stages and "sft" not in self.stages:
+            raise ValueError("Stage simpo_grm starts from the output of stage sft: add `sft` to `stages`.")
+
+
+# stage -> (recipe, base model key, data key, trained model is a DisRM)
+STAGES = {
+    "sft": ("sft.yaml", "judge", "sft", False),
+    "simpo_grm": ("simpo_grm.yaml", "sft", "grm", False),
+    "simpo_disrm": ("simpo_disrm.yaml", "disrm", "disrm", True),
+}
+
+# The synthetic suite of the demo: short training documents (a small model first learns to read facts where they are
+# few), a rejected response whose value the document never states, and a benchmark with three length buckets whose
+# documents are longer than any training document.
+DEMO_DATA = dict(
+    train_tokens=(20, 80),
+    num_rejected=1,
+    swap_probability=0.0,
+    lengths={"4k": 60, "8k": 120, "16k": 240},
+    pairwise_per_bucket=4,
+    bestofn_per_bucket=3,
+)
+
+
+def _has_model(path: Path) -> bool:
+    return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
+
+
+class Demo:
+    """One demo run: the paths under `config.output_dir` and the steps that fill them."""
+
+    def __init__(self, config: DemoConfig):
+        self.config = config
+        self.root = Path(config.output_dir)
+        self.models = {
+            "judge": self.root / "models" / "tiny-qwen3-lm",
+            "disrm": self.root / "models" / "tiny-llama-cls",
+            "sft": self.root / "runs" / "sft",
+            "simpo_grm": self.root / "runs" / "simpo_grm",
+            "simpo_disrm": self.root / "runs" / "simpo_disrm",
+        }
+        self.timings: dict[str, float] = {}
+
+    def _timed(self, name: str, fn, *args):
+        start = time.perf_counter()
+        result = fn(*args)
+        self.timings[name] = self.timings.get(name, 0.0) + time.perf_counter() - start
+        return result
+
+    def data(self):
+        from trl_longrm.synthetic import generate_synthetic_suite
+        from trl_longrm.synthetic.suite import MANIFEST_FILE
+
+        root = self.root / "data"
+        settings = dict(DEMO_DATA, seed=self.config.seed, num_train=self.config.num_train)
+        manifest = root / MANIFEST_FILE
+        if manifest.is_file():
+            written = json.loads(manifest.read_text(encoding="utf-8"))["config"]
+            if all(_same(written[k], v) for k, v in settings.items()):
+                logger.info("Synthetic suite already in %s.", root)
+                return _suite_paths(root)
+        return generate_synthetic_suite(root, **settings)
+
+    def base_models(self):
+        from trl_longrm.testing_utils import save_tiny_model
+
+        size = dict(
+            hidden_size=self.config.hidden_size,
+            intermediate_size=2 * self.config.hidden_size,
+            num_hidden_layers=self.config.num_hidden_layers,
+        )
+        for key, arch, task in (("judge", "qwen3", "causal-lm"), ("disrm", "llama", "seq-cls")):
+            if not _has_model(self.models[key]):
+                save_tiny_model(self.models[key], arch=arch, task=task, seed=self.config.seed, **size)
+
+    def train(self, stage: str, suite) -> None:
+        recipe, base, data, _ = STAGES[stage]
+        output_dir = self.models[stage]
+        if _has_model(output_dir) and (output_dir / "training_complete").is_file():
+            logger.info("Stage %s already trained in %s.", stage, output_dir)
+            return
+        dataset = {"sft": suite.sft, "grm": suite.grm, "disrm": suite.disrm}[data]
+        command = [
+            sys.executable,
+            "-m",
+            "trl_longrm.cli",
+            "train",
+            str(RECIPES / recipe),
+            "--model_name_or_path",
+            str(self.models[base]),
+            "--dataset_name",
+            str(dataset),
+            "--output_dir",
+            str(output_dir),
+            # The same command starts the stage or resumes it from its last checkpoint.
+            "--resume_from_checkpoint",
+            "last",
+            *self.config.train_overrides.get(stage, []),
+        ]
+        env = {**os.environ, "TRL_EXPERIMENTAL_SILENCE": "1", "HF_HUB_OFFLINE": "1"}
+        logger.info("Training stage %s: %s", stage, " ".join(command))
+        result = subprocess.run(command, env=env)
+        if result.returncode:
+            raise RuntimeError(f"Stage {stage} failed (exit code {result.returncode}); see its output above.")
+        (output_dir / "training_complete").write_text("ok\n", encoding="utf-8")
+
+    def evaluate(self, name: str, is_disrm: bool, suite) -> dict:
+        from trl_longrm.evaluation import EvalConfig, evaluate_reward_model
+
+        config = EvalConfig(
+            model_path=str(self.models[name]),
+            data_path=str(suite.benchmark),
+            is_disrm=is_disrm,
+            save_path=str(self.root / "eval" / name),
+            batch_size=self.config.eval_batch_size,
+            max_new_tokens=self.config.max_new_tokens,
+            seed=self.config.seed,
+            device="cpu",
+            formats=["PairWise", "BestOfN"] if is_disrm else list(self.config.grm_formats),
+        )
+        return evaluate_reward_model(config)
+
+    def run(self) -> dict:
+        suite = self._timed("data", self.data)
+        self._timed("base models", self.base_models)
+        results = {}
+        wants_grm = "sft" in self.config.stages
+        wants_disrm = "simpo_disrm" in self.config.stages
+        if wants_grm:
+            results["judge"] = self._timed("eval", self.evaluate, "judge", False, suite)
+        if wants_disrm:
+            results["disrm"] = self._timed("eval", self.evaluate, "disrm", True, suite)
+        for stage in self.config.stages:
+            self._timed(f"train {stage}", self.train, stage, suite)
+            results[stage] = self._timed("eval", self.evaluate, stage, STAGES[stage][3], suite)
+        summary = {
+            "models": {name: _headline(r) for name, r in results.items()},
+            "timings_s": {k: round(v, 1) for k, v in self.timings.items()},
+            "config": asdict(self.config),
+        }
+        (self.root / "summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+        table = summary_table(summary)
+        (self.root / "summary.md").write_text(table, encoding="utf-8")
+        plot_models(results, self.root / "length_accuracy.png")
+        return summary
+
+
+def _same(a, b) -> bool:
+    return json.loads(json.dumps(a)) == json.loads(json.dumps(b))
+
+
+def _suite_paths(root: Path):
+    from trl_longrm.synthetic.suite import (
+        BENCHMARK_DIR,
+        DISRM_FILE,
+        GRM_FILE,
+        MANIFEST_FILE,
+        SFT_FILE,
+        SyntheticSuite,
+    )
+
+    return SyntheticSuite(
+        root=root,
+        sft=root / SFT_FILE,
+        grm=root / GRM_FILE,
+        disrm=root / DISRM_FILE,
+        benchmark=root / BENCHMARK_DIR,
+        manifest=root / MANIFEST_FILE,
+    )
+
+
+MODEL_LABELS = {
+    "judge": "GRM base (random init)",
+    "sft": "GRM after stage I (SFT)",
+    "simpo_grm": "GRM after stage II (SimPO)",
+    "disrm": "DisRM base (random init)",
+    "simpo_disrm": "DisRM trained (Bradley-Terry, ring 2)",
+}
+
+
+def _headline(results: dict) -> dict:
+    """The figures the demo reports for one evaluated model."""
+    return {
+        "model_type": results["model_type"],
+        "pairwise_avg": results["pairwise_avg"],
+        "rank_avg": results["rank_avg"],
+        "rank_exact_avg": results["rank_exact_avg"],
+        "average": results["average"],
+        "length": results["length"],
+        "auc": results["auc"],
+        "auc_source": results["auc_source"],
+        "unparseable": results["unparseable"]["total"],
+        "records": results["counts"]["records"],
+    }
+
+
+def _pct(value) -> str:
+    return "-" if value is None else f"{100 * value:.1f}"
+
+
+def summary_table(summary: dict) -> str:
+    """Markdown table: one row per evaluated model, before and after training."""
+    models = summary["models"]
+    lengths = list(next(iter(models.values()))["length"]) if models else []
+    header = ["Model", "PairWise", *[f"PairWise {b}" for b in lengths], "Rank", "Rank exact", "Avg", "AUC", "Unparsed"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for name, row in models.items():
+        auc = "-" if row["auc"] is None else f"{row['auc']:.3f}"
+        cells = [
+            MODEL_LABELS.get(name, name),
+            _pct(row["pairwise_avg"]),
+            *[_pct(row["length"].get(b)) for b in lengths],
+            _pct(row["rank_avg"]),
+            _pct(row["rank_exact_avg"]),
+            _pct(row["average"]),
+            auc,
+            f"{row['unparseable']}/{row['records']}",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    timings = ", ".join(f"{k} {v:.0f} s" for k, v in summary["timings_s"].items())
+    lines += ["", f"Time: {timings}.", ""]
+    return "\n".join(lines)
+
+
+def plot_models(results: dict[str, dict], path: Path) -> Path:
+    """PairWise accuracy against context-length bucket, one line per evaluated model."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, result in results.items():
+        points = [(b, v) for b, v in result["length"].items() if v is not None]
+        if points:
+            ax.plot([p[0] for p in points], [100 * p[1] for p in points], marker="o", label=MODEL_LABELS.get(name))
+    ax.axhline(50, color="grey", linestyle="--", linewidth=1, label="chance")
+    ax.set_xlabel("context-length bucket of the mini benchmark")
+    ax.set_ylabel("PairWise accuracy (%)")
+    ax.set_ylim(0, 105)
+    ax.set_title("trl_longrm demo: tiny reward models before and after training")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def run_demo(config: DemoConfig | None = None) -> dict:
+    """Run the demo (see the module docstring); returns the summary written to `summary.json`."""
+    return Demo(config or DemoConfig()).run()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m trl_longrm.demo", description=__doc__.splitlines()[0])
+    defaults = DemoConfig()
+    for f in dataclasses.fields(DemoConfig):
+        if f.name == "train_overrides":
+            continue
+        default = getattr(defaults, f.name)
+        kwargs = {"dest": f.name, "help": f.metadata["help"], "default": default}
+        if isinstance(default, list):
+            kwargs.update(nargs="+", choices=list(STAGES) if f.name == "stages" else ["PairWise", "BestOfN"])
+        else:
+            kwargs["type"] = type(default)
+        parser.add_argument("--" + f.name.replace("_", "-"), **kwargs)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    start = time.perf_counter()
+    summary = run_demo(DemoConfig(**vars(args)))
+    print()
+    print(summary_table(summary))
+    print(
+        f"Demo finished in {time.perf_counter() - start:.0f} s; outputs in {args.output_dir} "
+        f"(summary.md, summary.json, length_accuracy.png, eval/*/results.md)."
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
