@@ -27,7 +27,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check trl_longrm tests bench
 
 demo: $(STAMP)
-	$(VENV)/bin/trl-longrm --help
+	$(PY) -m trl_longrm.demo --output-dir demo_outputs
 
 clean:
 	rm -rf $(VENV) .pytest_cache
