@@ -265,6 +265,7 @@ def run(script_args, training_args, model_args):
     )
     trainer.train(resume_from_checkpoint=resolve_resume(training_args))
     trainer.save_model(training_args.output_dir)
+    trainer.save_state()  # trainer_state.json (log history, steps) beside the final model
     if trainer.accelerator.is_main_process:
         tokenizer.save_pretrained(training_args.output_dir)
         if script_args.save_merged_model and model_args.use_peft:
