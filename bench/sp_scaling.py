@@ -1,0 +1,142 @@
+"""Sequence-parallel scaling on CPU (gloo): per-rank peak memory and step time of our trainers when one packed row is
+split over a ring of 1, 2 or 4 processes (`sequence_parallel_size` = world size, so every rank trains the same row).
+
+Each ring size runs in fresh processes (`run_on_gloo_ranks`, one torch thread per rank). Per-rank peak memory is the
+growth of the rank's peak RSS (`ru_maxrss`) over its value right after the model was built; the table reports the
+largest over the ranks. The first (untimed) step trains a short row: the growth after it is the floor that does not
+depend on the row (gradients, AdamW state, DDP gradient buckets at ring > 1), which sequence parallelism does not
+split; the rest is what the row costs.
+
+The machine has 2 cores: at ring 4 the 4 ranks share them, so step times there measure oversubscription, not scaling.
+
+    python bench/sp_scaling.py --trainer grm --prompt-length 8192 --ring-sizes 1 2 4 --out bench/results/sp.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+PRELOAD = ("common", "trl_longrm.testing_utils")
+
+
+def rank_worker(rank: int, world_size: int, trainer_kind: str, prompt_length: int, response_length: int,
+                warmup_prompt_length: int, steps: int, out_dir: str) -> None:
+    """Entry point of each gloo rank: train `steps` steps with `sequence_parallel_size=world_size`, write a JSON."""
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT="0",
+        OMP_NUM_THREADS="1",
+    )
+    import common
+
+    from trl_longrm.testing_utils import build_chat_tokenizer
+
+    tokenizer = build_chat_tokenizer()
+    groups = common.random_groups(steps, prompt_length, response_length, tokenizer.eos_token_id,
+                                  warmup_prompt_length=warmup_prompt_length)
+    model = common.build_model("causal-lm" if trainer_kind == "grm" else "seq-cls", tokenizer)
+    base = common.maxrss_bytes()
+    timer = common.StepTimer()
+    with tempfile.TemporaryDirectory() as output_dir:
+        trainer = common.build_trainer(
+            trainer_kind, "ours", model, tokenizer, groups, output_dir, steps, [timer],
+            sequence_parallel_size=world_size,
+        )
+        trainer.train()
+    result = {
+        "rank": rank,
+        "peak_mem_bytes": common.maxrss_bytes() - base,
+        "floor_mem_bytes": timer.maxrss[0] - base,
+        "step_seconds": timer.times,
+        "tokens_per_step": [common.group_tokens(g) for g in groups],
+    }
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
+
+
+def run_ring(ring: int, trainer: str, prompt_length: int, cli) -> dict:
+    """Train on `ring` gloo ranks; return the per-rank results summarised."""
+    import sp_scaling
+
+    from trl_longrm.sequence_parallel.launch import run_on_gloo_ranks
+
+    record = {"trainer": trainer, "ring_size": ring, "prompt_length": prompt_length}
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory() as out_dir:
+        try:
+            run_on_gloo_ranks(
+                sp_scaling.rank_worker, ring, trainer, prompt_length, cli.response_length,
+                cli.warmup_prompt_length, cli.steps, out_dir,
+                timeout=cli.timeout, num_threads=1, preload=PRELOAD,
+            )
+        except TimeoutError:
+            record.update(status="timeout", wall_seconds=round(time.monotonic() - started, 1))
+            return record
+        except Exception as error:  # noqa: BLE001 - recorded in the results; the other ring sizes still run
+            record.update(status="error", error=str(error).splitlines()[-5:])
+            return record
+        ranks = [json.loads(Path(out_dir, f"rank{r}.json").read_text()) for r in range(ring)]
+    timed = slice(1, None)
+    step_seconds = [max(r["step_seconds"][i] for r in ranks) for i in range(cli.steps)]  # the slowest rank
+    record.update(
+        status="ok",
+        wall_seconds=round(time.monotonic() - started, 1),
+        rank_peak_mem_bytes=[r["peak_mem_bytes"] for r in ranks],
+        max_rank_peak_mem_bytes=max(r["peak_mem_bytes"] for r in ranks),
+        rank_floor_mem_bytes=[r["floor_mem_bytes"] for r in ranks],
+        max_rank_floor_mem_bytes=max(r["floor_mem_bytes"] for r in ranks),
+        step_seconds=[round(s, 3) for s in step_seconds],
+        timed_step_seconds=sum(step_seconds[timed]) / len(step_seconds[timed]),
+        tokens_per_step=ranks[0]["tokens_per_step"],
+    )
+    return record
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--trainers", nargs="+", choices=("grm", "disrm"), default=["grm"], help="Our trainers to run.")
+    parser.add_argument("--prompt-length", type=int, default=8192, help="Prompt tokens; the row holds it twice.")
+    parser.add_argument("--warmup-prompt-length", type=int, default=64,
+                        help="Prompt of the untimed warm-up step; the memory growth after it is the row-independent "
+                        "floor.")
+    parser.add_argument("--response-length", type=int, default=64, help="Longest response (tokens).")
+    parser.add_argument("--ring-sizes", type=int, nargs="+", default=[1, 2, 4], help="Ring (= world) sizes.")
+    parser.add_argument("--steps", type=int, default=3, help="Optimizer steps; the first is not timed.")
+    parser.add_argument("--timeout", type=float, default=300.0, help="Seconds before a ring size is given up.")
+    parser.add_argument("--out", type=Path, required=True, help="JSON file of the results (overwritten).")
+    cli = parser.parse_args()
+
+    # Before the fork server starts: its workers inherit this environment (see throughput_memory.bench_env).
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    cli.out.parent.mkdir(parents=True, exist_ok=True)
+    records = []
+    for trainer in cli.trainers:
+        for ring in cli.ring_sizes:
+            record = run_ring(ring, trainer, cli.prompt_length, cli)
+            records.append(record)
+            summary = ""
+            if record["status"] == "ok":
+                summary = (
+                    f"max rank peak +{record['max_rank_peak_mem_bytes'] / 2**30:.2f} GiB "
+                    f"(floor +{record['max_rank_floor_mem_bytes'] / 2**30:.2f})  steps {record['step_seconds']} s"
+                )
+            print(f"{trainer:5s} ring {ring}  prompt {cli.prompt_length}  {record['status']}  {summary}", flush=True)
+            cli.out.write_text(json.dumps(records, indent=1))
+
+
+if __name__ == "__main__":
+    main()
