@@ -23,6 +23,13 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
 
+# CPU benchmark of our trainers against stock TRL (not part of the tests); the last line printed is a JSON of ratios.
+bench: $(STAMP)
+	$(PY) bench/run.py --preset full --out bench/results
+
+bench-quick: $(STAMP)
+	$(PY) bench/run.py --preset quick --out bench/results/quick
+
 lint: $(STAMP)
 	$(VENV)/bin/ruff check trl_longrm tests bench
 

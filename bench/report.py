@@ -1,0 +1,261 @@
+"""Turn the raw results of `throughput_memory.py` and `sp_scaling.py` into `results.md` (tables), `bench.png` (plots)
+and `summary.json`, and print the headline ratios as one JSON line (the last line of `make bench`).
+
+Headline ratios, each at the longest prompt length that both ours and stock trained (`null` if there is none):
+`grm_tokens_per_s_ratio`, `disrm_tokens_per_s_ratio` (ours / stock, higher is better), `grm_peak_mem_ratio`,
+`disrm_peak_mem_ratio` (ours / stock, lower is better); and `sp4_vs_sp1_rank_mem_ratio`, the largest per-rank peak
+memory growth at ring size 4 over that at ring size 1 (first trainer of the SP run).
+
+    python bench/report.py --results bench/results
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+
+GIB = 2**30
+TARGETS = {
+    "grm_tokens_per_s_ratio": (">=", 1.5),
+    "disrm_tokens_per_s_ratio": (">=", 1.5),
+    "grm_peak_mem_ratio": ("<=", 0.5),
+    "disrm_peak_mem_ratio": ("<=", 0.5),
+    "sp4_vs_sp1_rank_mem_ratio": ("<=", 0.35),
+}
+
+
+def load(results: Path):
+    runs = [json.loads(line) for line in (results / "throughput_memory.jsonl").read_text().splitlines() if line]
+    sp_path = results / "sp_scaling.json"
+    sp = json.loads(sp_path.read_text()) if sp_path.exists() else []
+    meta_path = results / "meta.json"
+    meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
+    return runs, sp, meta
+
+
+def pairs(runs: list[dict], trainer: str) -> dict[int, dict[str, dict]]:
+    """`{prompt_length: {"ours": record, "stock": record}}` of one trainer."""
+    out: dict[int, dict[str, dict]] = {}
+    for run in runs:
+        if run["trainer"] == trainer:
+            out.setdefault(run["prompt_length"], {})[run["impl"]] = run
+    return dict(sorted(out.items()))
+
+
+def longest_common(by_length: dict[int, dict[str, dict]]) -> int | None:
+    both = [n for n, r in by_length.items() if all(r.get(i, {}).get("status") == "ok" for i in ("ours", "stock"))]
+    return max(both) if both else None
+
+
+def headline(runs: list[dict], sp: list[dict]) -> dict:
+    summary: dict[str, object] = {}
+    for trainer in ("grm", "disrm"):
+        by_length = pairs(runs, trainer)
+        length = longest_common(by_length)
+        summary[f"{trainer}_at_prompt_length"] = length
+        ours, stock = (by_length[length]["ours"], by_length[length]["stock"]) if length else ({}, {})
+        summary[f"{trainer}_tokens_per_s_ratio"] = (
+            round(ours["tokens_per_s"] / stock["tokens_per_s"], 3) if length else None
+        )
+        summary[f"{trainer}_peak_mem_ratio"] = (
+            round(ours["peak_mem_bytes"] / stock["peak_mem_bytes"], 3) if length else None
+        )
+    ok = [r for r in sp if r["status"] == "ok"]
+    first = ok[0]["trainer"] if ok else None
+    by_ring = {r["ring_size"]: r for r in ok if r["trainer"] == first}
+    summary["sp4_vs_sp1_rank_mem_ratio"] = (
+        round(by_ring[4]["max_rank_peak_mem_bytes"] / by_ring[1]["max_rank_peak_mem_bytes"], 3)
+        if 1 in by_ring and 4 in by_ring
+        else None
+    )
+    summary["sp_trainer"] = first
+    return summary
+
+
+def cell(record: dict | None, key: str, scale: float = 1.0, fmt: str = "{:.0f}") -> str:
+    if record is None:
+        return "not run"
+    if record["status"] != "ok":
+        if record["status"] == "skipped":
+            return f"skipped ({record['reason']})"
+        if record["status"] == "over_memory_cap":
+            return f"over {record['mem_cap_bytes'] / GIB:.0f} GiB cap (killed)"
+        if record["status"] == "timeout":
+            return f"timeout ({record['timeout_seconds']:.0f} s)"
+        return record["status"]
+    return fmt.format(record[key] / scale)
+
+
+def ratio(a: dict | None, b: dict | None, key: str) -> str:
+    if not a or not b or a["status"] != "ok" or b["status"] != "ok":
+        return "-"
+    return f"{a[key] / b[key]:.2f}"
+
+
+def throughput_table(runs: list[dict], trainer: str) -> list[str]:
+    lines = [
+        "| prompt tokens | tokens/step | ours tok/s | stock tok/s | tok/s ratio | ours peak GiB | stock peak GiB "
+        "| peak ratio | floor GiB (ours / stock) | cpu/wall (ours / stock) |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for length, row in pairs(runs, trainer).items():
+        ours, stock = row.get("ours"), row.get("stock")
+        done = next((r for r in (ours, stock) if r and r["status"] == "ok"), None)
+        tokens = sum(done["tokens_per_step"][1:]) // len(done["tokens_per_step"][1:]) if done else "-"
+        floors = " / ".join(cell(r, "floor_mem_bytes", GIB, "{:.2f}") if r and r["status"] == "ok" else "-"
+                            for r in (ours, stock))
+        cpu = " / ".join(f"{r['cpu_per_wall']:.2f}" if r and r["status"] == "ok" else "-" for r in (ours, stock))
+        lines.append(
+            f"| {length} | {tokens} | {cell(ours, 'tokens_per_s')} | {cell(stock, 'tokens_per_s')} "
+            f"| {ratio(ours, stock, 'tokens_per_s')} | {cell(ours, 'peak_mem_bytes', GIB, '{:.2f}')} "
+            f"| {cell(stock, 'peak_mem_bytes', GIB, '{:.2f}')} | {ratio(ours, stock, 'peak_mem_bytes')} "
+            f"| {floors} | {cpu} |"
+        )
+    return lines
+
+
+def sp_table(sp: list[dict]) -> list[str]:
+    lines = [
+        "| trainer | ring size | row tokens | max rank peak GiB | max rank floor GiB | peak - floor GiB "
+        "| peak vs ring 1 | (peak - floor) vs ring 1 | step s (slowest rank) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    base: dict[str, dict] = {}
+    for r in sp:
+        if r["status"] != "ok":
+            lines.append(f"| {r['trainer']} | {r['ring_size']} | - | {r['status']} | | | | | |")
+            continue
+        base.setdefault(r["trainer"], r)
+        b = base[r["trainer"]]
+        peak, floor = r["max_rank_peak_mem_bytes"], r["max_rank_floor_mem_bytes"]
+        b_peak, b_floor = b["max_rank_peak_mem_bytes"], b["max_rank_floor_mem_bytes"]
+        row_part = max(peak - floor, 0)
+        lines.append(
+            f"| {r['trainer']} | {r['ring_size']} | {r['tokens_per_step'][-1]} | {peak / GIB:.2f} | {floor / GIB:.2f} "
+            f"| {row_part / GIB:.2f} | {peak / b_peak:.2f} | {row_part / max(b_peak - b_floor, 1):.2f} "
+            f"| {r['timed_step_seconds']:.1f} |"
+        )
+    return lines
+
+
+def target_lines(summary: dict) -> list[str]:
+    lines = ["| ratio | value | target | met |", "|---|---:|---:|---|"]
+    for key, (op, bound) in TARGETS.items():
+        value = summary.get(key)
+        met = "n/a" if value is None else ("yes" if (value >= bound if op == ">=" else value <= bound) else "no")
+        lines.append(f"| `{key}` | {value} | {op} {bound} | {met} |")
+    return lines
+
+
+def write_markdown(path: Path, runs, sp, meta, summary) -> None:
+    machine, versions = meta.get("machine", {}), meta.get("versions", {})
+    out = ["# Benchmark results", ""]
+    if meta:
+        out += [
+            f"- Command: `{meta.get('command', '?')}` (preset `{meta.get('preset', '?')}`), "
+            f"{meta.get('started', '?')} to {meta.get('finished', '?')} ({meta.get('wall_minutes', '?')} min).",
+            f"- Machine: {machine.get('cpu', '?')}, {machine.get('cpu_cores', '?')} cores, "
+            f"{machine.get('memory_gib', '?')} GiB RAM, GPU: {machine.get('gpu') or 'none'}. Shared with other "
+            f"work: 1-min load average {meta.get('loadavg_start', '?')} at start, {meta.get('loadavg_end', '?')} at end.",
+            "- Software: " + ", ".join(f"{k} {v}" for k, v in versions.items()) + ".",
+            f"- Model: {meta.get('model', '?')}.",
+            f"- Data: {meta.get('data', '?')}",
+            "",
+        ]
+    out += ["## Headline (at the longest prompt length both trained)", "", *target_lines(summary), ""]
+    for trainer, title in (("grm", "SimPOGRMTrainer vs stock CPOTrainer (SimPO)"),
+                           ("disrm", "SimPODisRMTrainer vs stock RewardTrainer")):
+        if any(r["trainer"] == trainer for r in runs):
+            out += [f"## {title}", "", *throughput_table(runs, trainer), ""]
+    if sp:
+        out += ["## Sequence parallelism (gloo, one torch thread per rank)", "", *sp_table(sp), ""]
+    out += [
+        "Columns: tokens are real tokens (prompt once per response plus responses, no padding); tok/s over the "
+        "timed steps (all but the short warm-up step); peak = growth of the peak RSS over the RSS after the model "
+        "build; floor = the same after the warm-up step (gradients, AdamW state: independent of the row); cpu/wall = "
+        "CPU seconds per wall second of the timed steps (2 = both cores ours; lower = other processes took cores).",
+        "",
+    ]
+    path.write_text("\n".join(out))
+
+
+def plot(path: Path, runs: list[dict], sp: list[dict], meta: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = 3 if sp else 2
+    fig, axes = plt.subplots(1, panels, figsize=(5.2 * panels, 4.3))
+    styles = {("grm", "ours"): ("tab:blue", "-o"), ("grm", "stock"): ("tab:blue", "--s"),
+              ("disrm", "ours"): ("tab:orange", "-o"), ("disrm", "stock"): ("tab:orange", "--s")}
+    names = {"grm": "GRM (SimPO)", "disrm": "DisRM (BT)"}
+    for ax, key, scale, label in ((axes[0], "tokens_per_s", 1, "trained tokens / s"),
+                                  (axes[1], "peak_mem_bytes", GIB, "peak RSS growth (GiB)")):
+        for (trainer, impl), (color, style) in styles.items():
+            by_length = pairs(runs, trainer)
+            ok = [(n, r[impl][key] / scale) for n, r in by_length.items() if r.get(impl, {}).get("status") == "ok"]
+            if ok:
+                ax.plot(*zip(*ok), style, color=color, label=f"{names[trainer]} {impl}")
+            failed = [n for n, r in by_length.items() if r.get(impl, {}).get("status") not in ("ok", "skipped", None)]
+            for n in failed:
+                ax.axvline(n, color=color, linestyle=":", alpha=0.6)
+                ax.annotate(f"{impl} {r_status(by_length[n][impl])}", (n, ax.get_ylim()[1] * 0.9), rotation=90,
+                            fontsize=7, color=color, ha="right", va="top")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("prompt tokens (row = 2 x prompt + responses)")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    axes[0].set_title("Throughput, ours vs stock TRL")
+    axes[1].set_title("Peak memory, ours vs stock TRL")
+    if sp:
+        ax = axes[2]
+        ok = [r for r in sp if r["status"] == "ok"]
+        for i, trainer in enumerate(sorted({r["trainer"] for r in ok})):
+            rows = [r for r in ok if r["trainer"] == trainer]
+            x = [r["ring_size"] + (i - 0.5) * 0.3 * (len({r["trainer"] for r in ok}) > 1) for r in rows]
+            floor = [r["max_rank_floor_mem_bytes"] / GIB for r in rows]
+            row = [max(r["max_rank_peak_mem_bytes"] - r["max_rank_floor_mem_bytes"], 0) / GIB for r in rows]
+            color = styles[(trainer, "ours")][0]
+            ax.bar(x, floor, width=0.28, color=color, alpha=0.35, label=f"{names[trainer]}: floor (grads, AdamW)")
+            ax.bar(x, row, width=0.28, bottom=floor, color=color, label=f"{names[trainer]}: row-dependent")
+        ax.set_xticks(sorted({r["ring_size"] for r in ok}))
+        ax.set_xlabel("ring size (gloo ranks, 2 CPU cores)")
+        ax.set_ylabel("largest per-rank peak RSS growth (GiB)")
+        ax.set_title("Sequence parallelism: per-rank memory")
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3, axis="y")
+    versions = meta.get("versions", {})
+    fig.suptitle(
+        f"trl_longrm vs TRL {versions.get('trl', '?')} on CPU ({meta.get('machine', {}).get('cpu_cores', '?')} cores), "
+        f"torch {versions.get('torch', '?')}, transformers {versions.get('transformers', '?')}; "
+        f"{meta.get('model', '')}",
+        fontsize=8,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def r_status(record: dict) -> str:
+    return {"over_memory_cap": "over memory cap", "timeout": "timeout"}.get(record["status"], record["status"])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--results", type=Path, required=True, help="Directory with the raw results.")
+    cli = parser.parse_args()
+    runs, sp, meta = load(cli.results)
+    summary = headline(runs, sp)
+    write_markdown(cli.results / "results.md", runs, sp, meta, summary)
+    plot(cli.results / "bench.png", runs, sp, meta)
+    (cli.results / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    keys = [k for k in TARGETS]
+    print(json.dumps({k: summary[k] for k in keys}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,102 @@
+"""Run the whole CPU benchmark (what `make bench` and `make bench-quick` call) and end with one JSON line of ratios.
+
+1. `throughput_memory.py`: tokens/s and peak memory, ours vs stock TRL, for both trainers and several prompt lengths.
+2. `sp_scaling.py`: per-rank peak memory and step time of the GRM trainer at ring sizes 1, 2, 4 (gloo).
+3. `report.py`: `results.md`, `bench.png`, `summary.json` in the output directory, and the JSON line.
+
+The GPU section (`gpu_longest_row.py`) is not part of it: it needs a CUDA device.
+
+    python bench/run.py --preset full --out bench/results          # about 15 minutes on a 2-core CPU
+    python bench/run.py --preset quick --out bench/results/quick   # under 3 minutes
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+PRESETS = {
+    # Prompt lengths double up to where stock CPO's [tokens, 151936] logits pass the memory cap; 3 steps = one short
+    # warm-up step and two timed steps of the full length.
+    "full": dict(lengths=[1024, 2048, 4096, 8192], steps=3, sp_prompt_length=4096, sp_rings=[1, 2, 4]),
+    "quick": dict(lengths=[256, 512], steps=2, sp_prompt_length=256, sp_rings=[1, 4]),
+}
+
+
+def now() -> str:
+    return datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+
+
+def run(command: list[str]) -> None:
+    """Run a step of the benchmark, its output going to ours; the library's import-time warnings are dropped."""
+    print("+ " + shlex.join(command), flush=True)
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    for line in process.stdout:
+        if "Warning" not in line and "warnings.warn" not in line and "kernels" not in line:
+            print(line, end="", flush=True)
+    if process.wait():
+        raise SystemExit(f"{command[1]} failed with exit status {process.returncode}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="full", help="Sizes: full or quick.")
+    parser.add_argument("--out", type=Path, required=True, help="Directory for the results (files overwritten).")
+    parser.add_argument("--mem-cap-gib", type=float, default=14.0, help="Kill a single-process run past this RSS.")
+    parser.add_argument("--skip-sp", action="store_true", help="Leave out the sequence-parallel section.")
+    cli = parser.parse_args()
+    preset = PRESETS[cli.preset]
+    cli.out.mkdir(parents=True, exist_ok=True)
+
+    import common
+
+    started = time.monotonic()
+    meta = {
+        "command": "python " + shlex.join(["bench/run.py", *sys.argv[1:]]),
+        "preset": cli.preset,
+        "started": now(),
+        "loadavg_start": round(os.getloadavg()[0], 2),
+        "machine": common.machine_description(),
+        "versions": common.software_versions(),
+        "model": (
+            f"{common.ARCH}, {common.MODEL_OVERRIDES['num_hidden_layers']} layers, hidden "
+            f"{common.MODEL_OVERRIDES['hidden_size']}, vocab {common.VOCAB_SIZE}, fp32, random init"
+        ),
+        "data": (
+            "one preference group per step (prompt shared by chosen and 1 rejected response of 32-64 tokens), random "
+            f"token ids; {preset['steps']} optimizer steps per run, the first a short warm-up (64-token prompt), "
+            "not timed; gradient checkpointing on, AdamW (each config's TRL default)."
+        ),
+    }
+    (cli.out / "meta.json").write_text(json.dumps(meta, indent=1))
+    python = sys.executable
+    run([python, str(HERE / "throughput_memory.py"), "--lengths", *map(str, preset["lengths"]),
+         "--steps", str(preset["steps"]), "--mem-cap-gib", str(cli.mem_cap_gib),
+         "--out", str(cli.out / "throughput_memory.jsonl")])
+    sp_path = cli.out / "sp_scaling.json"
+    if cli.skip_sp:
+        sp_path.unlink(missing_ok=True)
+    else:
+        # GRM only: its ring sizes take ~3 minutes here; `sp_scaling.py --trainers disrm` runs the other one.
+        run([python, str(HERE / "sp_scaling.py"), "--trainers", "grm",
+             "--prompt-length", str(preset["sp_prompt_length"]), "--ring-sizes", *map(str, preset["sp_rings"]),
+             "--steps", str(preset["steps"]), "--out", str(sp_path)])
+    meta.update(finished=now(), wall_minutes=round((time.monotonic() - started) / 60, 1),
+                loadavg_end=round(os.getloadavg()[0], 2))
+    (cli.out / "meta.json").write_text(json.dumps(meta, indent=1))
+    run([python, str(HERE / "report.py"), "--results", str(cli.out)])
+
+
+if __name__ == "__main__":
+    main()
