@@ -196,6 +196,14 @@ def build_model(task: str, tokenizer, seed: int = 0):
 def build_trainer(trainer: str, impl: str, model, tokenizer, groups: list[dict], output_dir: str, steps: int,
                   callbacks=(), **overrides):
     """One of the four trainers on `groups`: `trainer` in ('grm', 'disrm'), `impl` in ('ours', 'stock')."""
+    from transformers import PrinterCallback
+
+    instance = _build_trainer(trainer, impl, model, tokenizer, groups, output_dir, steps, callbacks, **overrides)
+    instance.remove_callback(PrinterCallback)  # the final metrics dict of every run would clutter the output
+    return instance
+
+
+def _build_trainer(trainer, impl, model, tokenizer, groups, output_dir, steps, callbacks, **overrides):
     from datasets import Dataset
 
     max_length = max(group_tokens(g) for g in groups)  # no truncation, no filtering: every token is trained
@@ -215,7 +223,9 @@ def build_trainer(trainer: str, impl: str, model, tokenizer, groups: list[dict],
             def tokenize_row(self, feature, model=None):
                 return feature
 
-        config = CPOConfig(loss_type="simpo", cpo_alpha=0.0, beta=2.5, simpo_gamma=0.5, **args)
+        # remove_unused_columns=False: what CPOTrainer sets itself for its collator (with a warning).
+        config = CPOConfig(loss_type="simpo", cpo_alpha=0.0, beta=2.5, simpo_gamma=0.5, remove_unused_columns=False,
+                           **args)
         return PretokenisedCPOTrainer(model=model, args=config, train_dataset=Dataset.from_list(stock_cpo_rows(groups)),
                                       processing_class=tokenizer, callbacks=callbacks)
     if trainer == "disrm" and impl == "ours":

@@ -186,6 +186,7 @@ def plot(path: Path, runs: list[dict], sp: list[dict], meta: dict) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullLocator, ScalarFormatter
 
     panels = 3 if sp else 2
     fig, axes = plt.subplots(1, panels, figsize=(5.2 * panels, 4.3))
@@ -204,7 +205,16 @@ def plot(path: Path, runs: list[dict], sp: list[dict], meta: dict) -> None:
                 ax.axvline(n, color=color, linestyle=":", alpha=0.6)
                 ax.annotate(f"{impl} {r_status(by_length[n][impl])}", (n, ax.get_ylim()[1] * 0.9), rotation=90,
                             fontsize=7, color=color, ha="right", va="top")
+        lengths = sorted({r["prompt_length"] for r in runs})
         ax.set_xscale("log", base=2)
+        ax.set_xticks(lengths, [str(n) for n in lengths])
+        ax.xaxis.set_minor_locator(NullLocator())
+        if key == "tokens_per_s":
+            ax.set_yscale("log")  # GRM stock and DisRM differ by 20x
+            ax.yaxis.set_major_formatter(ScalarFormatter())
+            ax.yaxis.set_minor_locator(NullLocator())
+            ax.set_yticks([t for t in (50, 100, 200, 500, 1000, 2000, 5000, 10000)
+                           if ax.get_ylim()[0] <= t <= ax.get_ylim()[1]])
         ax.set_xlabel("prompt tokens (row = 2 x prompt + responses)")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
@@ -222,9 +232,13 @@ def plot(path: Path, runs: list[dict], sp: list[dict], meta: dict) -> None:
             color = styles[(trainer, "ours")][0]
             ax.bar(x, floor, width=0.28, color=color, alpha=0.35, label=f"{names[trainer]}: floor (grads, AdamW)")
             ax.bar(x, row, width=0.28, bottom=floor, color=color, label=f"{names[trainer]}: row-dependent")
+            for xi, f, r, rec in zip(x, floor, row, rows):
+                ax.annotate(f"{rec['timed_step_seconds']:.1f} s/step", (xi, f + r), ha="center", va="bottom",
+                            fontsize=7)
         ax.set_xticks(sorted({r["ring_size"] for r in ok}))
         ax.set_xlabel("ring size (gloo ranks, 2 CPU cores)")
         ax.set_ylabel("largest per-rank peak RSS growth (GiB)")
+        ax.set_ylim(0, max(r["max_rank_peak_mem_bytes"] for r in ok) / GIB * 1.25)
         ax.set_title("Sequence parallelism: per-rank memory")
         ax.legend(fontsize=7)
         ax.grid(alpha=0.3, axis="y")

@@ -29,8 +29,12 @@ sys.path.insert(0, str(HERE))
 PRESETS = {
     # Prompt lengths double up to where stock CPO's [tokens, 151936] logits pass the memory cap; 3 steps = one short
     # warm-up step and two timed steps of the full length.
-    "full": dict(lengths=[1024, 2048, 4096, 8192], steps=3, sp_prompt_length=4096, sp_rings=[1, 2, 4]),
-    "quick": dict(lengths=[256, 512], steps=2, sp_prompt_length=256, sp_rings=[1, 4]),
+    # DisRM goes one doubling further: stock RewardTrainer has no vocabulary logits, its extra cost is the 4-D
+    # attention mask, quadratic in the row, which dominates only from ~16K-token prompts at this model size.
+    "full": dict(grm_lengths=[1024, 2048, 4096, 8192], disrm_lengths=[1024, 2048, 4096, 8192, 16384], steps=3,
+                 sp_prompt_length=4096, sp_rings=[1, 2, 4]),
+    "quick": dict(grm_lengths=[256, 512], disrm_lengths=[256, 512], steps=2, sp_prompt_length=256,
+                  sp_rings=[1, 2, 4]),
 }
 
 
@@ -43,7 +47,7 @@ def run(command: list[str]) -> None:
     print("+ " + shlex.join(command), flush=True)
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     for line in process.stdout:
-        if "Warning" not in line and "warnings.warn" not in line and "kernels" not in line:
+        if not any(noise in line for noise in ("Warning", "warnings.warn", "[WARNING]", "kernels-community")):
             print(line, end="", flush=True)
     if process.wait():
         raise SystemExit(f"{command[1]} failed with exit status {process.returncode}")
@@ -81,7 +85,8 @@ def main() -> None:
     }
     (cli.out / "meta.json").write_text(json.dumps(meta, indent=1))
     python = sys.executable
-    run([python, str(HERE / "throughput_memory.py"), "--lengths", *map(str, preset["lengths"]),
+    run([python, str(HERE / "throughput_memory.py"), "--lengths", *map(str, preset["grm_lengths"]),
+         "--grm-lengths", *map(str, preset["grm_lengths"]), "--disrm-lengths", *map(str, preset["disrm_lengths"]),
          "--steps", str(preset["steps"]), "--mem-cap-gib", str(cli.mem_cap_gib),
          "--out", str(cli.out / "throughput_memory.jsonl")])
     sp_path = cli.out / "sp_scaling.json"

@@ -1,6 +1,6 @@
 """Train one (trainer, implementation, prompt length) configuration for a few optimizer steps and print one JSON line
-with its throughput and peak memory. `bench/throughput_memory.py` runs it in a fresh process per configuration, so
-that one run's allocations do not raise the next one's peak.
+with its throughput and peak memory. `bench/throughput_memory.py` runs it (`child_entry`) in a fresh process per
+configuration, so that one run's allocations do not raise the next one's peak.
 
 Throughput is real tokens (prompt once per response, plus the responses; no padding) per second of the steps after
 the first. The first step is a warm-up on a short row: it allocates the gradients and the optimizer state. Peak memory
@@ -18,12 +18,68 @@ import json
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common  # noqa: E402
+
+
+def run_config(trainer: str, impl: str, prompt_length: int, response_length: int = 64, steps: int = 3,
+               warmup_prompt_length: int | None = 64, threads: int | None = None, seed: int = 0) -> dict:
+    """Train one configuration in this process and return its record (see the module docstring)."""
+    import torch
+
+    from trl_longrm.testing_utils import build_chat_tokenizer
+
+    if steps < 2:
+        raise ValueError("steps must be at least 2 (one warm-up step, one timed)")
+    if threads:
+        torch.set_num_threads(threads)
+    started = time.perf_counter()
+    tokenizer = build_chat_tokenizer()
+    groups = common.random_groups(steps, prompt_length, response_length, tokenizer.eos_token_id, seed,
+                                  warmup_prompt_length)
+    model = common.build_model("causal-lm" if trainer == "grm" else "seq-cls", tokenizer, seed=seed)
+    base = common.maxrss_bytes()
+    timer = common.StepTimer()
+    with tempfile.TemporaryDirectory() as output_dir:
+        instance = common.build_trainer(trainer, impl, model, tokenizer, groups, output_dir, steps, [timer])
+        before_train = common.maxrss_bytes()
+        instance.train()
+    if len(timer.times) != steps:
+        raise RuntimeError(f"expected {steps} timed steps, got {len(timer.times)}")
+    tokens = [common.group_tokens(g) for g in groups]
+    timed = slice(1, None)
+    return {
+        "trainer": trainer,
+        "impl": impl,
+        "prompt_length": prompt_length,
+        "status": "ok",
+        "tokens_per_step": tokens,
+        "step_seconds": [round(t, 4) for t in timer.times],
+        "tokens_per_s": sum(tokens[timed]) / sum(timer.times[timed]),
+        # About the thread count on an idle machine; lower when other processes took cores during the timed steps.
+        "cpu_per_wall": sum(timer.cpu_times[timed]) / sum(timer.times[timed]),
+        "peak_mem_bytes": common.maxrss_bytes() - base,
+        "floor_mem_bytes": timer.maxrss[0] - base,  # after the short warm-up step
+        "trainer_init_mem_bytes": before_train - base,
+        "model_maxrss_bytes": base,
+        "num_params": sum(p.numel() for p in model.parameters()),
+        "torch_threads": torch.get_num_threads(),
+        "wall_seconds": round(time.perf_counter() - started, 2),
+    }
+
+
+def child_entry(config: dict, result_path: str) -> None:
+    """Entry point of a forked benchmark process: run `config`, write the record (or the error) as JSON."""
+    try:
+        record = run_config(**config)
+    except Exception:  # noqa: BLE001 - the parent records the failure and goes on
+        record = {"status": "error", "error_tail": traceback.format_exc().strip().splitlines()[-5:]}
+    Path(result_path).write_text(json.dumps(record))
 
 
 def main() -> None:
@@ -39,50 +95,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's).")
     parser.add_argument("--seed", type=int, default=0, help="Seed of the data and the model weights.")
     cli = parser.parse_args()
-    if cli.steps < 2:
-        parser.error("--steps must be at least 2 (one warm-up step, one timed)")
-
-    import torch
-
-    if cli.threads:
-        torch.set_num_threads(cli.threads)
-    from trl_longrm.testing_utils import build_chat_tokenizer
-
-    started = time.perf_counter()
-    tokenizer = build_chat_tokenizer()
-    groups = common.random_groups(cli.steps, cli.prompt_length, cli.response_length, tokenizer.eos_token_id, cli.seed,
-                                  cli.warmup_prompt_length)
-    task = "causal-lm" if cli.trainer == "grm" else "seq-cls"
-    model = common.build_model(task, tokenizer, seed=cli.seed)
-    base = common.maxrss_bytes()
-    timer = common.StepTimer()
-    with tempfile.TemporaryDirectory() as output_dir:
-        trainer = common.build_trainer(cli.trainer, cli.impl, model, tokenizer, groups, output_dir, cli.steps, [timer])
-        before_train = common.maxrss_bytes()
-        trainer.train()
-    if len(timer.times) != cli.steps:
-        raise RuntimeError(f"expected {cli.steps} timed steps, got {len(timer.times)}")
-    tokens = [common.group_tokens(g) for g in groups]
-    timed = slice(1, None)
-    result = {
-        "trainer": cli.trainer,
-        "impl": cli.impl,
-        "prompt_length": cli.prompt_length,
-        "status": "ok",
-        "tokens_per_step": tokens,
-        "step_seconds": [round(t, 4) for t in timer.times],
-        "tokens_per_s": sum(tokens[timed]) / sum(timer.times[timed]),
-        # About the thread count on an idle machine; lower when other processes took cores during the timed steps.
-        "cpu_per_wall": sum(timer.cpu_times[timed]) / sum(timer.times[timed]),
-        "peak_mem_bytes": common.maxrss_bytes() - base,
-        "floor_mem_bytes": timer.maxrss[0] - base,  # after the short warm-up step
-        "trainer_init_mem_bytes": before_train - base,
-        "model_maxrss_bytes": base,
-        "num_params": sum(p.numel() for p in model.parameters()),
-        "torch_threads": torch.get_num_threads(),
-        "wall_seconds": round(time.perf_counter() - started, 2),
-    }
-    print("RESULT " + json.dumps(result), flush=True)
+    record = run_config(cli.trainer, cli.impl, cli.prompt_length, cli.response_length, cli.steps,
+                        cli.warmup_prompt_length, cli.threads, cli.seed)
+    print("RESULT " + json.dumps(record), flush=True)
 
 
 if __name__ == "__main__":
