@@ -37,15 +37,9 @@ PRELOAD = ("transformers", "datasets", "trl", "trl.experimental.cpo", "trl_longr
 def rank_worker(rank: int, world_size: int, trainer_kind: str, prompt_length: int, response_length: int,
                 warmup_prompt_length: int, steps: int, out_dir: str) -> None:
     """Entry point of each gloo rank: train `steps` steps with `sequence_parallel_size=world_size`, write a JSON."""
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world_size),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT="0",
-        OMP_NUM_THREADS="1",
-    )
+    from trl_longrm.sequence_parallel.launch import set_distributed_env
+
+    set_distributed_env(rank, world_size)
     train_rank(rank, world_size, trainer_kind, prompt_length, response_length, warmup_prompt_length, steps, out_dir)
 
 

@@ -33,6 +33,7 @@ from trl_longrm import (  # noqa: E402
     SimPOGRMConfig,
     SimPOGRMTrainer,
 )
+from trl_longrm.sequence_parallel.launch import set_distributed_env  # noqa: E402
 from trl_longrm.testing_utils import build_chat_tokenizer, build_tiny_model  # noqa: E402
 
 
@@ -200,15 +201,7 @@ def run_train_task(out_dir: Path, sequence_parallel_size: int, tokenizer, kinds=
 
 def gloo_worker(rank: int, world_size: int, out_dir: str, tasks: list[str]) -> None:
     """Entry point for `run_on_gloo_ranks`: tell accelerate about the already initialised world, run the tasks."""
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world_size),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT="0",
-        OMP_NUM_THREADS="1",
-    )
+    set_distributed_env(rank, world_size)
     out = Path(out_dir)
     tokenizer = build_chat_tokenizer()
     for task in tasks:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import time
 from collections.abc import Callable, Sequence
@@ -17,6 +18,20 @@ def find_free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def set_distributed_env(rank: int, world_size: int) -> None:
+    """Export the torchrun variables of a local gloo rank, so that accelerate (and so a Trainer) built inside a
+    `run_on_gloo_ranks` worker joins the process group that is already initialised instead of starting its own."""
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT="0",
+        OMP_NUM_THREADS="1",
+    )
 
 
 def _entry(rank: int, fn: Callable, world_size: int, port: int, args: tuple, num_threads: int) -> None:
