@@ -100,3 +100,11 @@ def test_lora_trains_adapters_and_score_head(tmp_path, tokenizer, model_paths, k
     assert all("lora_" in n or "modules_to_save" in n for n in changed), sorted(changed)
     if kind == "disrm":
         assert any("score" in n and "modules_to_save" in n for n in changed), "the score head must train"
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_ddp_keeps_gradients_in_its_buckets(tmp_path, tokenizer, model_paths, kind):
+    # Under DDP (every multi-process run, sequence parallelism included) the gradients are views of the all-reduce
+    # buckets rather than a second model-sized copy on every rank.
+    trainer = make_trainer(kind, model_paths[KINDS[kind][2]], tmp_path, tokenizer, max_steps=1)
+    assert trainer.accelerator.ddp_handler.to_kwargs().get("gradient_as_bucket_view") is True
