@@ -98,12 +98,12 @@ def machine_description() -> dict[str, object]:
 
 
 def random_groups(num_groups: int, prompt_length: int, response_length: int, eos_token_id: int, seed: int = 0,
-                  warmup_prompt_length: int | None = None):
+                  warmup_prompt_length: int | None = None, warmup_steps: int = 1):
     """`num_groups` tokenised preference groups (k = 1) as python lists.
 
-    Every prompt has exactly `prompt_length` tokens, except the first one's when `warmup_prompt_length` is given: the
-    warm-up step (which allocates the gradients and the optimizer state and is not timed) then trains a short row,
-    so that the peak RSS after it is the floor that does not depend on the row length. Each response has between
+    Every prompt has exactly `prompt_length` tokens, except the first `warmup_steps` ones' when `warmup_prompt_length`
+    is given: the warm-up steps (the first allocates the gradients and the optimizer state; none is timed) then train
+    short rows, so that the peak RSS after them is the floor that does not depend on the row length. Each response has between
     `response_length // 2` and `response_length` tokens, the last being EOS (stock CPO would append it otherwise).
     Token ids are drawn from the whole vocabulary except the first 3 (the fixture tokenizer's special tokens).
     """
@@ -117,7 +117,7 @@ def random_groups(num_groups: int, prompt_length: int, response_length: int, eos
 
     lengths = [prompt_length] * num_groups
     if warmup_prompt_length is not None:
-        lengths[0] = warmup_prompt_length
+        lengths[:warmup_steps] = [warmup_prompt_length] * warmup_steps
     return [
         {"prompt_ids": ids(n), "chosen_completion_ids": response(), "rejected_completion_ids": [response()]}
         for n in lengths
