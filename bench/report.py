@@ -4,7 +4,9 @@ and `summary.json`, and print the headline ratios as one JSON line (the last lin
 Headline ratios, each at the longest prompt length that both ours and stock trained (`null` if there is none):
 `grm_tokens_per_s_ratio`, `disrm_tokens_per_s_ratio` (ours / stock, higher is better), `grm_peak_mem_ratio`,
 `disrm_peak_mem_ratio` (ours / stock, lower is better); and `sp4_vs_sp1_rank_mem_ratio`, the largest per-rank peak
-memory growth at ring size 4 over that at ring size 1 (first trainer of the SP run).
+memory growth at ring size 4 over that at ring size 1 (first trainer of the SP run), taken from the ZeRO-3 SP run
+(`sp_scaling_zero3.json`) when there is one, else from the gloo (DDP) run. `summary.json` also has, for each SP
+launcher, that ratio and the same ratio of the row-dependent part (peak - floor).
 
     python bench/report.py --results bench/results
 """
@@ -28,8 +30,10 @@ TARGETS = {
 
 def load(results: Path):
     runs = [json.loads(line) for line in (results / "throughput_memory.jsonl").read_text().splitlines() if line]
-    sp_path = results / "sp_scaling.json"
-    sp = json.loads(sp_path.read_text()) if sp_path.exists() else []
+    sp = []
+    for name in ("sp_scaling.json", "sp_scaling_zero3.json"):
+        if (results / name).exists():
+            sp += json.loads((results / name).read_text())
     meta_path = results / "meta.json"
     meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
     return runs, sp, meta
@@ -64,14 +68,36 @@ def headline(runs: list[dict], sp: list[dict]) -> dict:
         )
     ok = [r for r in sp if r["status"] == "ok"]
     first = ok[0]["trainer"] if ok else None
-    by_ring = {r["ring_size"]: r for r in ok if r["trainer"] == first}
-    summary["sp4_vs_sp1_rank_mem_ratio"] = (
-        round(by_ring[4]["max_rank_peak_mem_bytes"] / by_ring[1]["max_rank_peak_mem_bytes"], 3)
-        if 1 in by_ring and 4 in by_ring
-        else None
-    )
+    by_launcher = {}
+    for launcher in dict.fromkeys(r["launcher"] for r in ok):
+        by_ring = {r["ring_size"]: r for r in ok if r["trainer"] == first and r["launcher"] == launcher}
+        if 1 not in by_ring or 4 not in by_ring:
+            continue
+        one, four = by_ring[1], by_ring[4]
+        by_launcher[launcher] = {
+            "prompt_length": one["prompt_length"],
+            "row_tokens": one["tokens_per_step"][-1],
+            "ds_bucket_elements": one.get("ds_bucket_elements"),
+            "peak_ratio": round(four["max_rank_peak_mem_bytes"] / one["max_rank_peak_mem_bytes"], 3),
+            "row_part_ratio": round(row_part(four) / max(row_part(one), 1), 3),
+            "ring1_peak_gib": round(one["max_rank_peak_mem_bytes"] / GIB, 3),
+            "ring4_peak_gib": round(four["max_rank_peak_mem_bytes"] / GIB, 3),
+            "ring1_floor_gib": round(one["max_rank_floor_mem_bytes"] / GIB, 3),
+            "ring4_floor_gib": round(four["max_rank_floor_mem_bytes"] / GIB, 3),
+        }
+    headline_launcher = "zero3" if "zero3" in by_launcher else next(iter(by_launcher), None)
+    summary["sp4_vs_sp1_rank_mem_ratio"] = by_launcher[headline_launcher]["peak_ratio"] if headline_launcher else None
+    summary["sp_headline_launcher"] = headline_launcher
     summary["sp_trainer"] = first
+    summary["sp_by_launcher"] = by_launcher
     return summary
+
+
+def row_part(record: dict) -> int:
+    """The row-dependent memory of a ring run: per rank peak - floor, the largest over the ranks."""
+    if "max_rank_row_mem_bytes" in record:
+        return max(record["max_rank_row_mem_bytes"], 0)
+    return max(record["max_rank_peak_mem_bytes"] - record["max_rank_floor_mem_bytes"], 0)
 
 
 def cell(record: dict | None, key: str, scale: float = 1.0, fmt: str = "{:.0f}") -> str:
@@ -116,26 +142,30 @@ def throughput_table(runs: list[dict], trainer: str) -> list[str]:
     return lines
 
 
+def launcher_name(record: dict) -> str:
+    if record["launcher"] == "gloo":
+        return "gloo (DDP)"
+    buckets = record.get("ds_bucket_elements")
+    return f"{record['launcher']} ({'buffers ' + str(buckets) if buckets else 'DeepSpeed default buffers'})"
+
+
 def sp_table(sp: list[dict]) -> list[str]:
     lines = [
-        "| trainer | ring size | row tokens | max rank peak GiB | max rank floor GiB | peak - floor GiB "
-        "| peak vs ring 1 | (peak - floor) vs ring 1 | step s (slowest rank) |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| trainer | launcher | ring size | row tokens | max rank peak GiB | max rank floor GiB "
+        "| max rank peak - floor GiB | peak vs ring 1 | (peak - floor) vs ring 1 | step s (slowest rank) |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    base: dict[str, dict] = {}
+    base: dict[tuple, dict] = {}
     for r in sp:
         if r["status"] != "ok":
-            lines.append(f"| {r['trainer']} | {r['ring_size']} | - | {r['status']} | | | | | |")
+            lines.append(f"| {r['trainer']} | {launcher_name(r)} | {r['ring_size']} | - | {r['status']} | | | | | |")
             continue
-        base.setdefault(r["trainer"], r)
-        b = base[r["trainer"]]
+        b = base.setdefault((r["trainer"], r["launcher"], r["prompt_length"]), r)
         peak, floor = r["max_rank_peak_mem_bytes"], r["max_rank_floor_mem_bytes"]
-        b_peak, b_floor = b["max_rank_peak_mem_bytes"], b["max_rank_floor_mem_bytes"]
-        row_part = max(peak - floor, 0)
         lines.append(
-            f"| {r['trainer']} | {r['ring_size']} | {r['tokens_per_step'][-1]} | {peak / GIB:.2f} | {floor / GIB:.2f} "
-            f"| {row_part / GIB:.2f} | {peak / b_peak:.2f} | {row_part / max(b_peak - b_floor, 1):.2f} "
-            f"| {r['timed_step_seconds']:.1f} |"
+            f"| {r['trainer']} | {launcher_name(r)} | {r['ring_size']} | {r['tokens_per_step'][-1]} | {peak / GIB:.2f} "
+            f"| {floor / GIB:.2f} | {row_part(r) / GIB:.2f} | {peak / b['max_rank_peak_mem_bytes']:.2f} "
+            f"| {row_part(r) / max(row_part(b), 1):.2f} | {r['timed_step_seconds']:.1f} |"
         )
     return lines
 
@@ -170,7 +200,26 @@ def write_markdown(path: Path, runs, sp, meta, summary) -> None:
         if any(r["trainer"] == trainer for r in runs):
             out += [f"## {title}", "", *throughput_table(runs, trainer), ""]
     if sp:
-        out += ["## Sequence parallelism (gloo, one torch thread per rank)", "", *sp_table(sp), ""]
+        sp_run = meta.get("sp_run")
+        out += ["## Sequence parallelism (ring size = world size, one torch thread per rank)", ""]
+        if sp_run:
+            out += [f"Re-run separately: `{sp_run.get('command', '?')}`, {sp_run.get('started', '?')} to "
+                    f"{sp_run.get('finished', '?')} ({sp_run.get('wall_minutes', '?')} min), load average "
+                    f"{sp_run.get('loadavg_start', '?')} at start, {sp_run.get('loadavg_end', '?')} at end; "
+                    f"trl_longrm {sp_run.get('versions', {}).get('trl_longrm', '?')}.", ""]
+        out += [*sp_table(sp), ""]
+        for launcher, values in summary.get("sp_by_launcher", {}).items():
+            out.append(f"- {launcher}, {values['row_tokens']}-token row: ring 4 / ring 1 per-rank peak "
+                       f"{values['peak_ratio']}, row-dependent part (peak - floor) {values['row_part_ratio']}"
+                       + (" (the headline)" if launcher == summary.get("sp_headline_launcher") else "") + ".")
+        out += [
+            "",
+            "SP memory: RSS with `MALLOC_MMAP_THRESHOLD_=65536` (glibc returns freed blocks over 64 KiB at once, so "
+            "RSS follows the live tensors); floor = growth after 2 short warm-up steps (weights, gradients, AdamW "
+            "state, DDP buckets / DeepSpeed partitions and buffers, and a step's transients); peak - floor = what the "
+            "row costs. The 4 ranks of ring 4 share 2 cores: its step times measure oversubscription.",
+            "",
+        ]
     out += [
         "Columns: tokens are real tokens (prompt once per response plus responses, no padding); tok/s over the "
         "timed steps (all but the short warm-up step); peak = growth of the peak RSS over the RSS after the model "
@@ -224,23 +273,25 @@ def plot(path: Path, runs: list[dict], sp: list[dict], meta: dict) -> None:
     if sp:
         ax = axes[2]
         ok = [r for r in sp if r["status"] == "ok"]
-        for i, trainer in enumerate(sorted({r["trainer"] for r in ok})):
-            rows = [r for r in ok if r["trainer"] == trainer]
-            x = [r["ring_size"] + (i - 0.5) * 0.3 * (len({r["trainer"] for r in ok}) > 1) for r in rows]
+        series = list(dict.fromkeys((r["trainer"], r["launcher"], r["prompt_length"]) for r in ok))
+        colors = {"gloo": "tab:blue", "zero2": "tab:green", "zero3": "tab:purple"}
+        for i, key in enumerate(series):
+            rows = [r for r in ok if (r["trainer"], r["launcher"], r["prompt_length"]) == key]
+            x = [r["ring_size"] + (i - (len(series) - 1) / 2) * 0.3 for r in rows]
             floor = [r["max_rank_floor_mem_bytes"] / GIB for r in rows]
-            row = [max(r["max_rank_peak_mem_bytes"] - r["max_rank_floor_mem_bytes"], 0) / GIB for r in rows]
-            color = styles[(trainer, "ours")][0]
-            ax.bar(x, floor, width=0.28, color=color, alpha=0.35, label=f"{names[trainer]}: floor (grads, AdamW)")
-            ax.bar(x, row, width=0.28, bottom=floor, color=color, label=f"{names[trainer]}: row-dependent")
-            for xi, f, r, rec in zip(x, floor, row, rows):
-                ax.annotate(f"{rec['timed_step_seconds']:.1f} s/step", (xi, f + r), ha="center", va="bottom",
-                            fontsize=7)
+            row = [row_part(r) / GIB for r in rows]
+            color = colors.get(key[1], "tab:gray")
+            label = f"{names[key[0]]}, {launcher_name(rows[0])}, {rows[0]['tokens_per_step'][-1]}-token row"
+            ax.bar(x, floor, width=0.28, color=color, alpha=0.35, label=f"{label}: floor")
+            ax.bar(x, row, width=0.28, bottom=floor, color=color, label=f"{label}: peak - floor")
+            for xi, f, r in zip(x, floor, row):
+                ax.annotate(f"{f + r:.2f}", (xi, f + r), ha="center", va="bottom", fontsize=7)
         ax.set_xticks(sorted({r["ring_size"] for r in ok}))
-        ax.set_xlabel("ring size (gloo ranks, 2 CPU cores)")
+        ax.set_xlabel("ring size = world size (processes on 2 CPU cores)")
         ax.set_ylabel("largest per-rank peak RSS growth (GiB)")
-        ax.set_ylim(0, max(r["max_rank_peak_mem_bytes"] for r in ok) / GIB * 1.25)
+        ax.legend(fontsize=6)
+        ax.set_ylim(0, max(r["max_rank_peak_mem_bytes"] for r in ok) / GIB * 1.6)
         ax.set_title("Sequence parallelism: per-rank memory")
-        ax.legend(fontsize=7)
         ax.grid(alpha=0.3, axis="y")
     versions = meta.get("versions", {})
     fig.suptitle(
