@@ -217,8 +217,42 @@ def test_cli_writes_the_same_suite_as_the_api(tmp_path, suite):
         ({"train_tokens": (300, 100)}, "train_tokens"),
         ({"num_rejected": 0}, "num_rejected"),
         ({"swap_probability": 1.5}, "swap_probability"),
+        ({"keys_per_question": 5, "min_facts": 4}, "keys_per_question"),
     ],
 )
 def test_bad_settings_fail_clearly(overrides, message):
     with pytest.raises(ValueError, match=message):
         SyntheticConfig(**overrides)
+
+
+def test_keys_per_question_asks_several_keys_and_rejects_get_every_one_wrong(tmp_path):
+    suite = generate_synthetic_suite(tmp_path, seed=5, swap_probability=0.0, keys_per_question=3, **SMALL)
+    for row in read_jsonl(suite.disrm):
+        document = document_of(row["chat_template"][-1]["content"])
+        task = task_of_document(document)
+        assert len(parse_facts(task, row["chosen"])) == 3 and count_errors(task, document, row["chosen"]) == 0
+        assert [count_errors(task, document, r) for r in row["rejects"]] == [3] * len(row["rejects"])
+    pairwise = [r for p in suite.benchmark.glob("*.jsonl") for r in read_jsonl(p) if r["tasktype"] == "PairWise"]
+    assert pairwise
+    for record in pairwise:
+        document = document_of(record["prompt_template"][-1]["content"])
+        task = task_of_document(document)
+        assert [count_errors(task, document, r) for r in (record["chosen"], record["rejected"])] == [0, 3]
+
+
+def test_suite_tokenizer_makes_suite_words_single_tokens(suite, tokenizer):
+    from trl_longrm.synthetic.suite import tokenizer_corpus
+    from trl_longrm.testing_utils import build_chat_tokenizer
+
+    suite_tokenizer = build_chat_tokenizer(1024, tokenizer_corpus())
+    row = read_jsonl(suite.disrm)[0]
+    text = row["chat_template"][-1]["content"] + " " + row["chosen"]
+    small, default = suite_tokenizer(text)["input_ids"], tokenizer(text)["input_ids"]
+    # Every word of the suite's surfaces is one token (the default tokenizer spells many of them letter by letter).
+    for surface in SURFACES.values():
+        for word in re.findall(r"[A-Za-z]+", surface.fact.replace("{key}", "").replace("{value}", "")):
+            assert len(suite_tokenizer(" " + word)["input_ids"]) == 1, word
+    for value in VALUES:
+        assert len(suite_tokenizer(" " + value)["input_ids"]) == 1, value
+    assert len(small) < 0.6 * len(default)
+    assert suite_tokenizer.decode(small) == text  # byte-level: still round-trips

@@ -77,7 +77,7 @@ def _training_corpus(seed: int = 0, n_lines: int = 2000) -> list[str]:
 
 
 @functools.lru_cache(maxsize=4)
-def _trained_tokenizer_json(vocab_size: int) -> str:
+def _trained_tokenizer_json(vocab_size: int, corpus: tuple[str, ...] = ()) -> str:
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
@@ -87,17 +87,19 @@ def _trained_tokenizer_json(vocab_size: int) -> str:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tokenizer.train_from_iterator(_training_corpus(), trainer)
+    tokenizer.train_from_iterator(_training_corpus() + list(corpus), trainer)
     return tokenizer.to_str()
 
 
-def build_chat_tokenizer(vocab_size: int = 512) -> PreTrainedTokenizerFast:
+def build_chat_tokenizer(vocab_size: int = 512, corpus: tuple[str, ...] | list[str] = ()) -> PreTrainedTokenizerFast:
     """A byte-level BPE tokenizer (any text round-trips) with a ChatML chat template, EOS and pad tokens.
 
-    The BPE merges are learnt in code from a fixed word list, so the tokenizer is the same on every call and machine.
+    The BPE merges are learnt in code from a fixed word list, plus the lines of `corpus` when given (the demo passes
+    text of its synthetic suite, so that its words become single tokens and its sequences get shorter), so the
+    tokenizer is the same on every call and machine.
     """
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=Tokenizer.from_str(_trained_tokenizer_json(vocab_size)),
+        tokenizer_object=Tokenizer.from_str(_trained_tokenizer_json(vocab_size, tuple(corpus))),
         eos_token=EOS_TOKEN,
         pad_token=PAD_TOKEN,
         bos_token=None,
@@ -161,11 +163,13 @@ def save_tiny_model(
     arch: str = "llama",
     task: str = "causal-lm",
     seed: int = 0,
+    tokenizer: PreTrainedTokenizerFast | None = None,
     **config_overrides,
 ) -> str:
-    """Build a tiny model and its tokenizer and `save_pretrained` both into `path`; returns the path as a string."""
+    """Build a tiny model and its tokenizer (default `build_chat_tokenizer()`) and `save_pretrained` both into `path`;
+    returns the path as a string."""
     path = Path(path)
-    tokenizer = build_chat_tokenizer()
+    tokenizer = tokenizer or build_chat_tokenizer()
     model = build_tiny_model(arch, task, tokenizer, seed=seed, **config_overrides)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)

@@ -101,6 +101,13 @@ class SyntheticConfig:
             "than a value the document never states (`absent`). Default 1.0 (always swap)."
         },
     )
+    keys_per_question: int = field(
+        default=1,
+        metadata={
+            "help": "Keys a pairwise question (DisRM rows, pairwise judge rows, PairWise benchmark records) asks about; "
+            "its rejected responses state a wrong value for every one of them. Default 1."
+        },
+    )
     key_digits: int = field(default=2, metadata={"help": "Digits of a key after its letter (`P27`). Default 2."})
     eval_key_fraction: float = field(
         default=0.25, metadata={"help": "Fraction of keys reserved for the benchmark. Default 0.25."}
@@ -120,6 +127,10 @@ class SyntheticConfig:
             raise ValueError("ranking_fraction and swap_probability must lie in [0, 1].")
         if not 2 <= self.min_facts <= MAX_FACTS:
             raise ValueError(f"min_facts must be between 2 and {MAX_FACTS}, got {self.min_facts}.")
+        if not 1 <= self.keys_per_question <= self.min_facts:
+            raise ValueError(
+                f"keys_per_question must be between 1 and min_facts={self.min_facts}, got {self.keys_per_question}."
+            )
         if not self.lengths or any(tokens <= 0 for tokens in self.lengths.values()):
             raise ValueError(f"lengths must map bucket names to positive token counts, got {self.lengths}.")
 
@@ -223,9 +234,40 @@ def _wrong_rankings(rng: random.Random, n: int, true_ranks: list[int], k: int) -
 
 def _train_errors(rng: random.Random, ranking: bool, config: SyntheticConfig) -> list[int]:
     if not ranking:
-        return [0, 1]
+        return [0, config.keys_per_question]
     n = rng.choice([3, 4])
     return list(range(n))
+
+
+def tokenizer_corpus(seed: int = 0, num_lines: int = 3000) -> list[str]:
+    """Lines of text in the suite's vocabulary (documents, questions, responses, judge prompts and judgments), for
+    training a tokenizer whose tokens are the suite's words (`build_chat_tokenizer(corpus=tokenizer_corpus())`).
+
+    The tiny test tokenizer splits words it was not trained on into characters, so a suite document costs about three
+    tokens per word; with this corpus it costs about one, and a small model sees the same text in shorter sequences.
+    """
+    from trl_longrm.evaluation.prompts import PAIRWISE_SYSTEM_PROMPT, RANKING_SYSTEM_PROMPT
+    from trl_longrm.synthetic.world import all_keys, filler_sentence
+
+    rng = random.Random(seed)
+    keys = all_keys()
+    fixed = [PAIRWISE_SYSTEM_PROMPT, RANKING_SYSTEM_PROMPT, "Which response is better? End with [[A]] or [[B]].",
+             "Rank the responses, best first."]
+    for surface in SURFACES.values():
+        fixed += [surface.system, f"# {surface.title}", "# Question", "# Task"]
+    lines = []
+    for i in range(num_lines):
+        surface = SURFACES[list(SURFACES)[i % len(SURFACES)]]
+        facts = [surface.fact_sentence(rng.choice(keys), rng.choice(VALUES)) for _ in range(3)]
+        letter = label(rng.randrange(4))
+        lines += [
+            " ".join(facts + [filler_sentence(rng)]),
+            surface.question.format(keys=", ".join(rng.sample(keys, 2))),
+            f"# Response {letter}\n{facts[0]}\n# End of Response {letter}",
+            f"Evidence: {facts[1]}\nResponse {letter}: {rng.randint(0, 3)}/{rng.randint(1, 3)} correct.\n[[{letter}]]",
+            fixed[i % len(fixed)],
+        ]
+    return lines
 
 
 class SuiteBuilder:
@@ -260,7 +302,7 @@ class SuiteBuilder:
     def disrm_rows(self) -> list[dict]:
         """DisRM preference rows: prompt messages, the consistent response, `num_rejected` inconsistent ones."""
         rows = []
-        errors = [0] + [1] * self.config.num_rejected
+        errors = [0] + [self.config.keys_per_question] * self.config.num_rejected
         for index in range(self.config.num_train):
             _, example = self._train_example("disrm", index, lambda rng: errors)
             rows.append(
@@ -324,7 +366,8 @@ class SuiteBuilder:
                 rng = self._rng("bench", task, bucket, i)
                 pairwise = i < self.config.pairwise_per_bucket
                 n = 2 if pairwise else 2 + (i - self.config.pairwise_per_bucket) % 3
-                example = make_example(rng, task, self.eval_keys, tokens, list(range(n)), self.config, self.counter)
+                errors = [0, self.config.keys_per_question] if pairwise else list(range(n))
+                example = make_example(rng, task, self.eval_keys, tokens, errors, self.config, self.counter)
                 record = {
                     "id": f"{task.lower()}-{bucket}-{i:03d}",
                     "prompt_template": example.prompt_messages,
