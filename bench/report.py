@@ -201,6 +201,7 @@ def write_markdown(path: Path, runs, sp, meta, summary) -> None:
             out += [f"## {title}", "", *throughput_table(runs, trainer), ""]
     if sp:
         sp_run = meta.get("sp_run")
+        cores = (sp_run or meta).get("cpus_allowed") or machine.get("cpu_cores", "?")
         out += ["## Sequence parallelism (ring size = world size, one torch thread per rank)", ""]
         if sp_run:
             out += [f"Re-run separately: `{sp_run.get('command', '?')}`, {sp_run.get('started', '?')} to "
@@ -217,7 +218,8 @@ def write_markdown(path: Path, runs, sp, meta, summary) -> None:
             "SP memory: RSS with `MALLOC_MMAP_THRESHOLD_=65536` (glibc returns freed blocks over 64 KiB at once, so "
             "RSS follows the live tensors); floor = growth after 2 short warm-up steps (weights, gradients, AdamW "
             "state, DDP buckets / DeepSpeed partitions and buffers, and a step's transients); peak - floor = what the "
-            "row costs. The 4 ranks of ring 4 share 2 cores: its step times measure oversubscription.",
+            f"row costs. All ranks share the {cores} CPU core(s) the run was allowed: step times measure "
+            "oversubscription, not scaling.",
             "",
         ]
     out += [
@@ -287,7 +289,8 @@ def plot(path: Path, runs: list[dict], sp: list[dict], meta: dict) -> None:
             for xi, f, r in zip(x, floor, row):
                 ax.annotate(f"{f + r:.2f}", (xi, f + r), ha="center", va="bottom", fontsize=7)
         ax.set_xticks(sorted({r["ring_size"] for r in ok}))
-        ax.set_xlabel("ring size = world size (processes on 2 CPU cores)")
+        cores = meta.get("sp_run", meta).get("cpus_allowed") or meta.get("machine", {}).get("cpu_cores", "?")
+        ax.set_xlabel(f"ring size = world size (processes on {cores} CPU core(s))")
         ax.set_ylabel("largest per-rank peak RSS growth (GiB)")
         ax.legend(fontsize=6)
         ax.set_ylim(0, max(r["max_rank_peak_mem_bytes"] for r in ok) / GIB * 1.6)

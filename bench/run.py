@@ -85,6 +85,7 @@ def main() -> None:
         "preset": cli.preset,
         "started": now(),
         "loadavg_start": round(os.getloadavg()[0], 2),
+        "cpus_allowed": len(os.sched_getaffinity(0)),  # fewer than the machine's cores under `taskset`
         "machine": common.machine_description(),
         "versions": common.software_versions(),
         "model": (
@@ -99,7 +100,7 @@ def main() -> None:
     }
     if cli.skip_throughput:
         # The throughput section's meta stays that of the run that produced it; this run is recorded under "sp_run".
-        sp_meta = {k: meta[k] for k in ("command", "started", "loadavg_start", "machine", "versions")}
+        sp_meta = {k: meta[k] for k in ("command", "started", "loadavg_start", "machine", "versions", "cpus_allowed")}
         meta = {**previous, "sp_run": sp_meta}
     else:
         meta["data"] += (" SP runs: 2 short warm-up steps, then full-length steps." if not cli.skip_sp else "")
