@@ -1,5 +1,6 @@
 """The demo pipeline (`python -m trl_longrm.demo`) at a small size: the DisRM stage through `trl-longrm train` on a
-ring of 2 CPU processes, evaluated before and after, and a second run that resumes instead of redoing the work."""
+ring of 2 CPU processes, evaluated before and after (and better after), and a second run that resumes instead of
+redoing the work."""
 
 import json
 from pathlib import Path
@@ -19,14 +20,13 @@ def weights(directory: Path) -> dict[str, torch.Tensor]:
     return out
 
 
+GAIN = 0.10
+
+
 @pytest.mark.slow
-def test_demo_disrm_stage_trains_on_a_ring_evaluates_and_resumes(tmp_path):
-    config = DemoConfig(
-        output_dir=str(tmp_path / "demo"),
-        stages=["simpo_disrm"],
-        num_train=48,
-        train_overrides={"simpo_disrm": ["--per_device_train_batch_size", "8"]},
-    )
+def test_demo_disrm_stage_trains_on_a_ring_learns_and_resumes(tmp_path):
+    # The demo without its generative stages: its DisRM stage as `make demo` runs it (3000 groups, 2 epochs, ~3 min).
+    config = DemoConfig(output_dir=str(tmp_path / "demo"), stages=["simpo_disrm"])
     summary = run_demo(config)
     root = Path(config.output_dir)
 
@@ -41,9 +41,16 @@ def test_demo_disrm_stage_trains_on_a_ring_evaluates_and_resumes(tmp_path):
     table = summary_table(summary)
     assert "DisRM trained (Bradley-Terry, ring 2)" in table and f"{100 * row['pairwise_avg']:.1f}" in table
 
-    # Training ran on the ring of 2 processes the recipe names, for 48 groups / 8 per step, and moved the weights.
+    # It learnt: the held-out benchmark's pairwise accuracy rises well above the random base model's (41.7% -> 60.7% in
+    # the README's demo run; 100 steps only reached 50%), and so does the AUC.
+    base, trained = summary["models"]["disrm"], summary["models"]["simpo_disrm"]
+    assert trained["pairwise_avg"] >= base["pairwise_avg"] + GAIN, (base, trained)
+    assert trained["auc"] > base["auc"], (base, trained)
+
+    # Training ran on the ring of 2 processes the recipe names, 2 epochs of 3000 groups / 16 per step, and moved the
+    # weights.
     state = json.loads((root / "runs" / "simpo_disrm" / "trainer_state.json").read_text())
-    assert state["global_step"] == 6
+    assert state["global_step"] == 2 * 188
     base, trained = weights(root / "models" / "tiny-llama-cls"), weights(root / "runs" / "simpo_disrm")
     assert any(not torch.equal(base[n], trained[n]) for n in base)
     assert (root / "length_accuracy.png").stat().st_size > 0
