@@ -17,8 +17,17 @@ from pathlib import Path
 
 from trl_longrm.evaluation.benchmark import BenchmarkRecord
 from trl_longrm.evaluation.config import TASKS
-from trl_longrm.evaluation.prompts import build_judge_messages, label
-from trl_longrm.synthetic.world import SURFACES, VALUES, FactSheet, make_fact_sheet, make_responses, split_keys
+from trl_longrm.evaluation.prompts import PAIRWISE_SYSTEM_PROMPT, RANKING_SYSTEM_PROMPT, build_judge_messages, label
+from trl_longrm.synthetic.world import (
+    SURFACES,
+    VALUES,
+    FactSheet,
+    all_keys,
+    filler_sentence,
+    make_fact_sheet,
+    make_responses,
+    split_keys,
+)
 
 
 logger = logging.getLogger(__name__)
@@ -246,13 +255,14 @@ def tokenizer_corpus(seed: int = 0, num_lines: int = 3000) -> list[str]:
     The tiny test tokenizer splits words it was not trained on into characters, so a suite document costs about three
     tokens per word; with this corpus it costs about one, and a small model sees the same text in shorter sequences.
     """
-    from trl_longrm.evaluation.prompts import PAIRWISE_SYSTEM_PROMPT, RANKING_SYSTEM_PROMPT
-    from trl_longrm.synthetic.world import all_keys, filler_sentence
-
     rng = random.Random(seed)
     keys = all_keys()
-    fixed = [PAIRWISE_SYSTEM_PROMPT, RANKING_SYSTEM_PROMPT, "Which response is better? End with [[A]] or [[B]].",
-             "Rank the responses, best first."]
+    fixed = [
+        PAIRWISE_SYSTEM_PROMPT,
+        RANKING_SYSTEM_PROMPT,
+        "Which response is better? End with [[A]] or [[B]].",
+        "Rank the responses, best first.",
+    ]
     for surface in SURFACES.values():
         fixed += [surface.system, f"# {surface.title}", "# Question", "# Task"]
     lines = []
