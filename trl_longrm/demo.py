@@ -158,7 +158,7 @@ class Demo:
 
     def data(self):
         from trl_longrm.synthetic import generate_synthetic_suite
-        from trl_longrm.synthetic.suite import MANIFEST_FILE
+        from trl_longrm.synthetic.suite import MANIFEST_FILE, SyntheticSuite
 
         root = self.root / "data"
         settings = dict(DEMO_DATA, seed=self.config.seed, num_train=self.config.num_train)
@@ -167,7 +167,7 @@ class Demo:
             written = json.loads(manifest.read_text(encoding="utf-8"))["config"]
             if all(_same(written[k], v) for k, v in settings.items()):
                 logger.info("Synthetic suite already in %s.", root)
-                return _suite_paths(root)
+                return SyntheticSuite.at(root)
         return generate_synthetic_suite(root, tokenizer=demo_tokenizer(), **settings)
 
     def base_models(self):
@@ -260,26 +260,6 @@ class Demo:
 
 def _same(a, b) -> bool:
     return json.loads(json.dumps(a)) == json.loads(json.dumps(b))
-
-
-def _suite_paths(root: Path):
-    from trl_longrm.synthetic.suite import (
-        BENCHMARK_DIR,
-        DISRM_FILE,
-        GRM_FILE,
-        MANIFEST_FILE,
-        SFT_FILE,
-        SyntheticSuite,
-    )
-
-    return SyntheticSuite(
-        root=root,
-        sft=root / SFT_FILE,
-        grm=root / GRM_FILE,
-        disrm=root / DISRM_FILE,
-        benchmark=root / BENCHMARK_DIR,
-        manifest=root / MANIFEST_FILE,
-    )
 
 
 MODEL_LABELS = {

@@ -413,6 +413,19 @@ class SyntheticSuite:
     benchmark: Path
     manifest: Path
 
+    @classmethod
+    def at(cls, root: str | Path) -> SyntheticSuite:
+        """The paths of the suite written (or to be written) in `root`."""
+        root = Path(root)
+        return cls(
+            root=root,
+            sft=root / SFT_FILE,
+            grm=root / GRM_FILE,
+            disrm=root / DISRM_FILE,
+            benchmark=root / BENCHMARK_DIR,
+            manifest=root / MANIFEST_FILE,
+        )
+
 
 def generate_synthetic_suite(
     output_dir: str | Path, config: SyntheticConfig | None = None, tokenizer=None, **overrides
@@ -434,14 +447,7 @@ def generate_synthetic_suite(
     config = SyntheticConfig(**{**asdict(config or SyntheticConfig()), **overrides})
     root = Path(output_dir)
     builder = SuiteBuilder(config, tokenizer)
-    suite = SyntheticSuite(
-        root=root,
-        sft=root / SFT_FILE,
-        grm=root / GRM_FILE,
-        disrm=root / DISRM_FILE,
-        benchmark=root / BENCHMARK_DIR,
-        manifest=root / MANIFEST_FILE,
-    )
+    suite = SyntheticSuite.at(root)
     counts = {}
     for name, path, rows in (
         ("sft", suite.sft, builder.sft_rows()),
