@@ -115,7 +115,7 @@ DEMO_DATA = dict(
 )
 
 
-# The tiny base models, besides their size: heads of 32 dimensions, a larger initialisation than the usual 0.02 (at
+# The tiny base models, besides their size: 8 heads (32 dimensions each at the default width), a larger initialisation than the usual 0.02 (at
 # 0.02 the score of a 2-layer model barely depends on one token of a response, and Bradley-Terry training first
 # learns to ignore the response altogether), and a RoPE base of 1e6 so that more rotary dimensions turn slowly enough to
 # match a value with its mention far back in the document.
