@@ -256,3 +256,22 @@ def test_suite_tokenizer_makes_suite_words_single_tokens(suite, tokenizer):
         assert len(suite_tokenizer(" " + value)["input_ids"]) == 1, value
     assert len(small) < 0.6 * len(default)
     assert suite_tokenizer.decode(small) == text  # byte-level: still round-trips
+
+
+def test_length_curriculum_writes_the_same_rows_shortest_first(tmp_path, suite):
+    # Through the CLI, so that the boolean flag is checked too (`--no-length-curriculum` must mean False).
+    args = ["--seed", "3", "--num-train", "21", "--train-tokens", "80", "200"]
+    args += ["--lengths", "4k=120", "8k=250", "16k=500", "--pairwise-per-bucket", "2", "--bestofn-per-bucket", "3"]
+    assert cli_main(["--output-dir", str(tmp_path / "off"), "--no-length-curriculum", *args]) == 0
+    assert cli_main(["--output-dir", str(tmp_path / "on"), "--length-curriculum", *args]) == 0
+    for name in ("sft/train.jsonl", "grm/train.jsonl", "disrm/train.jsonl"):
+        plain = read_jsonl(suite.root / name)
+        assert read_jsonl(tmp_path / "off" / name) == plain
+        ordered = read_jsonl(tmp_path / "on" / name)
+        lengths = [row["ctx_tokens"] for row in ordered]
+        assert lengths == sorted(lengths) and lengths != [row["ctx_tokens"] for row in plain]
+        # The same rows, none lost or changed: only the order differs (stable for equal lengths).
+        assert ordered == sorted(plain, key=lambda row: row["ctx_tokens"])
+    # The benchmark is not reordered.
+    for path in suite.benchmark.glob("*.jsonl"):
+        assert (tmp_path / "on" / "bench" / path.name).read_bytes() == path.read_bytes()

@@ -33,7 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
         flag = "--" + f.name.replace("_", "-")
         default = getattr(defaults, f.name)
         kwargs = {"dest": f.name, "help": f.metadata["help"], "default": None}
-        if isinstance(default, dict):
+        if isinstance(default, bool):  # `type=bool` would read "False" as True
+            kwargs["action"] = argparse.BooleanOptionalAction
+        elif isinstance(default, dict):
             kwargs.update(nargs="+", type=_bucket, metavar="BUCKET=TOKENS")
         elif isinstance(default, (list, tuple)):
             item = type(default[0])

@@ -117,6 +117,14 @@ class SyntheticConfig:
             "its rejected responses state a wrong value for every one of them. Default 1."
         },
     )
+    length_curriculum: bool = field(
+        default=False,
+        metadata={
+            "help": "Write each training file shortest document first (a curriculum: a small model learns to find a "
+            "fact in a short document before a long one). Train with `train_sampling_strategy: sequential` to keep "
+            "the order; the default random sampler shuffles it away. Default False (rows in generation order)."
+        },
+    )
     key_digits: int = field(default=2, metadata={"help": "Digits of a key after its letter (`P27`). Default 2."})
     eval_key_fraction: float = field(
         default=0.25, metadata={"help": "Fraction of keys reserved for the benchmark. Default 0.25."}
@@ -454,6 +462,8 @@ def generate_synthetic_suite(
         ("grm", suite.grm, builder.grm_rows()),
         ("disrm", suite.disrm, builder.disrm_rows()),
     ):
+        if config.length_curriculum:
+            rows.sort(key=lambda row: row["ctx_tokens"])  # stable: equal lengths keep generation order
         _write_jsonl(path, rows)
         counts[name] = len(rows)
     for task in config.tasks:
