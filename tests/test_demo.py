@@ -20,13 +20,14 @@ def weights(directory: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-GAIN = 0.10
+GAIN = 0.15
 
 
 @pytest.mark.slow
 def test_demo_disrm_stage_trains_on_a_ring_learns_and_resumes(tmp_path):
-    # The demo without its generative stages: its DisRM stage as `make demo` runs it (3000 groups, 2 epochs, ~3 min).
-    config = DemoConfig(output_dir=str(tmp_path / "demo"), stages=["simpo_disrm"])
+    # A smaller demo: its DisRM stage only, through the demo's recipe (ring of 2), on 3000 training groups instead of
+    # 7000 (375 steps, ~2 min instead of ~4.5).
+    config = DemoConfig(output_dir=str(tmp_path / "demo"), stages=["simpo_disrm"], num_train=3000)
     summary = run_demo(config)
     root = Path(config.output_dir)
 
@@ -34,23 +35,23 @@ def test_demo_disrm_stage_trains_on_a_ring_learns_and_resumes(tmp_path):
     for name in ("disrm", "simpo_disrm"):
         written = json.loads((root / "eval" / name / "results.json").read_text())
         row = summary["models"][name]
-        # 7 tasks x 3 length buckets x (4 PairWise + 3 BestOfN) records, every one judged by the DisRM.
-        assert row["records"] == written["counts"]["records"] == 7 * 3 * 7
+        # 7 tasks x 3 length buckets x (8 PairWise + 3 BestOfN) records, every one judged by the DisRM.
+        assert row["records"] == written["counts"]["records"] == 7 * 3 * 11
         assert row["pairwise_avg"] == written["pairwise_avg"] and row["auc"] == written["auc"]
         assert row["model_type"] == "DisRM" and row["unparseable"] == 0
     table = summary_table(summary)
     assert "DisRM trained (Bradley-Terry, ring 2)" in table and f"{100 * row['pairwise_avg']:.1f}" in table
 
-    # It learnt: the held-out benchmark's pairwise accuracy rises well above the random base model's (41.7% -> 60.7% in
-    # the README's demo run; 100 steps only reached 50%), and so does the AUC.
+    # It learnt: the held-out benchmark's pairwise accuracy rises well above the random base model's (51.2% -> 73.8%
+    # with these 3000 groups; the full demo's 7000 reach 95.2%, see the README), and so does the AUC.
     base, trained = summary["models"]["disrm"], summary["models"]["simpo_disrm"]
     assert trained["pairwise_avg"] >= base["pairwise_avg"] + GAIN, (base, trained)
     assert trained["auc"] > base["auc"], (base, trained)
 
-    # Training ran on the ring of 2 processes the recipe names, 2 epochs of 3000 groups / 16 per step, and moved the
+    # Training ran on the ring of 2 processes the recipe names, one pass over 3000 groups / 8 per step, and moved the
     # weights.
     state = json.loads((root / "runs" / "simpo_disrm" / "trainer_state.json").read_text())
-    assert state["global_step"] == 2 * 188
+    assert state["global_step"] == 3000 // 8
     base, trained = weights(root / "models" / "tiny-llama-cls"), weights(root / "runs" / "simpo_disrm")
     assert any(not torch.equal(base[n], trained[n]) for n in base)
     assert (root / "length_accuracy.png").stat().st_size > 0

@@ -275,3 +275,36 @@ def test_length_curriculum_writes_the_same_rows_shortest_first(tmp_path, suite):
     # The benchmark is not reordered.
     for path in suite.benchmark.glob("*.jsonl"):
         assert (tmp_path / "on" / "bench" / path.name).read_bytes() == path.read_bytes()
+
+
+def test_demo_suite_needs_the_document_a_response_only_model_stays_at_chance(tmp_path):
+    """The demo's DisRM task cannot be solved from the responses alone: a bag-of-words logistic regression trained on
+    the DisRM rows' responses (chosen = 1, rejected = 0) stays near chance on the benchmark's PairWise records, while
+    the rule "every value the response gives appears in the document" is right on all of them."""
+    from sklearn.feature_extraction.text import CountVectorizer
+    from sklearn.linear_model import LogisticRegression
+
+    from trl_longrm.demo import DEMO_DATA
+
+    suite = generate_synthetic_suite(tmp_path, **{**DEMO_DATA, "num_train": 1500, "seed": 0})
+    rows = read_jsonl(suite.disrm)
+    texts = [row["chosen"] for row in rows] + [r for row in rows for r in row["rejects"]]
+    labels = [1] * len(rows) + [0] * (len(texts) - len(rows))
+    vectorizer = CountVectorizer(token_pattern=r"[A-Za-z0-9]+")
+    classifier = LogisticRegression(max_iter=2000).fit(vectorizer.fit_transform(texts), labels)
+    assert classifier.score(vectorizer.transform(texts), labels) < 0.7  # it cannot even fit the training rows
+
+    pairs = [r for p in suite.benchmark.glob("*.jsonl") for r in read_jsonl(p) if r["tasktype"] == "PairWise"]
+    assert len(pairs) == 7 * 3 * DEMO_DATA["pairwise_per_bucket"]
+    scores = classifier.decision_function(
+        vectorizer.transform([r["chosen"] for r in pairs] + [r["rejected"] for r in pairs])
+    )
+    blind = sum(c > r for c, r in zip(scores[: len(pairs)], scores[len(pairs) :])) / len(pairs)
+    assert 0.35 < blind < 0.65, blind
+
+    def all_values_stated(record, response):
+        document = document_of(record["prompt_template"][-1]["content"])
+        stated = set(parse_facts(task_of_document(document), document).values())
+        return all(value in stated for value in parse_facts(task_of_document(document), response).values())
+
+    assert all(all_values_stated(r, r["chosen"]) and not all_values_stated(r, r["rejected"]) for r in pairs)

@@ -60,9 +60,13 @@ class DemoConfig:
         },
     )
     num_train: int = field(
-        default=3000, metadata={"help": "Training examples in each synthetic training set. Default 3000."}
+        default=7000,
+        metadata={
+            "help": "Training examples in each synthetic training set (the DisRM recipe makes one pass over them, 8 "
+            "per step). Default 7000."
+        },
     )
-    hidden_size: int = field(default=256, metadata={"help": "Hidden size of the tiny base models. Default 256."})
+    hidden_size: int = field(default=128, metadata={"help": "Hidden size of the tiny base models. Default 128."})
     num_hidden_layers: int = field(default=2, metadata={"help": "Layers of the tiny base models. Default 2."})
     train_overrides: dict[str, list[str]] = field(
         default_factory=dict,
@@ -102,21 +106,27 @@ STAGES = {
     "simpo_disrm": ("simpo_disrm.yaml", "disrm", "disrm", True),
 }
 
-# The synthetic suite of the demo: short training documents (a small model first learns to read facts where they are
-# few), a rejected response whose value the document never states, and a benchmark with three length buckets whose
-# documents are longer than any training document.
+# The synthetic suite of the demo. Each question asks about 3 keys and a rejected response gives, for every one, a value
+# the document never states; chosen and rejected responses draw their values from the same words, so without the
+# document they look alike (a test checks that a bag-of-words model of the responses alone stays near chance). The
+# training files are written shortest document first (`length_curriculum`, read in that order by the recipes'
+# `train_sampling_strategy: sequential`): a 2-layer model first learns to find a value in a short document, then in
+# longer ones. Training documents span the benchmark's lengths (20-240 tokens); the benchmark's keys, seeds and
+# records are its own (held out).
 DEMO_DATA = dict(
-    train_tokens=(20, 80),
+    train_tokens=(20, 240),
+    length_curriculum=True,
+    keys_per_question=3,
     num_rejected=1,
     swap_probability=0.0,
     lengths={"4k": 60, "8k": 120, "16k": 240},
-    pairwise_per_bucket=4,
+    pairwise_per_bucket=8,
     bestofn_per_bucket=3,
 )
 
 
-# The tiny base models, besides their size: 8 heads (32 dimensions each at the default width), a larger initialisation than the usual 0.02 (at
-# 0.02 the score of a 2-layer model barely depends on one token of a response, and Bradley-Terry training first
+# The tiny base models, besides their size: 8 heads (16 dimensions each at the default width), a larger initialisation
+# than the usual 0.02 (at 0.02 the score of a 2-layer model barely depends on one token of a response, and Bradley-Terry training first
 # learns to ignore the response altogether), and a RoPE base of 1e6 so that more rotary dimensions turn slowly enough to
 # match a value with its mention far back in the document.
 DEMO_MODEL = dict(num_attention_heads=8, num_key_value_heads=8, initializer_range=0.05, rope_theta=1_000_000.0)

@@ -25,6 +25,7 @@ from .sources import load_preference_dataset, load_raw_dataset, load_sft_dataset
 from .tokenization import (
     TRUNCATION_POLICIES,
     TokenizationReport,
+    scoring_ids,
     tokenize_preference_dataset,
     tokenize_preference_record,
     tokenize_sft_dataset,
@@ -50,6 +51,7 @@ __all__ = [
     "read_source",
     "resolve_preference_layout",
     "resolve_sft_layout",
+    "scoring_ids",
     "tokenize_preference_dataset",
     "tokenize_preference_record",
     "tokenize_sft_dataset",

@@ -15,6 +15,7 @@ from typing import Protocol, runtime_checkable
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
+from trl_longrm.data.tokenization import scoring_ids
 from trl_longrm.evaluation.prompts import build_judge_messages, label
 
 
@@ -258,6 +259,9 @@ class GenerativeJudge:
 class DiscriminativeJudge:
     """A 1-label sequence-classification RM: each response is scored as the prompt messages plus an assistant turn.
 
+    The scored sequence is the one the DisRM trainers train on (`trl_longrm.data.scoring_ids`): the prompt rendered
+    with the generation prompt, then the response up to and including the EOS token.
+
     Sequences are right-padded (natural position ids, as in reward-model training) and scored `batch_size` at a time.
 
     Example:
@@ -293,9 +297,10 @@ class DiscriminativeJudge:
         sequences, owners, truncated = [], [], [False] * len(requests)
         for i, request in enumerate(requests):
             for response in request.responses:
-                messages = request.prompt_messages + [{"role": "assistant", "content": response}]
+                # The sequence the DisRM trainers score (prompt, response, EOS), not the whole rendered chat: a
+                # template that writes a newline after the EOS would move the scored token to one never trained.
                 ids, cut = truncate_head_tail(
-                    _chat_ids(self.tokenizer, messages, add_generation_prompt=False), self.max_length
+                    scoring_ids(self.tokenizer, request.prompt_messages, response), self.max_length
                 )
                 sequences.append(ids)
                 owners.append(i)
