@@ -142,7 +142,15 @@ def verdict(text, n, ranking):
     return parse_ranking_verdict(text, n) if ranking else parse_pairwise_verdict(text)
 
 
-def test_judge_data_uses_the_evaluator_prompt_and_the_right_verdicts(suite):
+@pytest.fixture(scope="module")
+def no_evidence_suite(tmp_path_factory):
+    return generate_synthetic_suite(tmp_path_factory.mktemp("bare"), seed=3, judgment_evidence=False, **SMALL)
+
+
+@pytest.mark.parametrize("fixture", ["suite", "no_evidence_suite"])
+def test_judge_data_uses_the_evaluator_prompt_and_the_right_verdicts(request, fixture):
+    suite = request.getfixturevalue(fixture)
+    evidence = fixture == "suite"
     for row in read_jsonl(suite.sft) + read_jsonl(suite.grm):
         system, user = row["chat_template"]
         shown = displayed_responses(user["content"])
@@ -157,6 +165,14 @@ def test_judge_data_uses_the_evaluator_prompt_and_the_right_verdicts(suite):
 
         answer = row.get("golden", row.get("chosen"))
         assert verdict(answer, len(shown), ranking) == gold, answer
+        # The evidence line quotes the document's facts for the asked keys; without it the answer starts counting.
+        assert answer.startswith("Evidence: " if evidence else "Response A: "), answer
+        if evidence:
+            quoted = parse_facts(task, answer.splitlines()[0])
+            assert quoted and all(parse_facts(task, document)[key] == value for key, value in quoted.items())
+        for position, (letter, text) in enumerate(shown):
+            asked = len(parse_facts(task, text))
+            assert f"Response {letter}: {asked - errors[position]}/{asked} correct." in answer.splitlines()
         for rejected in row.get("rejects", []):
             assert verdict(rejected, len(shown), ranking) not in (None, gold), rejected
 

@@ -117,6 +117,13 @@ class SyntheticConfig:
             "its rejected responses state a wrong value for every one of them. Default 1."
         },
     )
+    judgment_evidence: bool = field(
+        default=True,
+        metadata={
+            "help": "Start each judgment of the judge data (SFT, SimPO-GRM) with an `Evidence:` line quoting the "
+            "document's facts for the asked keys, before the per-response counts and the verdict. Default True."
+        },
+    )
     length_curriculum: bool = field(
         default=False,
         metadata={
@@ -211,12 +218,14 @@ def make_example(
     return JudgingExample(sheet, asked, messages, responses, list(errors), counter(sheet.context))
 
 
-def judgment(example: JudgingExample, order: list[int], ranking: bool, claimed: list[int] | None = None) -> str:
+def judgment(
+    example: JudgingExample, order: list[int], ranking: bool, claimed: list[int] | None = None, evidence: bool = True
+) -> str:
     """A judge's answer for the responses shown in `order` (`order[p]`: index of the response at position p).
 
-    The answer quotes the facts the question needs, counts each displayed response's correct values and ends with the
-    verdict. `claimed[p]` (default: the true ranks) is the rank the judgment gives position p; a wrong `claimed` gives
-    a fluent judgment with wrong counts and verdict (a rejected judgment for SimPO).
+    The answer quotes the facts the question needs (unless `evidence=False`), counts each displayed response's correct
+    values and ends with the verdict. `claimed[p]` (default: the true ranks) is the rank the judgment gives position
+    p; a wrong `claimed` gives a fluent judgment with wrong counts and verdict (a rejected judgment for SimPO).
     """
     surface = example.sheet.surface
     num_asked = len(example.asked)
@@ -224,8 +233,8 @@ def judgment(example: JudgingExample, order: list[int], ranking: bool, claimed: 
     claimed = true_ranks if claimed is None else claimed
     # Correct counts, sorted best first, handed out by claimed rank: the counts agree with the verdict.
     counts_best_first = sorted(num_asked - example.errors[i] for i in order)[::-1]
-    evidence = " ".join(surface.fact_sentence(key, example.sheet.facts[key]) for key in example.asked)
-    lines = [f"Evidence: {evidence}"]
+    quoted = " ".join(surface.fact_sentence(key, example.sheet.facts[key]) for key in example.asked)
+    lines = [f"Evidence: {quoted}"] if evidence else []
     for position in range(len(order)):
         lines.append(f"Response {label(position)}: {counts_best_first[claimed[position]]}/{num_asked} correct.")
     if ranking:
@@ -351,7 +360,7 @@ class SuiteBuilder:
             rows.append(
                 {
                     "chat_template": _judge_prompt(example, order, ranking),
-                    "golden": judgment(example, order, ranking),
+                    "golden": judgment(example, order, ranking, evidence=self.config.judgment_evidence),
                     "task": example.sheet.task,
                     "ctx_tokens": example.tokens,
                 }
@@ -364,11 +373,12 @@ class SuiteBuilder:
         for index in range(self.config.num_train):
             rng, example, order, ranking = self._judge_example("grm", index)
             wrong = _wrong_rankings(rng, len(order), list(order), self.config.num_rejected)
-            rejects = list(dict.fromkeys(judgment(example, order, ranking, claimed) for claimed in wrong))
+            evidence = self.config.judgment_evidence
+            rejects = list(dict.fromkeys(judgment(example, order, ranking, claimed, evidence) for claimed in wrong))
             rows.append(
                 {
                     "chat_template": _judge_prompt(example, order, ranking),
-                    "chosen": judgment(example, order, ranking),
+                    "chosen": judgment(example, order, ranking, evidence=evidence),
                     "rejects": rejects,
                     "task": example.sheet.task,
                     "ctx_tokens": example.tokens,
