@@ -316,26 +316,29 @@ def tokenize_preference_record(
 def scoring_ids(
     tokenizer: PreTrainedTokenizerBase,
     prompt: list[dict] | str,
-    response: str,
+    responses: list[str],
     chat_template_kwargs: dict[str, Any] | None = None,
-) -> list[int]:
-    """The tokens a DisRM reads to score `response` to `prompt`: exactly the sequence it is trained on.
+) -> list[list[int]]:
+    """The tokens a DisRM reads to score each of `responses` to `prompt`: exactly the sequences it is trained on.
 
-    That is `prompt_ids + completion_ids` of `tokenize_preference_record`: the prompt rendered with the generation
-    prompt, then the response's turn up to and including the EOS token, where the score is read. A chat template
-    that writes more after the EOS (Qwen's `<|im_end|>` is followed by a newline) does not move the scored token, so
-    an evaluation scores the token training taught.
+    Each is `prompt_ids + completion_ids` as `tokenize_preference_record` builds them: the prompt rendered (once) with
+    the generation prompt, then the response's turn up to and including the EOS token, where the score is read. A
+    chat template that writes more after the EOS (Qwen's `<|im_end|>` is followed by a newline) does not move the
+    scored token, so an evaluation scores the token training taught.
 
     Example:
     ```python
-    >>> ids = scoring_ids(tokenizer, [{"role": "user", "content": "Judge this."}], "good")
+    >>> [ids] = scoring_ids(tokenizer, [{"role": "user", "content": "Judge this."}], ["good"])
     >>> tokenizer.decode(ids[-2:])
     'good<|im_end|>'
     ```
     """
     encoder = _Encoder(tokenizer, None, DEFAULT_SOURCE, chat_template_kwargs)
     prompt_ids = encoder.prompt_ids(prompt)
-    return prompt_ids + encoder.completion_ids(prompt, prompt_ids, response, "response")
+    return [
+        prompt_ids + encoder.completion_ids(prompt, prompt_ids, response, f"responses[{i}]")
+        for i, response in enumerate(responses)
+    ]
 
 
 def tokenize_sft_record(

@@ -296,12 +296,10 @@ class DiscriminativeJudge:
     def judge(self, requests: Sequence[JudgeRequest]) -> list[JudgeOutput]:
         sequences, owners, truncated = [], [], [False] * len(requests)
         for i, request in enumerate(requests):
-            for response in request.responses:
-                # The sequence the DisRM trainers score (prompt, response, EOS), not the whole rendered chat: a
-                # template that writes a newline after the EOS would move the scored token to one never trained.
-                ids, cut = truncate_head_tail(
-                    scoring_ids(self.tokenizer, request.prompt_messages, response), self.max_length
-                )
+            # The sequences the DisRM trainers score (prompt, response, EOS), not the whole rendered chat: a template
+            # that writes a newline after the EOS would move the scored token to one never trained.
+            for full in scoring_ids(self.tokenizer, request.prompt_messages, request.responses):
+                ids, cut = truncate_head_tail(full, self.max_length)
                 sequences.append(ids)
                 owners.append(i)
                 truncated[i] = truncated[i] or cut
