@@ -9,6 +9,7 @@ from trl_longrm.data import (
     DataFormatError,
     cut_middle,
     load_preference_dataset,
+    scoring_ids,
     tokenize_preference_dataset,
     tokenize_preference_record,
     tokenize_sft_dataset,
@@ -37,6 +38,25 @@ def long_context(n_words, head="HEADSTART alpha beta", tail="question: which cit
 
 
 # ------------------------------------------------------------------------------------------- preference groups
+@pytest.mark.parametrize("prompt", [[SYSTEM, USER], "Is the sky blue? Response: yes it is."])
+def test_scoring_ids_are_the_training_sequences_ending_at_eos(tokenizer, prompt):
+    """What an evaluation scores (`scoring_ids`) is what DisRM training scores: prompt + completion up to the EOS."""
+    record = group(prompt=prompt) if isinstance(prompt, list) else {"prompt": prompt, "chosen": "a", "rejected": ["b"]}
+    responses = [record["chosen"], *record["rejected"]]
+    out = tokenize_preference_record(record, tokenizer)
+    expected = [out["prompt_ids"] + c for c in [out["chosen_completion_ids"], *out["rejected_completion_ids"]]]
+    sequences = scoring_ids(tokenizer, prompt, responses)
+    assert sequences == expected
+    eos = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
+    assert all(ids[-1] == eos for ids in sequences)
+    if isinstance(prompt, list):
+        # The full chat rendering goes on after the EOS (a newline): that token is not the one scored.
+        full = tokenizer(
+            render(tokenizer, [*prompt, {"role": "assistant", "content": responses[0]}]), add_special_tokens=False
+        )
+        assert full["input_ids"][: len(sequences[0])] == sequences[0] and len(full["input_ids"]) > len(sequences[0])
+
+
 def test_conversational_group_ids_decode_to_prompt_and_responses_with_eos(tokenizer):
     record = group(margin=1.5)
     out = tokenize_preference_record(record, tokenizer)
