@@ -63,3 +63,27 @@ def test_demo_disrm_stage_trains_on_a_ring_learns_and_resumes(tmp_path):
     assert model_file.stat().st_mtime_ns == mtime
     assert again["models"] == summary["models"]
     assert "train simpo_disrm" in again["timings_s"] and again["timings_s"]["train simpo_disrm"] < 1.0
+
+
+def test_demo_output_dir_made_with_other_settings_is_refused_not_reused(tmp_path):
+    from trl_longrm.demo import SETTINGS_FILE, Demo
+
+    root = tmp_path / "demo"
+    Demo(DemoConfig(output_dir=str(root))).check_settings()
+    written = json.loads((root / SETTINGS_FILE).read_text())
+    assert written["hidden_size"] == DemoConfig().hidden_size and written["data"]["keys_per_question"] == 3
+    # The same settings (other stages or evaluation flags only) resume.
+    Demo(DemoConfig(output_dir=str(root), stages=["simpo_disrm"], eval_batch_size=4)).check_settings()
+    # Other model or data settings, or other recipe flags, are refused, naming what differs.
+    for change, key in (({"hidden_size": 64}, "hidden_size"), ({"num_train": 10}, "num_train")):
+        with pytest.raises(ValueError, match=key):
+            Demo(DemoConfig(output_dir=str(root), **change)).check_settings()
+    with pytest.raises(ValueError, match="train_overrides"):
+        Demo(DemoConfig(output_dir=str(root), train_overrides={"sft": ["--max_steps", "3"]})).check_settings()
+    assert json.loads((root / SETTINGS_FILE).read_text()) == written  # the record is not overwritten
+
+    # Outputs of an older demo (no settings file) are refused too.
+    old = tmp_path / "old"
+    (old / "models").mkdir(parents=True)
+    with pytest.raises(ValueError, match="older version"):
+        Demo(DemoConfig(output_dir=str(old))).check_settings()

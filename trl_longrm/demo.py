@@ -11,7 +11,9 @@ From nothing, in order:
    of pairwise accuracy against context length (`length_accuracy.png`).
 
 Every step is resumable: a finished stage (its output directory holds a saved model, an evaluation its results) is
-skipped when the demo runs again with the same output directory, so a killed demo loses only the step it was in.
+skipped when the demo runs again with the same output directory, so a killed demo loses only the step it was in. The
+directory records the settings it was made with (`demo_settings.json`); running with other settings there is an error,
+never a silent reuse of data or models made otherwise.
 
 Example:
 ```bash
@@ -36,6 +38,8 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes" / "tiny"
+# The settings a demo output directory was made with (see `Demo.check_settings`).
+SETTINGS_FILE = "demo_settings.json"
 
 
 @dataclass
@@ -171,17 +175,14 @@ class Demo:
 
     def data(self):
         from trl_longrm.synthetic import generate_synthetic_suite
-        from trl_longrm.synthetic.suite import MANIFEST_FILE, SyntheticSuite
+        from trl_longrm.synthetic.suite import SyntheticSuite
 
-        root = self.root / "data"
+        suite = SyntheticSuite.at(self.root / "data")
+        if suite.manifest.is_file():  # written last: the suite is complete, and `check_settings` vouches for it
+            logger.info("Synthetic suite already in %s.", suite.root)
+            return suite
         settings = dict(DEMO_DATA, seed=self.config.seed, num_train=self.config.num_train)
-        manifest = root / MANIFEST_FILE
-        if manifest.is_file():
-            written = json.loads(manifest.read_text(encoding="utf-8"))["config"]
-            if all(_same(written[k], v) for k, v in settings.items()):
-                logger.info("Synthetic suite already in %s.", root)
-                return SyntheticSuite.at(root)
-        return generate_synthetic_suite(root, tokenizer=demo_tokenizer(), **settings)
+        return generate_synthetic_suite(suite.root, tokenizer=demo_tokenizer(), **settings)
 
     def base_models(self):
         from trl_longrm.testing_utils import save_tiny_model
@@ -246,7 +247,49 @@ class Demo:
         )
         return evaluate_reward_model(config)
 
+    def settings(self) -> dict:
+        """What the data and the models of this output directory depend on (evaluation-only settings excluded)."""
+        import hashlib
+
+        recipes = {
+            name: hashlib.sha256((RECIPES / recipe).read_bytes()).hexdigest()[:16]
+            for name, (recipe, *_) in STAGES.items()
+        }
+        config = {k: getattr(self.config, k) for k in ("seed", "num_train", "hidden_size", "num_hidden_layers")}
+        return {
+            **config,
+            "train_overrides": self.config.train_overrides,
+            "data": DEMO_DATA,
+            "model": DEMO_MODEL,
+            "vocab_size": DEMO_VOCAB_SIZE,
+            "recipes": recipes,
+        }
+
+    def check_settings(self) -> None:
+        """Resume only what these settings made: an output directory written with other settings (another version of
+        the demo, other flags) is an error, not silently reused for data, models or finished stages."""
+        path = self.root / SETTINGS_FILE
+        settings = json.loads(json.dumps(self.settings()))
+        if path.is_file():
+            written = json.loads(path.read_text(encoding="utf-8"))
+            changed = sorted(k for k in settings.keys() | written.keys() if written.get(k) != settings.get(k))
+            if changed:
+                raise ValueError(
+                    f"{self.root} holds a demo run made with other settings ({', '.join(changed)} differ from "
+                    f"{path}); delete the directory or pass another --output-dir."
+                )
+        else:
+            earlier = [name for name in ("data", "models", "runs", "eval") if (self.root / name).exists()]
+            if earlier:
+                raise ValueError(
+                    f"{self.root} holds demo outputs ({', '.join(earlier)}) but no {SETTINGS_FILE}: they were made by "
+                    "an older version of the demo; delete the directory or pass another --output-dir."
+                )
+            self.root.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(settings, indent=2) + "\n", encoding="utf-8")
+
     def run(self) -> dict:
+        self.check_settings()
         suite = self._timed("data", self.data)
         self._timed("base models", self.base_models)
         results = {}
@@ -269,10 +312,6 @@ class Demo:
         (self.root / "summary.md").write_text(table, encoding="utf-8")
         plot_models(results, self.root / "length_accuracy.png")
         return summary
-
-
-def _same(a, b) -> bool:
-    return json.loads(json.dumps(a)) == json.loads(json.dumps(b))
 
 
 MODEL_LABELS = {
