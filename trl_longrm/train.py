@@ -283,5 +283,9 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"plan": plan}, indent=2, default=str))
         print(json.dumps({"training_args": training_args.to_dict()}, indent=2, default=str))
         return 0
-    run(script_args, training_args, model_args)
+    trainer = run(script_args, training_args, model_args)
+    # Tear the process group down before the interpreter exits: a gloo group left to static destructors can abort a
+    # rank at exit ("terminate called without an active exception", exit -6) after a run that finished and saved.
+    trainer.accelerator.wait_for_everyone()
+    trainer.accelerator.end_training()
     return 0
