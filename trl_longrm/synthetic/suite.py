@@ -370,10 +370,10 @@ class SuiteBuilder:
     def grm_rows(self) -> list[dict]:
         """SimPO-GRM rows: the judge prompt, the correct judgment, and `num_rejected` wrong judgments."""
         rows = []
+        evidence = self.config.judgment_evidence
         for index in range(self.config.num_train):
             rng, example, order, ranking = self._judge_example("grm", index)
             wrong = _wrong_rankings(rng, len(order), list(order), self.config.num_rejected)
-            evidence = self.config.judgment_evidence
             rejects = list(dict.fromkeys(judgment(example, order, ranking, claimed, evidence) for claimed in wrong))
             rows.append(
                 {
