@@ -18,7 +18,9 @@ from trl_longrm.evaluation import (
 )
 from trl_longrm.evaluation.prompts import (
     build_judge_messages,
+    build_pointwise_messages,
     parse_pairwise_verdict,
+    parse_pointwise_score,
     parse_ranking_verdict,
     ranks_from_scores,
     shuffled_order,
@@ -123,6 +125,54 @@ def test_metrics_match_hand_computation(tmp_path):
     garbage = next(p for p in lines if p["id"] == "LongQA/longqa-0002")
     assert garbage["output"] == "I cannot decide between these." and garbage["predicted_ranks"] is None
     assert sorted(garbage["order"]) == [0, 1] and garbage["correct"] is False
+
+
+# Pointwise scores per record, by gold rank of the response (best first); None: a judgment without a score. The
+# PairWise record 0003 comes with expected scores (floats), the others with the parsed integers only.
+POINTWISE_PLAN = {
+    "LongQA/longqa-0000": [8, 2],  # right
+    "LongQA/longqa-0001": [3, 6],  # wrong
+    "LongQA/longqa-0002": [7, None],  # unparseable
+    "LongQA/longqa-0003": [5.2, 4.9],  # right, from the expected scores (both parsed as 5)
+    "LongQA/longqa-0004": [9, 0],  # Rank2: exact
+    "LongQA/longqa-0005": [7, 8, 1],  # Rank3: top two swapped, 1 of 3 positions right
+    "LongQA/longqa-0006": [9, 6, 3, 0],  # Rank4: exact
+}
+
+
+def test_pointwise_judge_metrics_match_hand_computation(tmp_path):
+    data = make_toy_benchmark(tmp_path / "bench", tasks=["LongQA"], lengths=("4k",))
+    records = load_benchmark(data, ["LongQA"], ["PairWise", "BestOfN"])
+    candidates = {r.id: r.candidates for r in records}
+
+    def respond(request):
+        plan = POINTWISE_PLAN[request.record_id]
+        shown = [plan[candidates[request.record_id].index(text)] for text in request.responses]
+        judgments = [f"Looks fine. [[{round(s)}]]" if s is not None else "No idea." for s in shown]
+        expected = shown if any(isinstance(s, float) for s in shown) else None
+        return JudgeOutput(judgments=judgments, scores=expected)
+
+    config = EvalConfig(model_path="scripted", data_path=str(data), tasks=["LongQA"], save_path=str(tmp_path / "out"))
+    results = evaluate_reward_model(config, judge=ScriptedJudge(respond))
+    assert results["pairwise_avg"] == 0.5
+    assert results["rank"] == pytest.approx({"2": 1.0, "3": 1 / 3, "4": 1.0})
+    assert results["rank_exact"] == {"2": 1.0, "3": 0.0, "4": 1.0}
+    assert results["unparseable"] == {"total": 1, "PairWise": 1, "BestOfN": 0}
+    # chosen {8, 3, 5.2} vs rejected {2, 6, 4.9}: 8 beats all three, 3 beats one, 5.2 beats two -> 6 / 9.
+    assert results["auc_source"] == "grm_pointwise_scores" and results["auc_pairs"] == 3
+    assert results["auc"] == pytest.approx(6 / 9)
+    lines = [json.loads(line) for line in (tmp_path / "out" / "predictions.jsonl").read_text().splitlines()]
+    unparsed = next(p for p in lines if p["id"] == "LongQA/longqa-0002")
+    assert unparsed["predicted_ranks"] is None and unparsed["scores"] is None and "No idea." in unparsed["judgments"]
+
+
+def test_pointwise_prompt_and_score_parser():
+    system, user = build_pointwise_messages("TASK TEXT", "the answer")
+    assert "[[7]]" in system["content"] and "0 (worst) to 9 (best)" in system["content"]
+    assert user["content"].startswith("# Task\nTASK TEXT\n\n# Response\nthe answer\n# End of Response\n\n")
+    assert parse_pointwise_score("Format [[7]]. Mine: [[ 3 ]]") == 3  # the last score wins
+    assert parse_pointwise_score("[[10]]") is None and parse_pointwise_score("[[A]]") is None
+    assert parse_pointwise_score("no score") is None
 
 
 def test_parsers_and_rank_scoring():

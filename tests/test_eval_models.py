@@ -18,7 +18,7 @@ from trl_longrm.evaluation import (
     load_benchmark,
     make_toy_benchmark,
 )
-from trl_longrm.evaluation.prompts import build_judge_messages
+from trl_longrm.evaluation.prompts import build_judge_messages, build_pointwise_messages
 from trl_longrm.testing_utils import save_tiny_model
 
 
@@ -98,6 +98,46 @@ def test_verdict_probs_match_a_single_unpadded_forward(paths):
             probs = model(torch.tensor([ids])).logits[0, -1].softmax(-1)
         a, b = probs[tokenizer.convert_tokens_to_ids("A")], probs[tokenizer.convert_tokens_to_ids("B")]
         assert output.verdict_probs == pytest.approx([float(a / (a + b)), float(b / (a + b))], abs=1e-5)
+
+
+def test_pointwise_scores_are_expected_scores_of_a_single_unpadded_forward(paths):
+    tokenizer = AutoTokenizer.from_pretrained(paths["grm"])
+    model = AutoModelForCausalLM.from_pretrained(paths["grm"])
+    judge = GenerativeJudge(model, tokenizer, max_new_tokens=3, protocol="pointwise")
+    requests = _requests(paths, 3)
+    outputs = judge.judge(requests)
+    digits = [tokenizer.convert_tokens_to_ids(str(d)) for d in range(10)]
+    for request, output in zip(requests, outputs):
+        assert output.text is None and len(output.judgments) == len(output.scores) == 2
+        for response, judgment, score in zip(request.responses, output.judgments, output.scores):
+            messages = build_pointwise_messages(request.task_prompt, response)
+            prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            # Greedy generation of this judgment alone gives the same text as the left-padded batch.
+            ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+            alone = model.generate(torch.tensor([ids]), max_new_tokens=3, do_sample=False)[0, len(ids) :]
+            assert tokenizer.decode(alone, skip_special_tokens=True) == judgment
+            forced = ids + tokenizer(judgment.split("[[")[0], add_special_tokens=False)["input_ids"]
+            forced += tokenizer("[[", add_special_tokens=False)["input_ids"]
+            with torch.no_grad():
+                probs = model(torch.tensor([forced])).logits[0, -1].softmax(-1)[digits]
+            assert score == pytest.approx(float((probs / probs.sum()) @ torch.arange(10.0)), abs=1e-4)
+
+
+def test_pointwise_judge_end_to_end(paths):
+    root = paths["root"]
+    kwargs = dict(model_path=paths["grm"], data_path=paths["bench"], max_new_tokens=3, judge_protocol="pointwise")
+    one = evaluate_reward_model(EvalConfig(save_path=str(root / "point1"), batch_size=1, **kwargs))
+    three = evaluate_reward_model(EvalConfig(save_path=str(root / "point3"), batch_size=3, **kwargs))
+    # A random tiny LM writes no score: every record is unparseable, and every candidate got its own judgment.
+    assert one["unparseable"]["total"] == one["counts"]["records"] == 14
+    lines = _lines(root / "point1")
+    assert all(len(p["judgments"]) == len(p["order"]) == len(p["scores"]) for p in lines)
+    assert one["auc_source"] == "grm_pointwise_scores" and one["auc_pairs"] == 7
+    assert one["auc"] == pytest.approx(three["auc"])
+    _compare_predictions(lines, _lines(root / "point3"))
+    # Resuming the directory under the other protocol is refused.
+    with pytest.raises(ValueError, match="judge_protocol"):
+        evaluate_reward_model(EvalConfig(save_path=str(root / "point1"), **{**kwargs, "judge_protocol": "pairwise"}))
 
 
 def test_disrm_scores_match_single_sequence_forward(paths):

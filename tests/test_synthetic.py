@@ -12,7 +12,9 @@ from trl_longrm.evaluation.config import FORMATS, TASKS
 from trl_longrm.evaluation.prompts import (
     PAIRWISE_SYSTEM_PROMPT,
     build_judge_messages,
+    build_pointwise_messages,
     parse_pairwise_verdict,
+    parse_pointwise_score,
     parse_ranking_verdict,
 )
 from trl_longrm.evaluation.runner import make_request
@@ -177,6 +179,34 @@ def test_judge_data_uses_the_evaluator_prompt_and_the_right_verdicts(request, fi
             assert verdict(rejected, len(shown), ranking) not in (None, gold), rejected
 
 
+def test_pointwise_judge_data_scores_the_shown_response_against_the_document(tmp_path, suite):
+    pointwise = generate_synthetic_suite(tmp_path, seed=3, judge_protocol="pointwise", keys_per_question=3, **SMALL)
+    rows = read_jsonl(pointwise.sft) + read_jsonl(pointwise.grm)
+    counts = set()
+    for row in rows:
+        system, user = row["chat_template"]
+        task_text, rest = user["content"].split("\n\n# Response\n")
+        response = rest.split("\n# End of Response")[0]
+        # The prompt is the evaluator's pointwise prompt for this task text and response.
+        assert row["chat_template"] == build_pointwise_messages(task_text.removeprefix("# Task\n"), response)
+        document = document_of(task_text)
+        task = task_of_document(document)
+        asked = len(parse_facts(task, response))
+        correct = asked - count_errors(task, document, response)
+        counts.add(correct == asked)
+        answer = row.get("golden", row.get("chosen"))
+        assert answer.splitlines()[-2] == f"Response: {correct}/{asked} correct."
+        # The score is the fraction right on the 0..9 scale (all right: 9, all wrong: 0).
+        assert parse_pointwise_score(answer) == round(9 * correct / asked)
+        for rejected in row.get("rejects", []):
+            assert parse_pointwise_score(rejected) not in (None, parse_pointwise_score(answer)), rejected
+    assert counts == {True, False}, "both right and wrong responses are shown"
+    # DisRM data and benchmark do not depend on the judge protocol.
+    assert pointwise.disrm.read_text() == generate_synthetic_suite(
+        tmp_path / "pairwise", seed=3, keys_per_question=3, **SMALL
+    ).disrm.read_text()
+
+
 def test_judge_prompt_matches_what_the_evaluator_shows(suite):
     """A benchmark record judged by the runner gets a prompt of the same layout as the SFT rows."""
     record = load_benchmark(suite.benchmark, ["Code"], ["PairWise"])[0]
@@ -234,6 +264,7 @@ def test_cli_writes_the_same_suite_as_the_api(tmp_path, suite):
         ({"num_rejected": 0}, "num_rejected"),
         ({"swap_probability": 1.5}, "swap_probability"),
         ({"keys_per_question": 5, "min_facts": 4}, "keys_per_question"),
+        ({"judge_protocol": "listwise"}, "judge_protocol"),
     ],
 )
 def test_bad_settings_fail_clearly(overrides, message):

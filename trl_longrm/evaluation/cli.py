@@ -7,7 +7,7 @@ import dataclasses
 import logging
 import typing
 
-from trl_longrm.evaluation.config import DATA_FORMATS, DTYPES, FORMATS, EvalConfig
+from trl_longrm.evaluation.config import DATA_FORMATS, DTYPES, FORMATS, JUDGE_PROTOCOLS, EvalConfig
 
 
 def add_eval_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -40,8 +40,9 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
             kwargs.update(type=base, required=required)
             if not required:
                 kwargs["default"] = field.default
-            if field.name in ("dtype", "data_format"):
-                kwargs["choices"] = list(DTYPES if field.name == "dtype" else DATA_FORMATS)
+            choices = {"dtype": DTYPES, "data_format": DATA_FORMATS, "judge_protocol": JUDGE_PROTOCOLS}
+            if field.name in choices:
+                kwargs["choices"] = list(choices[field.name])
         parser.add_argument(flag, **kwargs)
     return parser
 

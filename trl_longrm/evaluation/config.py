@@ -13,6 +13,7 @@ LENGTH_BUCKETS = ("4k", "8k", "16k", "32k", "64k", "128k")
 RANK_SUBTYPES = ("2", "3", "4")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DATA_FORMATS = ("auto", "long_rewardbench", "preference")
+JUDGE_PROTOCOLS = ("pairwise", "pointwise")
 
 
 @dataclass
@@ -113,6 +114,15 @@ class EvalConfig:
         },
     )
 
+    judge_protocol: str = field(
+        default="pairwise",
+        metadata={
+            "help": "How a generative RM judges: `pairwise` (LongRM's protocol: all candidates in one prompt, a "
+            "`[[A]]` verdict or a `[[C>A>B]]` ranking) or `pointwise` (one prompt per candidate, a `[[0]]`..`[[9]]` "
+            "score each; candidates ranked by score). Ignored for a DisRM. Default pairwise."
+        },
+    )
+
     def resolved_data_format(self) -> str:
         """`long_rewardbench` or `preference`: `data_format`, with `auto` decided by the files under `data_path`."""
         if self.data_format != "auto":
@@ -137,6 +147,8 @@ class EvalConfig:
             raise ValueError(f"`max_new_tokens` must be >= 1, got {self.max_new_tokens}.")
         if self.data_format not in DATA_FORMATS:
             raise ValueError(f"`data_format` must be one of {list(DATA_FORMATS)}, got {self.data_format!r}.")
+        if self.judge_protocol not in JUDGE_PROTOCOLS:
+            raise ValueError(f"`judge_protocol` must be one of {list(JUDGE_PROTOCOLS)}, got {self.judge_protocol!r}.")
         if self.dtype not in DTYPES:
             raise ValueError(f"`dtype` must be one of {list(DTYPES)}, got {self.dtype!r}.")
         if self.save_path is None:

@@ -1,8 +1,9 @@
 """Judges: what turns a batch of (task, displayed responses) into verdict texts or scores.
 
 `Judge` is a protocol, so a scripted judge (fixed strings) can stand in for a model in tests. The two model-backed
-judges are `GenerativeJudge` (a causal LM writing `[[A]]` / `[[C>A>B]]` verdicts, greedy decoding) and
-`DiscriminativeJudge` (a 1-label sequence classifier scoring each response after the prompt messages).
+judges are `GenerativeJudge` (a causal LM writing `[[A]]` / `[[C>A>B]]` verdicts, or with the pointwise protocol a
+`[[7]]` score per response; greedy decoding) and `DiscriminativeJudge` (a 1-label sequence classifier scoring each
+response after the prompt messages).
 """
 
 from __future__ import annotations
@@ -16,7 +17,14 @@ import torch
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
 from trl_longrm.data.tokenization import scoring_ids
-from trl_longrm.evaluation.prompts import build_judge_messages, label
+from trl_longrm.evaluation.config import JUDGE_PROTOCOLS
+from trl_longrm.evaluation.prompts import (
+    POINTWISE_SCALE,
+    build_judge_messages,
+    build_pointwise_messages,
+    label,
+    parse_pointwise_score,
+)
 
 
 logger = logging.getLogger(__name__)
@@ -44,16 +52,20 @@ class JudgeOutput:
     """A judge's answer for one request.
 
     Args:
-        text: verdict text of a generative judge (None for a DisRM).
-        scores: one score per displayed response from a DisRM (None for a generative judge).
+        text: verdict text of a generative judge (None for a DisRM and for the pointwise protocol).
+        scores: one score per displayed response: a DisRM's, or a pointwise judge's (its expected score under the
+            score-token probabilities when those were read, else its parsed score; None when one is unparseable).
         verdict_probs: for a pairwise request of a generative judge, `[P(A), P(B)]` normalised over the two letters
             at the verdict position, or None when not computed.
+        judgments: the pointwise judge's text for each displayed response (None for other judges); a record whose
+            judgments do not all end with a score counts as unparseable.
         truncated: whether any model input of this request was cut to its head and tail.
     """
 
     text: str | None = None
     scores: list[float] | None = None
     verdict_probs: list[float] | None = None
+    judgments: list[str] | None = None
     truncated: bool = False
 
 
@@ -172,6 +184,12 @@ class GenerativeJudge:
     output up to its verdict (all of it when it wrote none), then `[[`; the next-token probabilities of `A` and `B`
     there, renormalised over the two, are `JudgeOutput.verdict_probs`.
 
+    With `protocol="pointwise"` the judge writes one judgment per response (`build_pointwise_messages`), ending with a
+    score `[[0]]`..`[[9]]`; the record's ranks follow from the scores. With `verdict_probs=True` the score of a
+    response is its expected score: the same forced-decoding pass reads the probabilities of the ten digit tokens
+    after `[[`, renormalised over them, so that two responses given the same integer score are still ordered (and
+    the AUC has continuous scores); otherwise it is the parsed integer (ties keep display order).
+
     Example:
     ```python
     >>> judge = GenerativeJudge.from_pretrained("./LongReward_Qwen3-8B", max_length=131072, max_new_tokens=2048)
@@ -182,22 +200,35 @@ class GenerativeJudge:
 
     model_type = "GRM"
 
-    def __init__(self, model, tokenizer, max_length: int = 131072, max_new_tokens: int = 2048, verdict_probs=True):
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        max_length: int = 131072,
+        max_new_tokens: int = 2048,
+        verdict_probs=True,
+        protocol: str = "pairwise",
+    ):
+        if protocol not in JUDGE_PROTOCOLS:
+            raise ValueError(f"`protocol` must be one of {list(JUDGE_PROTOCOLS)}, got {protocol!r}.")
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.max_length = max_length
         self.max_new_tokens = max_new_tokens
         self.verdict_probs = verdict_probs
+        self.protocol = protocol
         self.pad_id = _pad_token_id(tokenizer)
         self.forced_ids = tokenizer("[[", add_special_tokens=False)["input_ids"]
-        self.letter_ids = []
-        for position in range(2):
-            ids = tokenizer(label(position), add_special_tokens=False)["input_ids"]
+        low, high = POINTWISE_SCALE
+        self.score_values = list(range(low, high + 1))
+        # Pairwise verdicts are read at the letters A and B, pointwise scores at the digits of the scale.
+        verdicts = [label(p) for p in range(2)] if protocol == "pairwise" else [str(v) for v in self.score_values]
+        self.verdict_ids = []
+        for verdict in verdicts:
+            ids = tokenizer(verdict, add_special_tokens=False)["input_ids"]
             if len(ids) != 1:
-                raise ValueError(
-                    f"Verdict label {label(position)!r} is not a single token ({ids}) for this tokenizer."
-                )
-            self.letter_ids.append(ids[0])
+                raise ValueError(f"Verdict {verdict!r} is not a single token ({ids}) for this tokenizer.")
+            self.verdict_ids.append(ids[0])
 
     @classmethod
     def from_pretrained(cls, model_path: str, device: str | None = None, dtype: str = "auto", **kwargs):
@@ -206,17 +237,12 @@ class GenerativeJudge:
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=_resolve_dtype(dtype))
         return cls(model.to(_resolve_device(device)), tokenizer, **kwargs)
 
+    def _prompt_ids(self, messages: list[dict[str, str]]) -> tuple[list[int], bool]:
+        return truncate_head_tail(_chat_ids(self.tokenizer, messages, add_generation_prompt=True), self.max_length)
+
     @torch.no_grad()
-    def judge(self, requests: Sequence[JudgeRequest]) -> list[JudgeOutput]:
+    def _generate(self, prompts: list[list[int]]) -> list[str]:
         device = self.model.device
-        prompts, truncated = [], []
-        for request in requests:
-            messages = build_judge_messages(request.task_prompt, request.responses, ranking=request.ranking)
-            ids, cut = truncate_head_tail(
-                _chat_ids(self.tokenizer, messages, add_generation_prompt=True), self.max_length
-            )
-            prompts.append(ids)
-            truncated.append(cut)
         input_ids, attention_mask = _pad(prompts, self.pad_id, left=True)
         generated = self.model.generate(
             input_ids=input_ids.to(device),
@@ -225,7 +251,18 @@ class GenerativeJudge:
             do_sample=False,
             pad_token_id=self.pad_id,
         )[:, input_ids.shape[1] :]
-        texts = self.tokenizer.batch_decode(generated, skip_special_tokens=True)
+        return self.tokenizer.batch_decode(generated, skip_special_tokens=True)
+
+    def judge(self, requests: Sequence[JudgeRequest]) -> list[JudgeOutput]:
+        if self.protocol == "pointwise":
+            return self._judge_pointwise(requests)
+        prompts, truncated = [], []
+        for request in requests:
+            messages = build_judge_messages(request.task_prompt, request.responses, ranking=request.ranking)
+            ids, cut = self._prompt_ids(messages)
+            prompts.append(ids)
+            truncated.append(cut)
+        texts = self._generate(prompts)
         outputs = [JudgeOutput(text=text, truncated=cut) for text, cut in zip(texts, truncated)]
         if self.verdict_probs:
             pairwise = [i for i, request in enumerate(requests) if not request.ranking]
@@ -235,6 +272,31 @@ class GenerativeJudge:
                     outputs[i].verdict_probs = p
         return outputs
 
+    def _judge_pointwise(self, requests: Sequence[JudgeRequest]) -> list[JudgeOutput]:
+        # One judgment per (request, response), generated in one batch.
+        prompts, owners, truncated = [], [], [False] * len(requests)
+        for i, request in enumerate(requests):
+            for response in request.responses:
+                ids, cut = self._prompt_ids(build_pointwise_messages(request.task_prompt, response))
+                prompts.append(ids)
+                owners.append(i)
+                truncated[i] = truncated[i] or cut
+        texts = self._generate(prompts)
+        if self.verdict_probs:
+            values = torch.tensor(self.score_values, dtype=torch.float)
+            scores = [float(p @ values) for p in torch.tensor(self._verdict_probs(prompts, texts))]
+        else:
+            scores = [parse_pointwise_score(text) for text in texts]
+        outputs = [JudgeOutput(judgments=[], scores=[], truncated=cut) for cut in truncated]
+        for owner, text, score in zip(owners, texts, scores):
+            outputs[owner].judgments.append(text)
+            outputs[owner].scores.append(score)
+        for output in outputs:
+            if any(score is None for score in output.scores):
+                output.scores = None
+        return outputs
+
+    @torch.no_grad()
     def _verdict_probs(self, prompts: list[list[int]], texts: list[str]) -> list[list[float]]:
         rows = []
         for prompt, text in zip(prompts, texts):
@@ -252,8 +314,9 @@ class GenerativeJudge:
             logits_to_keep=1,
             use_cache=False,
         ).logits[:, -1, :]
-        pair = torch.log_softmax(logits.float(), dim=-1)[:, self.letter_ids].softmax(dim=-1)
-        return pair.cpu().tolist()
+        # Renormalised over the verdict tokens (A/B, or the score digits) at the position after `[[`.
+        probs = torch.log_softmax(logits.float(), dim=-1)[:, self.verdict_ids].softmax(dim=-1)
+        return probs.cpu().tolist()
 
 
 class DiscriminativeJudge:
@@ -325,8 +388,10 @@ def load_judge(
     device: str | None = None,
     dtype: str = "auto",
     verdict_probs: bool = True,
+    judge_protocol: str = "pairwise",
 ) -> Judge:
-    """A `DiscriminativeJudge` (`is_disrm=True`) or `GenerativeJudge` loaded from a local model directory.
+    """A `DiscriminativeJudge` (`is_disrm=True`) or `GenerativeJudge` (judging with `judge_protocol`) loaded from a
+    local model directory.
 
     Example:
     ```python
@@ -344,4 +409,5 @@ def load_judge(
         max_length=max_length,
         max_new_tokens=max_new_tokens,
         verdict_probs=verdict_probs,
+        protocol=judge_protocol,
     )

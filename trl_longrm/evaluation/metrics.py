@@ -44,10 +44,12 @@ def _ordered_lengths(lengths: Iterable[str]) -> list[str]:
 def chosen_rejected_scores(prediction: dict) -> tuple[float, float, str] | None:
     """(chosen score, rejected score, source) of a PairWise prediction for the AUC, or None when it has none.
 
-    A DisRM's candidate scores come first; a generative judge's verdict probabilities otherwise.
+    Candidate scores come first (a DisRM's, or a pointwise generative judge's, which also has `judgments`); a
+    pairwise generative judge's verdict probabilities otherwise.
     """
     order = prediction["order"]
-    for key, source in (("scores", "disrm_scores"), ("verdict_probs", "grm_verdict_probs")):
+    scores_source = "grm_pointwise_scores" if prediction.get("judgments") is not None else "disrm_scores"
+    for key, source in (("scores", scores_source), ("verdict_probs", "grm_verdict_probs")):
         values = prediction.get(key)
         if values is not None:
             return values[order.index(0)], values[order.index(1)], source

@@ -1,8 +1,9 @@
-"""The generative judging protocol: per-record candidate shuffling, judge prompts and verdict parsing.
+"""The generative judging protocols: per-record candidate shuffling, judge prompts and verdict parsing.
 
 A pairwise judge ends its answer with `[[A]]` or `[[B]]`; a ranking judge with an order such as `[[C>A>B]]`. A parsed
 verdict is returned as *predicted ranks per displayed position* (0 = best), the representation LongRM scores against
-the gold ranks of the shuffled candidates.
+the gold ranks of the shuffled candidates. A pointwise judge sees one response at a time and ends with a score such as
+`[[7]]` (0 worst, 9 best); the ranks of a record's responses then follow from their scores.
 """
 
 from __future__ import annotations
@@ -84,6 +85,38 @@ def build_judge_messages(task_prompt: str, responses: list[str], ranking: bool =
     return [{"role": "system", "content": system}, {"role": "user", "content": "\n\n".join(parts)}]
 
 
+POINTWISE_SYSTEM_PROMPT = (
+    "You are a careful, impartial judge of AI responses. You will see a task, which may include a long document, and "
+    "one candidate response. Rate how well the response completes the task: check it against the document and the "
+    "instructions for correctness, faithfulness, helpfulness and safety. Its length and its style must not sway you. "
+    "Give a brief justification, then end with your score on its own line, an integer from {low} (worst) to {high} "
+    "(best), in the form [[{example}]]."
+)
+# The score scale of the pointwise protocol: single digits, so that each score is one token for common tokenizers
+# (Qwen and Llama 3 split numbers into digits) and the score distribution is read at one position.
+POINTWISE_SCALE = (0, 9)
+
+
+def build_pointwise_messages(task_prompt: str, response: str) -> list[dict[str, str]]:
+    """System and user messages asking a judge to score a single response (the pointwise protocol).
+
+    Example:
+    ```python
+    >>> messages = build_pointwise_messages("What is 2+2?", "4")
+    >>> messages[1]["content"].splitlines()[-1]
+    'Rate the response from 0 to 9. End with your score, e.g. [[7]].'
+    ```
+    """
+    low, high = POINTWISE_SCALE
+    system = POINTWISE_SYSTEM_PROMPT.format(low=low, high=high, example=high - 2)
+    parts = [
+        f"# Task\n{task_prompt}",
+        f"# Response\n{response}\n# End of Response",
+        f"Rate the response from {low} to {high}. End with your score, e.g. [[{high - 2}]].",
+    ]
+    return [{"role": "system", "content": system}, {"role": "user", "content": "\n\n".join(parts)}]
+
+
 _PAIR_VERDICT = re.compile(r"\[\[\s*([AB])\s*\]\]")
 _RANK_VERDICT = re.compile(r"\[\[\s*([A-Z](?:\s*>\s*[A-Z])+)\s*\]\]")
 
@@ -124,6 +157,26 @@ def parse_ranking_verdict(text: str, n: int) -> list[int] | None:
     if sorted(positions) != list(range(n)):
         return None
     return [positions.index(p) for p in range(n)]
+
+
+_SCORE_VERDICT = re.compile(r"\[\[\s*(\d+)\s*\]\]")
+
+
+def parse_pointwise_score(text: str) -> int | None:
+    """The score of a pointwise judgment (the last `[[N]]` in the text), or None when it has none or N is off the scale.
+
+    Example:
+    ```python
+    >>> parse_pointwise_score("Quotes the document faithfully. [[8]]"), parse_pointwise_score("[[12]]")
+    (8, None)
+    ```
+    """
+    matches = _SCORE_VERDICT.findall(text)
+    if not matches:
+        return None
+    score = int(matches[-1])
+    low, high = POINTWISE_SCALE
+    return score if low <= score <= high else None
 
 
 def ranks_from_scores(scores: list[float]) -> list[int]:

@@ -17,6 +17,7 @@ from trl_longrm.evaluation.judges import Judge, JudgeOutput, JudgeRequest, load_
 from trl_longrm.evaluation.metrics import compute_metrics, score_ranking
 from trl_longrm.evaluation.prompts import (
     parse_pairwise_verdict,
+    parse_pointwise_score,
     parse_ranking_verdict,
     ranks_from_scores,
     shuffled_order,
@@ -96,7 +97,19 @@ def make_request(record: BenchmarkRecord, seed: int) -> tuple[JudgeRequest, list
 def make_prediction(record: BenchmarkRecord, order: list[int], output: JudgeOutput) -> dict:
     """The `predictions.jsonl` line of a judged record: what was shown, what the judge said, and whether it was right."""
     n = len(order)
-    if output.scores is not None:
+    scores = output.scores
+    if output.judgments is not None:
+        # Pointwise judge: unparseable unless every judgment ends with a score; ranked by its scores (expected scores
+        # when the judge read them, else the parsed ones).
+        if len(output.judgments) != n:
+            raise ValueError(
+                f"Judge returned {len(output.judgments)} judgments for record {record.id!r} with {n} candidates."
+            )
+        parsed = [parse_pointwise_score(text) for text in output.judgments]
+        if scores is None and None not in parsed:
+            scores = parsed
+        predicted = None if None in parsed else ranks_from_scores(scores)
+    elif output.scores is not None:
         if len(output.scores) != n:
             raise ValueError(
                 f"Judge returned {len(output.scores)} scores for record {record.id!r} with {n} candidates."
@@ -120,8 +133,9 @@ def make_prediction(record: BenchmarkRecord, order: list[int], output: JudgeOutp
         "source": record.source,
         "order": order,
         "output": output.text,
-        "scores": output.scores,
+        "scores": scores,
         "verdict_probs": output.verdict_probs,
+        "judgments": output.judgments,
         "predicted_ranks": predicted,
         "parsed": predicted is not None,
         "match_ratio": ratio,
@@ -156,6 +170,12 @@ def _run_identity(config: EvalConfig, model_type: str) -> dict:
         "max_new_tokens": config.max_new_tokens if model_type == "GRM" else None,
         "verdict_probs": config.verdict_probs if model_type == "GRM" else None,
         "dtype": config.dtype,
+        # Only when not the default, so that runs written before the option existed still resume.
+        **(
+            {"judge_protocol": config.judge_protocol}
+            if model_type == "GRM" and config.judge_protocol != "pairwise"
+            else {}
+        ),
     }
 
 
@@ -163,7 +183,8 @@ def _check_run_identity(save_path: Path, identity: dict):
     path = save_path / RUN_FILE
     if path.exists():
         previous = json.loads(path.read_text(encoding="utf-8"))
-        changed = {k: (previous.get(k), v) for k, v in identity.items() if previous.get(k) != v}
+        keys = list(identity) + [k for k in previous if k not in identity]
+        changed = {k: (previous.get(k), identity.get(k)) for k in keys if previous.get(k) != identity.get(k)}
         if changed:
             details = ", ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in changed.items())
             raise ValueError(
@@ -209,6 +230,7 @@ def evaluate_reward_model(config: EvalConfig, judge: Judge | None = None) -> dic
                 device=config.device,
                 dtype=config.dtype,
                 verdict_probs=config.verdict_probs,
+                judge_protocol=config.judge_protocol,
             )
         model_type = "DisRM" if config.is_disrm else "GRM"
     else:

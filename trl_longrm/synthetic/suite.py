@@ -16,8 +16,15 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from trl_longrm.evaluation.benchmark import BenchmarkRecord
-from trl_longrm.evaluation.config import TASKS
-from trl_longrm.evaluation.prompts import PAIRWISE_SYSTEM_PROMPT, RANKING_SYSTEM_PROMPT, build_judge_messages, label
+from trl_longrm.evaluation.config import JUDGE_PROTOCOLS, TASKS
+from trl_longrm.evaluation.prompts import (
+    PAIRWISE_SYSTEM_PROMPT,
+    POINTWISE_SCALE,
+    RANKING_SYSTEM_PROMPT,
+    build_judge_messages,
+    build_pointwise_messages,
+    label,
+)
 from trl_longrm.synthetic.world import (
     SURFACES,
     VALUES,
@@ -124,6 +131,15 @@ class SyntheticConfig:
             "document's facts for the asked keys, before the per-response counts and the verdict. Default True."
         },
     )
+    judge_protocol: str = field(
+        default="pairwise",
+        metadata={
+            "help": "Judging protocol of the judge data (SFT, SimPO-GRM): `pairwise` (all responses of an example in "
+            "one prompt, as LongRM; a pairwise verdict or a ranking) or `pointwise` (one response per row, judged "
+            "with `build_pointwise_messages`: its correct count and a score `[[0]]`..`[[9]]`). Evaluate a judge "
+            "trained on pointwise rows with `judge_protocol=pointwise`. Default pairwise."
+        },
+    )
     length_curriculum: bool = field(
         default=False,
         metadata={
@@ -155,6 +171,8 @@ class SyntheticConfig:
             raise ValueError(
                 f"keys_per_question must be between 1 and min_facts={self.min_facts}, got {self.keys_per_question}."
             )
+        if self.judge_protocol not in JUDGE_PROTOCOLS:
+            raise ValueError(f"judge_protocol must be one of {list(JUDGE_PROTOCOLS)}, got {self.judge_protocol!r}.")
         if not self.lengths or any(tokens <= 0 for tokens in self.lengths.values()):
             raise ValueError(f"lengths must map bucket names to positive token counts, got {self.lengths}.")
 
@@ -243,6 +261,26 @@ def judgment(
     else:
         verdict = f"[[{label(claimed.index(0))}]]"
     return "\n".join(lines + [verdict])
+
+
+def pointwise_score(correct: int, asked: int) -> int:
+    """The pointwise score of a response with `correct` of `asked` values right: the fraction, on the 0..9 scale."""
+    low, high = POINTWISE_SCALE
+    return low + round((high - low) * correct / asked)
+
+
+def pointwise_judgment(example: JudgingExample, index: int, claimed: int | None = None, evidence: bool = True) -> str:
+    """A pointwise judge's answer for `example.responses[index]` alone: the facts it needs (unless `evidence=False`),
+    its count of correct values and the score. `claimed` (default: the true count) gives a fluent judgment with a
+    wrong count and score (a rejected judgment for SimPO)."""
+    num_asked = len(example.asked)
+    correct = num_asked - example.errors[index] if claimed is None else claimed
+    lines = []
+    if evidence:
+        surface = example.sheet.surface
+        lines.append("Evidence: " + " ".join(surface.fact_sentence(k, example.sheet.facts[k]) for k in example.asked))
+    lines += [f"Response: {correct}/{num_asked} correct.", f"[[{pointwise_score(correct, num_asked)}]]"]
+    return "\n".join(lines)
 
 
 def _judge_prompt(example: JudgingExample, order: list[int], ranking: bool) -> list[dict[str, str]]:
@@ -356,14 +394,16 @@ class SuiteBuilder:
         """Judge SFT rows: the evaluator's judge prompt and the correct judgment as `golden`."""
         rows = []
         for index in range(self.config.num_train):
-            _, example, order, ranking = self._judge_example("sft", index)
+            rng, example, order, ranking = self._judge_example("sft", index)
+            if self.config.judge_protocol == "pointwise":
+                shown = rng.randrange(len(example.responses))
+                prompt = build_pointwise_messages(example.task_prompt, example.responses[shown])
+                golden = pointwise_judgment(example, shown, evidence=self.config.judgment_evidence)
+            else:
+                prompt = _judge_prompt(example, order, ranking)
+                golden = judgment(example, order, ranking, evidence=self.config.judgment_evidence)
             rows.append(
-                {
-                    "chat_template": _judge_prompt(example, order, ranking),
-                    "golden": judgment(example, order, ranking, evidence=self.config.judgment_evidence),
-                    "task": example.sheet.task,
-                    "ctx_tokens": example.tokens,
-                }
+                {"chat_template": prompt, "golden": golden, "task": example.sheet.task, "ctx_tokens": example.tokens}
             )
         return rows
 
@@ -373,12 +413,25 @@ class SuiteBuilder:
         evidence = self.config.judgment_evidence
         for index in range(self.config.num_train):
             rng, example, order, ranking = self._judge_example("grm", index)
-            wrong = _wrong_rankings(rng, len(order), list(order), self.config.num_rejected)
-            rejects = list(dict.fromkeys(judgment(example, order, ranking, claimed, evidence) for claimed in wrong))
+            if self.config.judge_protocol == "pointwise":
+                shown = rng.randrange(len(example.responses))
+                prompt = build_pointwise_messages(example.task_prompt, example.responses[shown])
+                chosen = pointwise_judgment(example, shown, evidence=evidence)
+                num_asked = len(example.asked)
+                true_count = num_asked - example.errors[shown]
+                wrong = [count for count in range(num_asked + 1) if count != true_count]
+                rng.shuffle(wrong)
+                claims = [wrong[i % len(wrong)] for i in range(self.config.num_rejected)]
+                rejects = list(dict.fromkeys(pointwise_judgment(example, shown, c, evidence) for c in claims))
+            else:
+                prompt = _judge_prompt(example, order, ranking)
+                chosen = judgment(example, order, ranking, evidence=evidence)
+                wrong = _wrong_rankings(rng, len(order), list(order), self.config.num_rejected)
+                rejects = list(dict.fromkeys(judgment(example, order, ranking, claim, evidence) for claim in wrong))
             rows.append(
                 {
-                    "chat_template": _judge_prompt(example, order, ranking),
-                    "chosen": judgment(example, order, ranking, evidence=evidence),
+                    "chat_template": prompt,
+                    "chosen": chosen,
                     "rejects": rejects,
                     "task": example.sheet.task,
                     "ctx_tokens": example.tokens,
