@@ -201,10 +201,24 @@ def test_pointwise_judge_data_scores_the_shown_response_against_the_document(tmp
         for rejected in row.get("rejects", []):
             assert parse_pointwise_score(rejected) not in (None, parse_pointwise_score(answer)), rejected
     assert counts == {True, False}, "both right and wrong responses are shown"
+    # Every response of an example gets its own row, next to the others: with pairwise examples only, rows 2i and
+    # 2i+1 judge the right and the wrong response to one document.
+    pairs = generate_synthetic_suite(
+        tmp_path / "pairs", seed=3, judge_protocol="pointwise", ranking_fraction=0.0, length_curriculum=True, **SMALL
+    )
+    for path in (pairs.sft, pairs.grm):
+        rows = read_jsonl(path)
+        assert len(rows) == 2 * SMALL["num_train"]
+        for first, second in zip(rows[::2], rows[1::2]):
+            task_text = [r["chat_template"][1]["content"].split("\n\n# Response\n")[0] for r in (first, second)]
+            assert task_text[0] == task_text[1]
+            scores = sorted(parse_pointwise_score(r.get("golden", r.get("chosen"))) for r in (first, second))
+            assert scores == [0, 9]
     # DisRM data and benchmark do not depend on the judge protocol.
-    assert pointwise.disrm.read_text() == generate_synthetic_suite(
-        tmp_path / "pairwise", seed=3, keys_per_question=3, **SMALL
-    ).disrm.read_text()
+    assert (
+        pointwise.disrm.read_text()
+        == generate_synthetic_suite(tmp_path / "pairwise", seed=3, keys_per_question=3, **SMALL).disrm.read_text()
+    )
 
 
 def test_judge_prompt_matches_what_the_evaluator_shows(suite):

@@ -135,9 +135,10 @@ class SyntheticConfig:
         default="pairwise",
         metadata={
             "help": "Judging protocol of the judge data (SFT, SimPO-GRM): `pairwise` (all responses of an example in "
-            "one prompt, as LongRM; a pairwise verdict or a ranking) or `pointwise` (one response per row, judged "
-            "with `build_pointwise_messages`: its correct count and a score `[[0]]`..`[[9]]`). Evaluate a judge "
-            "trained on pointwise rows with `judge_protocol=pointwise`. Default pairwise."
+            "one prompt, as LongRM; a pairwise verdict or a ranking) or `pointwise` (one row per response of each "
+            "example, the rows of one example next to each other, judged with `build_pointwise_messages`: its "
+            "correct count and a score `[[0]]`..`[[9]]`). Evaluate a judge trained on pointwise rows with "
+            "`judge_protocol=pointwise`. Default pairwise."
         },
     )
     length_curriculum: bool = field(
@@ -395,16 +396,20 @@ class SuiteBuilder:
         rows = []
         for index in range(self.config.num_train):
             rng, example, order, ranking = self._judge_example("sft", index)
+            meta = {"task": example.sheet.task, "ctx_tokens": example.tokens}
             if self.config.judge_protocol == "pointwise":
-                shown = rng.randrange(len(example.responses))
-                prompt = build_pointwise_messages(example.task_prompt, example.responses[shown])
-                golden = pointwise_judgment(example, shown, evidence=self.config.judgment_evidence)
+                for shown in order:
+                    rows.append(
+                        {
+                            "chat_template": build_pointwise_messages(example.task_prompt, example.responses[shown]),
+                            "golden": pointwise_judgment(example, shown, evidence=self.config.judgment_evidence),
+                            **meta,
+                        }
+                    )
             else:
                 prompt = _judge_prompt(example, order, ranking)
                 golden = judgment(example, order, ranking, evidence=self.config.judgment_evidence)
-            rows.append(
-                {"chat_template": prompt, "golden": golden, "task": example.sheet.task, "ctx_tokens": example.tokens}
-            )
+                rows.append({"chat_template": prompt, "golden": golden, **meta})
         return rows
 
     def grm_rows(self) -> list[dict]:
@@ -413,30 +418,30 @@ class SuiteBuilder:
         evidence = self.config.judgment_evidence
         for index in range(self.config.num_train):
             rng, example, order, ranking = self._judge_example("grm", index)
+            meta = {"task": example.sheet.task, "ctx_tokens": example.tokens}
             if self.config.judge_protocol == "pointwise":
-                shown = rng.randrange(len(example.responses))
-                prompt = build_pointwise_messages(example.task_prompt, example.responses[shown])
-                chosen = pointwise_judgment(example, shown, evidence=evidence)
                 num_asked = len(example.asked)
-                true_count = num_asked - example.errors[shown]
-                wrong = [count for count in range(num_asked + 1) if count != true_count]
-                rng.shuffle(wrong)
-                claims = [wrong[i % len(wrong)] for i in range(self.config.num_rejected)]
-                rejects = list(dict.fromkeys(pointwise_judgment(example, shown, c, evidence) for c in claims))
+                for shown in order:
+                    true_count = num_asked - example.errors[shown]
+                    wrong = [count for count in range(num_asked + 1) if count != true_count]
+                    rng.shuffle(wrong)
+                    claims = [wrong[i % len(wrong)] for i in range(self.config.num_rejected)]
+                    rows.append(
+                        {
+                            "chat_template": build_pointwise_messages(example.task_prompt, example.responses[shown]),
+                            "chosen": pointwise_judgment(example, shown, evidence=evidence),
+                            "rejects": list(
+                                dict.fromkeys(pointwise_judgment(example, shown, c, evidence) for c in claims)
+                            ),
+                            **meta,
+                        }
+                    )
             else:
                 prompt = _judge_prompt(example, order, ranking)
                 chosen = judgment(example, order, ranking, evidence=evidence)
                 wrong = _wrong_rankings(rng, len(order), list(order), self.config.num_rejected)
                 rejects = list(dict.fromkeys(judgment(example, order, ranking, claim, evidence) for claim in wrong))
-            rows.append(
-                {
-                    "chat_template": prompt,
-                    "chosen": chosen,
-                    "rejects": rejects,
-                    "task": example.sheet.task,
-                    "ctx_tokens": example.tokens,
-                }
-            )
+                rows.append({"chat_template": prompt, "chosen": chosen, "rejects": rejects, **meta})
         return rows
 
     def benchmark_rows(self, task: str) -> list[dict]:
