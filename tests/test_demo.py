@@ -87,3 +87,31 @@ def test_demo_output_dir_made_with_other_settings_is_refused_not_reused(tmp_path
     (old / "models").mkdir(parents=True)
     with pytest.raises(ValueError, match="older version"):
         Demo(DemoConfig(output_dir=str(old))).check_settings()
+
+
+def test_demo_stages_run_in_pipeline_order_and_sft_needs_the_disrm():
+    assert DemoConfig(stages=["simpo_grm", "sft", "simpo_disrm"]).stages == ["simpo_disrm", "sft", "simpo_grm"]
+    with pytest.raises(ValueError, match="simpo_disrm"):
+        DemoConfig(stages=["sft"])
+    with pytest.raises(ValueError, match="add `sft`"):
+        DemoConfig(stages=["simpo_disrm", "simpo_grm"])
+
+
+def test_judge_base_is_the_trained_disrm_backbone_under_a_seeded_lm_head(tmp_path):
+    from trl_longrm.demo import Demo, demo_tokenizer
+    from trl_longrm.testing_utils import save_tiny_model
+
+    runs = []
+    for name in ("a", "b"):
+        demo = Demo(DemoConfig(output_dir=str(tmp_path / name), seed=3))
+        save_tiny_model(demo.models["simpo_disrm"], "llama", "seq-cls", seed=1, tokenizer=demo_tokenizer())
+        demo.judge_base()
+        runs.append(demo)
+    disrm = weights(runs[0].models["simpo_disrm"])
+    judge = weights(runs[0].models["judge"])
+    backbone = {n: t for n, t in disrm.items() if not n.startswith("score.")}
+    assert backbone and all(torch.equal(judge[n], t) for n, t in backbone.items())
+    # The new LM head: present, not the DisRM's embedding, and the same for the same seed.
+    assert judge["lm_head.weight"].shape == disrm["model.embed_tokens.weight"].shape
+    assert not torch.equal(judge["lm_head.weight"], disrm["model.embed_tokens.weight"])
+    assert torch.equal(judge["lm_head.weight"], weights(runs[1].models["judge"])["lm_head.weight"])

@@ -3,12 +3,14 @@
 From nothing, in order:
 1. write a synthetic long-context judging suite (`trl_longrm.synthetic`): judge SFT data, SimPO-GRM and DisRM preference
    data, and a held-out mini benchmark in the Long-RewardBench layout;
-2. save the tiny base models (a Qwen3 judge, a Llama score model) from random initialisation;
-3. evaluate both base models on the mini benchmark;
-4. train through the tiny recipes and `trl-longrm train` (so `accelerate launch`): stage I SFT -> stage II SimPO-GRM
-   (one process), and the DisRM with sequence parallelism (ring of 2 over 2 CPU processes);
-5. evaluate the trained models, print the before/after table and write it (`summary.md`, `summary.json`) with a plot
-   of pairwise accuracy against context length (`length_accuracy.png`).
+2. save the tiny DisRM base model (a Llama sequence classifier) from random initialisation and evaluate it;
+3. train the DisRM through its tiny recipe and `trl-longrm train` (so `accelerate launch`) with sequence parallelism
+   (ring of 2 over 2 CPU processes), and evaluate it;
+4. make the judge's base model from the trained DisRM's backbone with a new LM head (the tiny stand-in for the
+   pretrained LLM a LongRM judge starts from: see `DEMO_JUDGE_PROTOCOL`), evaluate it, then train and evaluate stage I
+   SFT -> stage II SimPO-GRM (one process each);
+5. print the before/after table and write it (`summary.md`, `summary.json`) with a plot of pairwise accuracy against
+   context length (`length_accuracy.png`).
 
 Every step is resumable: a finished stage (its output directory holds a saved model, an evaluation its results) is
 skipped when the demo runs again with the same output directory, so a killed demo loses only the step it was in. The
@@ -58,9 +60,10 @@ class DemoConfig:
     )
     seed: int = field(default=0, metadata={"help": "Seed of the data and of the base models. Default 0."})
     stages: list[str] = field(
-        default_factory=lambda: ["sft", "simpo_grm", "simpo_disrm"],
+        default_factory=lambda: ["simpo_disrm", "sft", "simpo_grm"],
         metadata={
-            "help": "Training stages to run (`simpo_grm` needs `sft`). Default all three: sft simpo_grm simpo_disrm."
+            "help": "Training stages to run, in this order whatever order they are given in (`sft` starts from the "
+            "backbone of `simpo_disrm`, `simpo_grm` from `sft`). Default all three: simpo_disrm sft simpo_grm."
         },
     )
     num_train: int = field(
@@ -88,10 +91,10 @@ class DemoConfig:
         },
     )
     max_new_tokens: int = field(
-        default=32,
+        default=16,
         metadata={
-            "help": "Most tokens a generative judge writes per record (a pairwise judgment of the demo's suite takes "
-            "about 23 with the demo tokenizer, a ranking of 4 about 45: raise it when adding BestOfN). Default 32."
+            "help": "Most tokens a generative judge writes per judgment (a pointwise judgment of the demo's suite "
+            "takes 12 with the demo tokenizer, its end-of-turn token included). Default 16."
         },
     )
 
@@ -101,13 +104,16 @@ class DemoConfig:
             raise ValueError(f"Unknown stage(s) {unknown}; expected some of {list(STAGES)}.")
         if "simpo_grm" in self.stages and "sft" not in self.stages:
             raise ValueError("Stage simpo_grm starts from the output of stage sft: add `sft` to `stages`.")
+        if "sft" in self.stages and "simpo_disrm" not in self.stages:
+            raise ValueError("Stage sft starts from the backbone of stage simpo_disrm: add `simpo_disrm` to `stages`.")
+        self.stages = [stage for stage in STAGES if stage in self.stages]
 
 
-# stage -> (recipe, base model key, data key, trained model is a DisRM)
+# stage -> (recipe, base model key, data key, trained model is a DisRM), in the order they run
 STAGES = {
+    "simpo_disrm": ("simpo_disrm.yaml", "disrm", "disrm", True),
     "sft": ("sft.yaml", "judge", "sft", False),
     "simpo_grm": ("simpo_grm.yaml", "sft", "grm", False),
-    "simpo_disrm": ("simpo_disrm.yaml", "disrm", "disrm", True),
 }
 
 # The synthetic suite of the demo. Each question asks about 3 keys and a rejected response gives, for every one, a value
@@ -121,15 +127,30 @@ DEMO_DATA = dict(
     train_tokens=(20, 240),
     length_curriculum=True,
     keys_per_question=3,
-    # The judge answers with its per-response counts and verdict, without quoting the document first: quoting 3 facts
-    # did not help the tiny judge (it copies one key three times) and doubles its generation time.
+    # The judge answers with its count of correct values and its score, without quoting the document first: quoting 3
+    # facts did not help the tiny judge (it copies one key three times) and doubles its generation time.
     judgment_evidence=False,
+    # The tiny judge judges one response at a time (see `DEMO_JUDGE_PROTOCOL`); its training files hold the two
+    # responses of each example as neighbouring rows (no 3- or 4-response ranking examples, so each pair of rows
+    # falls in one batch of 8 of the sequential sampler): a batch then contrasts a right and a wrong response to one
+    # document, the contrast a small model needs to find the matching feature (see `DEMO_JUDGE_PROTOCOL`).
+    judge_protocol="pointwise",
+    ranking_fraction=0.0,
     num_rejected=1,
     swap_probability=0.0,
     lengths={"4k": 60, "8k": 120, "16k": 240},
     pairwise_per_bucket=8,
     bestofn_per_bucket=3,
 )
+
+
+# How the demo's generative judge is made, trained and evaluated. A LongRM judge starts from a pretrained LLM that
+# already reads documents, and sees both responses in one prompt (`pairwise`). A 2-layer judge from random
+# initialisation stays at chance on this suite with SFT and SimPO alike, pairwise or pointwise, and so does a pairwise
+# judge started from the trained DisRM's backbone (see the README). The demo's judge therefore starts from the trained
+# DisRM's backbone (its stand-in for pretraining: a model that has learnt to read these documents) with a new LM head,
+# and judges one response per prompt (`pointwise`: it counts the response's correct values and writes a score).
+DEMO_JUDGE_PROTOCOL = DEMO_DATA["judge_protocol"]
 
 
 # The tiny base models, besides their size: 8 heads (16 dimensions each at the default width), a larger initialisation
@@ -159,7 +180,7 @@ class Demo:
         self.config = config
         self.root = Path(config.output_dir)
         self.models = {
-            "judge": self.root / "models" / "tiny-qwen3-lm",
+            "judge": self.root / "models" / "judge-from-disrm",
             "disrm": self.root / "models" / "tiny-llama-cls",
             "sft": self.root / "runs" / "sft",
             "simpo_grm": self.root / "runs" / "simpo_grm",
@@ -185,6 +206,7 @@ class Demo:
         return generate_synthetic_suite(suite.root, tokenizer=demo_tokenizer(), **settings)
 
     def base_models(self):
+        """The DisRM's base model, from random initialisation (the judge's comes from the trained DisRM)."""
         from trl_longrm.testing_utils import save_tiny_model
 
         size = dict(
@@ -194,11 +216,23 @@ class Demo:
             num_hidden_layers=self.config.num_hidden_layers,
         )
         tokenizer = demo_tokenizer()
-        for key, arch, task in (("judge", "qwen3", "causal-lm"), ("disrm", "llama", "seq-cls")):
-            if not _has_model(self.models[key]):
-                save_tiny_model(
-                    self.models[key], arch=arch, task=task, seed=self.config.seed, tokenizer=tokenizer, **size
-                )
+        if not _has_model(self.models["disrm"]):
+            save_tiny_model(
+                self.models["disrm"], arch="llama", task="seq-cls", seed=self.config.seed, tokenizer=tokenizer, **size
+            )
+
+    def judge_base(self):
+        """The judge's base model: the trained DisRM's backbone under a new, seeded LM head (a causal LM)."""
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        path = self.models["judge"]
+        if _has_model(path):
+            return
+        torch.manual_seed(self.config.seed)  # the new LM head's initialisation
+        model = AutoModelForCausalLM.from_pretrained(self.models["simpo_disrm"])
+        model.save_pretrained(path)
+        AutoTokenizer.from_pretrained(self.models["simpo_disrm"]).save_pretrained(path)
 
     def train(self, stage: str, suite) -> None:
         recipe, base, data, _ = STAGES[stage]
@@ -244,6 +278,7 @@ class Demo:
             seed=self.config.seed,
             device="cpu",
             formats=["PairWise", "BestOfN"] if is_disrm else list(self.config.grm_formats),
+            judge_protocol=DEMO_JUDGE_PROTOCOL,
         )
         return evaluate_reward_model(config)
 
@@ -292,14 +327,11 @@ class Demo:
         self.check_settings()
         suite = self._timed("data", self.data)
         self._timed("base models", self.base_models)
-        results = {}
-        wants_grm = "sft" in self.config.stages
-        wants_disrm = "simpo_disrm" in self.config.stages
-        if wants_grm:
-            results["judge"] = self._timed("eval", self.evaluate, "judge", False, suite)
-        if wants_disrm:
-            results["disrm"] = self._timed("eval", self.evaluate, "disrm", True, suite)
+        results = {"disrm": self._timed("eval", self.evaluate, "disrm", True, suite)}
         for stage in self.config.stages:
+            if stage == "sft":
+                self._timed("base models", self.judge_base)
+                results["judge"] = self._timed("eval", self.evaluate, "judge", False, suite)
             self._timed(f"train {stage}", self.train, stage, suite)
             results[stage] = self._timed("eval", self.evaluate, stage, STAGES[stage][3], suite)
         summary = {
@@ -315,11 +347,11 @@ class Demo:
 
 
 MODEL_LABELS = {
-    "judge": "GRM base (random init)",
-    "sft": "GRM after stage I (SFT)",
-    "simpo_grm": "GRM after stage II (SimPO)",
     "disrm": "DisRM base (random init)",
     "simpo_disrm": "DisRM trained (Bradley-Terry, ring 2)",
+    "judge": "GRM base (DisRM backbone, new LM head)",
+    "sft": "GRM after stage I (SFT, pointwise)",
+    "simpo_grm": "GRM after stage II (SimPO, pointwise)",
 }
 
 
