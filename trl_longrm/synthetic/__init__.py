@@ -16,6 +16,7 @@ from trl_longrm.synthetic.suite import (
     SyntheticSuite,
     generate_synthetic_suite,
     judgment,
+    pointwise_judgment,
 )
 from trl_longrm.synthetic.world import (
     SURFACES,
@@ -45,5 +46,6 @@ __all__ = [
     "make_fact_sheet",
     "make_responses",
     "parse_facts",
+    "pointwise_judgment",
     "split_keys",
 ]

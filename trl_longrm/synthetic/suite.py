@@ -1,8 +1,9 @@
 """Writing a synthetic long-context judging suite: judge SFT data, SimPO-GRM and DisRM preference data, and a held-out
 mini Long-RewardBench, all built on the fact sheets of `trl_longrm.synthetic.world`.
 
-The judge prompts are the evaluator's own (`trl_longrm.evaluation.prompts.build_judge_messages` applied to the task
-prompt a `BenchmarkRecord` shows the judge), so a judge trained here is evaluated on exactly the inputs it learnt.
+The judge prompts are the evaluator's own (`trl_longrm.evaluation.prompts.build_judge_messages`, or
+`build_pointwise_messages` with `judge_protocol="pointwise"`, applied to the task prompt a `BenchmarkRecord` shows the
+judge), so a judge trained here is evaluated on exactly the inputs it learnt.
 Training data uses the `train` keys of `world.key_split` and the benchmark the `eval` keys, with their own seeds.
 """
 
