@@ -23,7 +23,6 @@ from trl_longrm.evaluation.prompts import (
     build_judge_messages,
     build_pointwise_messages,
     label,
-    parse_pointwise_score,
 )
 
 
@@ -53,8 +52,8 @@ class JudgeOutput:
 
     Args:
         text: verdict text of a generative judge (None for a DisRM and for the pointwise protocol).
-        scores: one score per displayed response: a DisRM's, or a pointwise judge's (its expected score under the
-            score-token probabilities when those were read, else its parsed score; None when one is unparseable).
+        scores: one score per displayed response: a DisRM's, or a pointwise judge's expected score under the
+            score-token probabilities (None when those were not read: the parsed scores of `judgments` then rank).
         verdict_probs: for a pairwise request of a generative judge, `[P(A), P(B)]` normalised over the two letters
             at the verdict position, or None when not computed.
         judgments: the pointwise judge's text for each displayed response (None for other judges); a record whose
@@ -282,18 +281,17 @@ class GenerativeJudge:
                 owners.append(i)
                 truncated[i] = truncated[i] or cut
         texts = self._generate(prompts)
-        if self.verdict_probs:
-            values = torch.tensor(self.score_values, dtype=torch.float)
-            scores = [float(p @ values) for p in torch.tensor(self._verdict_probs(prompts, texts))]
-        else:
-            scores = [parse_pointwise_score(text) for text in texts]
-        outputs = [JudgeOutput(judgments=[], scores=[], truncated=cut) for cut in truncated]
-        for owner, text, score in zip(owners, texts, scores):
+        outputs = [JudgeOutput(judgments=[], truncated=cut) for cut in truncated]
+        for owner, text in zip(owners, texts):
             outputs[owner].judgments.append(text)
-            outputs[owner].scores.append(score)
-        for output in outputs:
-            if any(score is None for score in output.scores):
-                output.scores = None
+        if self.verdict_probs:
+            # Without them the runner ranks by the judgments' parsed scores.
+            values = torch.tensor(self.score_values, dtype=torch.float)
+            expected = [float(p @ values) for p in torch.tensor(self._verdict_probs(prompts, texts))]
+            for output in outputs:
+                output.scores = []
+            for owner, score in zip(owners, expected):
+                outputs[owner].scores.append(score)
         return outputs
 
     @torch.no_grad()
