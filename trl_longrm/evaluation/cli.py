@@ -7,7 +7,7 @@ import dataclasses
 import logging
 import typing
 
-from trl_longrm.evaluation.config import DATA_FORMATS, DTYPES, FORMATS, JUDGE_PROTOCOLS, EvalConfig
+from trl_longrm.evaluation.config import DATA_FORMATS, DTYPES, FORMATS, JUDGE_PROTOCOLS, PROTOCOLS, EvalConfig
 
 
 def add_eval_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -40,7 +40,12 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
             kwargs.update(type=base, required=required)
             if not required:
                 kwargs["default"] = field.default
-            choices = {"dtype": DTYPES, "data_format": DATA_FORMATS, "judge_protocol": JUDGE_PROTOCOLS}
+            choices = {
+                "dtype": DTYPES,
+                "data_format": DATA_FORMATS,
+                "judge_protocol": JUDGE_PROTOCOLS,
+                "protocol": PROTOCOLS,
+            }
             if field.name in choices:
                 kwargs["choices"] = list(choices[field.name])
         parser.add_argument(flag, **kwargs)
