@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from trl_longrm.evaluation import EvalConfig, JudgeOutput, ScriptedJudge, evaluate_reward_model, truncate_head_tail
+from trl_longrm.evaluation import EvalConfig, ScriptedJudge, evaluate_reward_model, truncate_head_tail
 from trl_longrm.evaluation.protocols import parse_pairwise_longrm, parse_ranking_longrm, score_ranking_longrm
 
 
@@ -117,7 +117,6 @@ def _judge():
 def _expected_parse(rid, order):
     """The parse of each record's output, written out by hand (None: no verdict)."""
     plan = PLAN[rid]
-    best_first = sorted(range(len(order)), key=order.__getitem__)
     true_ranks = list(order)
     literal = {
         "[[B>A>C]]": [1, 0, 2],
