@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 
+import torch
 from tqdm.auto import tqdm
 
 from trl_longrm.evaluation.benchmark import BenchmarkRecord, load_benchmark, load_preference_records
@@ -278,7 +279,9 @@ def evaluate_reward_model(config: EvalConfig, judge: Judge | None = None) -> dic
     """
     from accelerate import PartialState
 
-    state = PartialState()
+    # One process unless started by `accelerate launch`; CPU processes (no GPU, or `device: cpu`) talk over gloo.
+    on_cpu = config.device == "cpu" or (config.device is None and not torch.cuda.is_available())
+    state = PartialState(cpu=on_cpu)
     # Read and checked before any model loads: a bad template file fails at once.
     template = PromptTemplate.from_yaml(config.prompt_template) if config.prompt_template else PromptTemplate.default()
     records = load_records(config)
@@ -301,6 +304,8 @@ def evaluate_reward_model(config: EvalConfig, judge: Judge | None = None) -> dic
             "Resuming: %d of %d records already judged in %s.", len(records) - len(todo), len(records), store.path
         )
     mine = todo[state.process_index :: state.num_processes]
+    if state.num_processes > 1:
+        logger.info("Process %d of %d judges %d records.", state.process_index, state.num_processes, len(mine))
     own_store = store if state.num_processes == 1 else PredictionStore(save_path / SHARD_NAME.format(state.process_index))
     if judge is None and mine:
         device = config.device if config.device is not None or state.num_processes == 1 else str(state.device)
