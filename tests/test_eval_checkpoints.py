@@ -18,7 +18,7 @@ from trl_longrm.evaluation import (
     make_toy_benchmark,
 )
 from trl_longrm.evaluation.templates import POINTWISE_FORMATS, PromptTemplate
-from trl_longrm.testing_utils import build_chat_tokenizer, build_tiny_model, save_tiny_model
+from trl_longrm.testing_utils import build_chat_tokenizer, build_tiny_model, save_tiny_model, steer_generation
 
 
 LLAMA3_TEMPLATE = (
@@ -222,3 +222,53 @@ def test_subset_runs_keep_their_own_results(tmp_path, bench):
     written = json.loads((tmp_path / "out" / "results.longqa.PairWise.json").read_text())
     assert written["counts"]["records"] == subset["counts"]["records"] == full["counts"]["tasks"]["LongQA"]
     assert (tmp_path / "out" / "length_accuracy.longqa.PairWise.png").exists()
+
+
+@pytest.mark.parametrize("protocol", ["pairwise", "pointwise"])
+def test_verdict_probs_come_from_the_generation_pass(bench, protocol):
+    tokenizer = build_chat_tokenizer()
+    model = build_tiny_model("qwen3", "causal-lm", tokenizer).eval()
+    script = tokenizer("Both fine.\n[[", add_special_tokens=False)["input_ids"]
+    steer_generation(model, script)
+    judge = GenerativeJudge(model, tokenizer, max_new_tokens=len(script) + 2, protocol=protocol)
+    forced_calls = []
+    forced = judge._verdict_probs
+    judge._verdict_probs = lambda prompts, texts: forced_calls.append(len(prompts)) or forced(prompts, texts)
+    requests = _requests(bench, 3, formats=["PairWise"])
+    outputs = judge.judge(requests)  # a left-padded batch
+    assert forced_calls == []  # every verdict was read from the generation pass
+    # The reference: the forced-decoding pass (prompt + the judgment up to its verdict + `[[`) that the generation
+    # pass replaces, one unpadded row at a time.
+    for request, output in zip(requests, outputs):
+        if protocol == "pairwise":
+            messages = [judge.template.pairwise_messages(request.task_prompt, request.responses)]
+            texts, read = [output.text], [output.verdict_probs]
+        else:
+            messages = [judge.template.pointwise_messages(request.task_prompt, r) for r in request.responses]
+            texts, read = output.judgments, output.scores
+        for message, text, value in zip(messages, texts, read):
+            assert text.startswith("Both fine.\n[[")
+            prompt = judge._prompt_ids(message)[0]
+            [reference] = forced([prompt], [text])
+            if protocol == "pointwise":
+                reference = sum(p * v for p, v in zip(reference, judge.score_values))
+            assert value == pytest.approx(reference, abs=1e-4)
+
+
+def test_verdict_without_a_generated_next_step_falls_back_to_the_forced_pass(bench):
+    tokenizer = build_chat_tokenizer()
+    model = build_tiny_model("qwen3", "causal-lm", tokenizer).eval()
+    script = tokenizer("Both fine.\n[[", add_special_tokens=False)["input_ids"]
+    steer_generation(model, script)
+    # The judgment stops right after `[[`: no generated step holds the verdict, so the forced pass reads it.
+    judge = GenerativeJudge(model, tokenizer, max_new_tokens=len(script))
+    forced_calls = []
+    forced = judge._verdict_probs
+    judge._verdict_probs = lambda prompts, texts: forced_calls.append(len(prompts)) or forced(prompts, texts)
+    request = _requests(bench, 1, formats=["PairWise"])[0]
+    [output] = judge.judge([request])
+    assert output.text == "Both fine.\n[[" and forced_calls == [1]
+    prompt = judge._prompt_ids(judge.template.pairwise_messages(request.task_prompt, request.responses))[0]
+    assert output.verdict_probs == pytest.approx(forced([prompt], [output.text])[0], abs=1e-6)
+    # A judgment without a verdict opening has nothing to read in the generation either.
+    assert judge._probs_at_verdict([1, 2, 3], "no verdict", torch.zeros(3, 2)) is None

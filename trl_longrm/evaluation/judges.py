@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import torch
-from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, LogitsProcessor
+from transformers.generation import LogitsProcessorList
 
 from trl_longrm.data.tokenization import scoring_ids
 from trl_longrm.evaluation.config import JUDGE_PROTOCOLS, PROTOCOLS
@@ -200,6 +201,19 @@ def _pad_token_id(tokenizer) -> int:
     return pad
 
 
+class _VerdictLogits(LogitsProcessor):
+    """Keeps, at every generation step, the logits of the verdict tokens (a few per row), so that the verdict's
+    probabilities are read from the pass that wrote it instead of a second forward over the whole prompt."""
+
+    def __init__(self, token_ids: list[int]):
+        self.token_ids = token_ids
+        self.steps: list[torch.Tensor] = []
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        self.steps.append(scores[:, self.token_ids].detach())
+        return scores
+
+
 class GenerativeJudge:
     """A causal LM judge: greedy, batched (left-padded) generation of a verdict per request.
 
@@ -291,17 +305,60 @@ class GenerativeJudge:
         return truncate_head_tail(ids, self.max_length - self.max_new_tokens)
 
     @torch.no_grad()
-    def _generate(self, prompts: list[list[int]]) -> list[str]:
+    def _generate(self, prompts: list[list[int]], read_verdicts: bool = False):
+        """Greedy judgments of `prompts` (left-padded batch): their texts, and with `read_verdicts` also, per row, the
+        probabilities of the verdict tokens at the step after the verdict's opening, read from the generation's own
+        logits (None where the judgment has no verdict opening or it does not end on a token boundary)."""
         device = self.model.device
         input_ids, attention_mask = _pad(prompts, self.pad_id, left=True)
+        recorder = _VerdictLogits(self.verdict_ids) if read_verdicts else None
         generated = self.model.generate(
             input_ids=input_ids.to(device),
             attention_mask=attention_mask.to(device),
             max_new_tokens=self.max_new_tokens,
             do_sample=False,
             pad_token_id=self.pad_id,
+            logits_processor=LogitsProcessorList([recorder]) if recorder else None,
         )[:, input_ids.shape[1] :]
-        return self.tokenizer.batch_decode(generated, skip_special_tokens=True)
+        texts = self.tokenizer.batch_decode(generated, skip_special_tokens=True)
+        if not read_verdicts:
+            return texts
+        steps = torch.stack(recorder.steps, dim=1).float().cpu()  # [rows, steps, verdict tokens]
+        probs = [self._probs_at_verdict(row.tolist(), text, logits) for row, text, logits in zip(generated, texts, steps)]
+        return texts, probs
+
+    def _probs_at_verdict(self, tokens: list[int], text: str, step_logits: torch.Tensor) -> list[float] | None:
+        start = text.find(self.verdict_prefix)
+        if start < 0:
+            return None
+        target = text[: start + len(self.verdict_prefix)]
+
+        def decoded(n):
+            return self.tokenizer.decode(tokens[:n], skip_special_tokens=True)
+
+        # The fewest generated tokens whose text reaches the end of the verdict's opening.
+        low, high = 1, len(tokens)
+        while low < high:
+            middle = (low + high) // 2
+            if len(decoded(middle)) >= len(target):
+                high = middle
+            else:
+                low = middle + 1
+        if low >= step_logits.shape[0] or decoded(low) != target:
+            return None  # the opening shares a token with what follows: the forced pass reads it instead
+        return step_logits[low].softmax(dim=-1).tolist()
+
+    def _read_verdicts(self, prompts: list[list[int]], wanted: list[bool] | None = None):
+        """Texts, and the verdict probabilities of the `wanted` rows (default all; None for the others): from the
+        generation pass where it can, else from a forced pass."""
+        texts, probs = self._generate(prompts, read_verdicts=True)
+        wanted = wanted or [True] * len(prompts)
+        probs = [p if want else None for p, want in zip(probs, wanted)]
+        missing = [i for i, p in enumerate(probs) if p is None and wanted[i]]
+        if missing:
+            for i, p in zip(missing, self._verdict_probs([prompts[i] for i in missing], [texts[i] for i in missing])):
+                probs[i] = p
+        return texts, probs
 
     def judge(self, requests: Sequence[JudgeRequest]) -> list[JudgeOutput]:
         if self.protocol == "pointwise":
@@ -315,15 +372,14 @@ class GenerativeJudge:
             ids, cut = self._prompt_ids(messages)
             prompts.append(ids)
             truncated.append(cut)
-        texts = self._generate(prompts)
-        outputs = [JudgeOutput(text=text, truncated=cut) for text, cut in zip(texts, truncated)]
-        if self.verdict_probs:
-            pairwise = [i for i, request in enumerate(requests) if not request.ranking]
-            if pairwise:
-                probs = self._verdict_probs([prompts[i] for i in pairwise], [texts[i] for i in pairwise])
-                for i, p in zip(pairwise, probs):
-                    outputs[i].verdict_probs = p
-        return outputs
+        wanted = [self.verdict_probs and not request.ranking for request in requests]
+        if any(wanted):
+            texts, probs = self._read_verdicts(prompts, wanted)
+        else:
+            texts, probs = self._generate(prompts), [None] * len(prompts)
+        return [
+            JudgeOutput(text=text, truncated=cut, verdict_probs=p) for text, cut, p in zip(texts, truncated, probs)
+        ]
 
     def _judge_pointwise(self, requests: Sequence[JudgeRequest]) -> list[JudgeOutput]:
         # One judgment per (request, response), generated in one batch.
@@ -334,18 +390,20 @@ class GenerativeJudge:
                 prompts.append(ids)
                 owners.append(i)
                 truncated[i] = truncated[i] or cut
-        texts = self._generate(prompts)
+        if self.verdict_probs:
+            texts, probs = self._read_verdicts(prompts)
+        else:
+            # The runner then ranks by the judgments' parsed scores.
+            texts, probs = self._generate(prompts), None
         outputs = [JudgeOutput(judgments=[], truncated=cut) for cut in truncated]
         for owner, text in zip(owners, texts):
             outputs[owner].judgments.append(text)
-        if self.verdict_probs:
-            # Without them the runner ranks by the judgments' parsed scores.
+        if probs is not None:
             values = torch.tensor(self.score_values, dtype=torch.float)
-            expected = [float(p @ values) for p in torch.tensor(self._verdict_probs(prompts, texts))]
             for output in outputs:
                 output.scores = []
-            for owner, score in zip(owners, expected):
-                outputs[owner].scores.append(score)
+            for owner, p in zip(owners, probs):
+                outputs[owner].scores.append(float(torch.tensor(p) @ values))
         return outputs
 
     @torch.no_grad()
