@@ -272,3 +272,23 @@ def test_verdict_without_a_generated_next_step_falls_back_to_the_forced_pass(ben
     assert output.verdict_probs == pytest.approx(forced([prompt], [output.text])[0], abs=1e-6)
     # A judgment without a verdict opening has nothing to read in the generation either.
     assert judge._probs_at_verdict([1, 2, 3], "no verdict", torch.zeros(3, 2)) is None
+
+
+def test_shipped_pointwise_template_reads_longrm_judgments():
+    from pathlib import Path
+
+    from datasets import load_from_disk
+
+    template = PromptTemplate.from_yaml(Path(__file__).resolve().parents[1] / "recipes/eval/pointwise_score.yaml")
+    system, user = template.pointwise_messages("DOC AND QUESTION", "RESPONSE")
+    assert "[Score: (an integer from 0 to 10)]" in system["content"] and "<response>\nRESPONSE\n</response>" in user["content"]
+    sample = Path(__file__).resolve().parents[2] / "shared" / "data" / "longrm_sft_sample"
+    if not sample.exists():
+        pytest.skip(f"the real LongRM judge data is not present at {sample} (../shared is absent)")
+    import re
+
+    for split in load_from_disk(str(sample)).values():
+        for row in split:
+            # The released judgments end with `[Score: N]`; the template's format reads that N.
+            expected = int(re.findall(r"\[Score: (\d+)\]", row["golden"])[-1])
+            assert template.pointwise_format.parse(row["golden"]) == expected
