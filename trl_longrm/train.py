@@ -67,6 +67,14 @@ class LongRMScriptArguments(ScriptArguments):
         default=None,
         metadata={"help": "Processes `trl-longrm train` launches. Default None: the accelerate config's number."},
     )
+    overwrite_output_dir: bool = field(
+        default=False,
+        metadata={
+            "help": "Start afresh even where `output_dir` holds checkpoints or the final model of an earlier run: "
+            "its `checkpoint-N` folders and trainer state are deleted first. Default False: the same command resumes "
+            "from the newest complete checkpoint, and a finished run is not trained again."
+        },
+    )
     save_merged_model: bool = field(
         default=False,
         metadata={
@@ -117,10 +125,22 @@ def stage_classes(stage: str):
     return getattr(trl_longrm, trainer_name), getattr(trl_longrm, config_name), head
 
 
+RESUME_HELP = (
+    "Checkpoint to resume from: a `checkpoint-N` folder, or `last`/`true` for the newest complete one in `output_dir` "
+    "(a damaged one is skipped). Default None: the same, so re-running a command resumes it; `false` refuses to mix "
+    "a new run with an earlier run's checkpoints (use --overwrite_output_dir)."
+)
+
+
 def build_parser(stage: str | None) -> TrlParser:
     if stage is None:
         return TrlParser((LongRMScriptArguments, ModelConfig))
-    return TrlParser((LongRMScriptArguments, stage_classes(stage)[1], ModelConfig))
+    parser = TrlParser((LongRMScriptArguments, stage_classes(stage)[1], ModelConfig))
+    for action in parser._actions:
+        if action.dest == "resume_from_checkpoint":
+            # TrainingArguments says the Trainer ignores it; here it is what `run` resumes from.
+            action.help = RESUME_HELP
+    return parser
 
 
 def parse_args(argv: list[str] | None = None):
@@ -182,6 +202,7 @@ def training_plan(script_args, training_args, model_args, world_size: int | None
         "use_peft": model_args.use_peft,
         "quantization": "4bit" if model_args.load_in_4bit else ("8bit" if model_args.load_in_8bit else None),
         "output_dir": training_args.output_dir,
+        "start": start_plan(script_args, training_args).describe(),
     }
     return plan
 
@@ -224,25 +245,47 @@ def peft_config_for(stage: str, model_args: ModelConfig):
     return get_peft_config(model_args)
 
 
-def resolve_resume(training_args):
-    """`resume_from_checkpoint`: a checkpoint path, or `last`/`true` for the newest checkpoint in `output_dir`
-    (none yet: start from scratch, so the same command both starts and resumes a run)."""
-    from transformers.trainer_utils import get_last_checkpoint
+def start_plan(script_args, training_args):
+    """How this run starts (afresh, resumed from a checkpoint, or not at all: finished); see `trl_longrm.resume`."""
+    from trl_longrm.resume import plan_start
 
-    resume = training_args.resume_from_checkpoint
-    if isinstance(resume, str) and resume.lower() in ("last", "true"):
-        output_dir = Path(training_args.output_dir)
-        resume = get_last_checkpoint(str(output_dir)) if output_dir.is_dir() else None
-        logger.warning("Resuming from %s.", resume or "scratch (no checkpoint in output_dir yet)")
-    return resume
+    return plan_start(
+        training_args.output_dir,
+        training_args.resume_from_checkpoint,
+        script_args.overwrite_output_dir,
+        max_steps=training_args.max_steps,
+        num_train_epochs=training_args.num_train_epochs,
+    )
 
 
-def run(script_args, training_args, model_args):
-    """Load the model and data, train (resuming when asked), save the model (and the merged model if asked)."""
+def is_main_process() -> bool:
+    # Before accelerate starts: the launcher's global rank (multi-node too), 0 for a single process.
+    return os.environ.get("RANK", "0") == "0"
+
+
+class _ReachedMaxSteps(Exception):
+    """Raised by `_StopAtMaxSteps` where a resumed checkpoint is already the end of training."""
+
+
+def _stop_at_max_steps_callback():
+    from transformers import TrainerCallback
+
+    class _StopAtMaxSteps(TrainerCallback):
+        # The Trainer resumed at `global_step == max_steps` still runs one more optimizer step before it checks.
+        def on_train_begin(self, args, state, control, **kwargs):
+            if state.max_steps > 0 and state.global_step >= state.max_steps:
+                raise _ReachedMaxSteps
+
+    return _StopAtMaxSteps()
+
+
+def run(script_args, training_args, model_args, start=None):
+    """Load the model and data, train (resuming as `start` says), save the model (and the merged model if asked)."""
     from transformers import AutoTokenizer
 
     from trl_longrm.data import load_raw_dataset
 
+    start = start or start_plan(script_args, training_args)
     stage = script_args.stage
     trainer_cls, _, _ = stage_classes(stage)
     tokenizer = AutoTokenizer.from_pretrained(
@@ -263,7 +306,12 @@ def run(script_args, training_args, model_args):
         processing_class=tokenizer,
         peft_config=peft_config_for(stage, model_args),
     )
-    trainer.train(resume_from_checkpoint=resolve_resume(training_args))
+    if start.checkpoint is not None:
+        trainer.add_callback(_stop_at_max_steps_callback())
+    try:
+        trainer.train(resume_from_checkpoint=start.checkpoint)
+    except _ReachedMaxSteps:
+        pass  # the checkpoint's weights and state are loaded: they are the final model, saved below
     trainer.save_model(training_args.output_dir)
     trainer.save_state()  # trainer_state.json (log history, steps) beside the final model
     if trainer.accelerator.is_main_process:
@@ -283,7 +331,20 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"plan": plan}, indent=2, default=str))
         print(json.dumps({"training_args": training_args.to_dict()}, indent=2, default=str))
         return 0
-    trainer = run(script_args, training_args, model_args)
+    start = start_plan(script_args, training_args)
+    if is_main_process():
+        for checkpoint, problem in start.skipped:
+            logger.warning("Skipping damaged checkpoint %s: %s.", checkpoint, problem)
+        if script_args.overwrite_output_dir:
+            from trl_longrm.resume import clear_previous_run
+
+            removed = clear_previous_run(training_args.output_dir)
+            if removed:
+                print(f"--overwrite_output_dir: removed the earlier run's {', '.join(removed)}.", flush=True)
+        print(start.describe(), flush=True)
+    if start.action == "finished":
+        return 0
+    trainer = run(script_args, training_args, model_args, start)
     # Tear the process group down before the interpreter exits: a gloo group left to static destructors can abort a
     # rank at exit ("terminate called without an active exception", exit -6) after a run that finished and saved.
     trainer.accelerator.wait_for_everyone()
