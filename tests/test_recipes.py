@@ -78,6 +78,10 @@ def test_stage_help_lists_every_option():
     for option in ("--nll_loss_weight", "--sequence_parallel_size", "--ring_head_stride", "--lora_r", "--dry_run"):
         assert option in out
     assert "Weight of the token-mean NLL" in out
+    # Resuming is documented where a user looks, not as TrainingArguments' "Not directly used by Trainer".
+    resume_help = " ".join(out.split("--resume_from_checkpoint RESUME_FROM_CHECKPOINT,")[1].split("\n  --")[0].split())
+    assert "newest complete one in `output_dir`" in resume_help and "Not directly used" not in resume_help
+    assert "--overwrite_output_dir" in out
 
 
 # ---------------------------------------------------------------- tiny recipes through accelerate (slow)
