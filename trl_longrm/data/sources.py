@@ -89,7 +89,7 @@ def file_split_problem(path: str | os.PathLike, split: str | None) -> str | None
     )
 
 
-def _empty_file_reason(path: Path) -> str | None:
+def empty_file_reason(path: Path) -> str | None:
     if path.stat().st_size == 0:
         return "the file is empty"
     with open(path, "rb") as handle:
@@ -171,7 +171,7 @@ def read_source(
             raise DataFormatError(
                 f"unsupported file extension {path.suffix!r}; expected one of {sorted(FILE_BUILDERS)}", source=name
             )
-        problem = file_split_problem(path, split) or _empty_file_reason(path)
+        problem = file_split_problem(path, split) or empty_file_reason(path)
         if problem:
             raise DataFormatError(problem, source=name)
         try:
