@@ -53,7 +53,11 @@ def main(argv: list[str] | None = None) -> int:
     if "lengths" in overrides:
         overrides["lengths"] = dict(overrides["lengths"])
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    suite = generate_synthetic_suite(output_dir, **overrides)
+    try:
+        suite = generate_synthetic_suite(output_dir, **overrides)
+    except (FileExistsError, ValueError) as error:  # a folder it will not write into, or bad settings
+        print(f"python -m trl_longrm.synthetic: error: {error}", file=sys.stderr)
+        return 1
     print(json.dumps(json.loads(suite.manifest.read_text(encoding="utf-8"))["counts"], indent=2))
     return 0
 
