@@ -291,6 +291,8 @@ def test_suite_files_without_a_manifest_are_not_overwritten(tmp_path, capsys):
         generate_synthetic_suite(tmp_path, seed=3, **SMALL)
     assert cli_main(["--output-dir", str(tmp_path), "--num-train", "21"]) == 1
     assert "error: " in capsys.readouterr().err and stray.read_text() == '{"mine": true}\n'
+    suite = generate_synthetic_suite(tmp_path, seed=3, overwrite=True, **{**SMALL, "tasks": ["Cite"]})
+    assert sorted(p.name for p in suite.benchmark.iterdir()) == ["Cite.jsonl"]
 
 
 @pytest.mark.parametrize(
