@@ -153,3 +153,22 @@ def test_launcher_checks_paths_once_before_launching(tmp_path):
     assert f"  - dataset_name='./nope.jsonl': no such file or folder (resolved against {tmp_path})" in result.stderr
     # The tiny recipe's model is relative (demo_outputs/...) and absent here: reported as a missing path too.
     assert "  - model_name_or_path='demo_outputs/models/judge-from-disrm': no such file or folder" in result.stderr
+
+
+@pytest.mark.parametrize("where", ["flag", "recipe"])
+def test_report_to_all_without_a_tracker_says_so(tmp_path, model_without_weights, capsys, where):
+    from transformers.integrations import get_available_reporting_integrations
+
+    data = write_longrm_jsonl(tmp_path / "sft.jsonl", 2, sft=True)
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(
+        Path(TINY_SFT)
+        .read_text()
+        .replace("report_to: none", "report_to: all" if where == "recipe" else "report_to: none")
+    )
+    args = [str(recipe), "--dry_run", "--model_name_or_path", model_without_weights, "--dataset_name", str(data)]
+    assert main([*args, *(["--report_to", "all"] if where == "flag" else [])]) == 0
+    said = "note: report_to=all: no tracker is installed" in capsys.readouterr().err
+    assert said == (get_available_reporting_integrations() == [])
+    assert main([*args, "--report_to", "none"]) == 0
+    assert "report_to" not in capsys.readouterr().err

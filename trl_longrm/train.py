@@ -492,6 +492,7 @@ def run(script_args, training_args, model_args, start=None):
 def main(argv: list[str] | None = None) -> int:
     """Run (or with `--dry_run` check and plan) one stage; a user's mistake is printed once, without a traceback,
     and gives exit code 1."""
+    argv = sys.argv[1:] if argv is None else argv
     script_args, training_args, model_args = parse_args(argv)
     if not is_main_process():
         # Every rank prepares the same data: its reports and progress bars are shown once, by rank 0.
@@ -500,7 +501,7 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger("trl_longrm").setLevel(logging.ERROR)
         datasets.disable_progress_bars()
     try:
-        return _main(script_args, training_args, model_args)
+        return _main(script_args, training_args, model_args, report_to_notes(argv, training_args))
     except (RunConfigError, DataFormatError) as error:
         if is_main_process():
             print(f"trl-longrm: error: {error}", file=sys.stderr, flush=True)
@@ -526,8 +527,21 @@ def preflight(argv: list[str]) -> int | None:
     return None
 
 
-def _main(script_args, training_args, model_args) -> int:
-    problems, notes = check_paths(script_args, training_args, model_args)
+def report_to_notes(argv: list[str], training_args) -> list[str]:
+    """A note where `report_to: all` finds no tracker installed (TrainingArguments then reports to none, silently)."""
+    argv = positional_recipe_to_config(argv)
+    requested = _flag_value(argv, "--report_to") or read_recipe(argv).get("report_to")
+    if requested in ("all", ["all"]) and not training_args.report_to:
+        return [
+            "report_to=all: no tracker is installed (tensorboard, wandb, trackio, mlflow, ...), so metrics go only to "
+            "the log and to trainer_state.json; install one, or name one in report_to"
+        ]
+    return []
+
+
+def _main(script_args, training_args, model_args, notes: list[str] = ()) -> int:
+    problems, path_notes = check_paths(script_args, training_args, model_args)
+    notes = [*notes, *path_notes]
     if is_main_process():
         for note in notes:
             print(f"note: {note}", file=sys.stderr, flush=True)
