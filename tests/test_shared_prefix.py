@@ -285,3 +285,57 @@ def test_trainer_shared_equals_unshared_lora(tmp_path, tokenizer, kind):
     shared = loss_and_grads(build_trainer(kind, tmp_path, tokenizer, 2, lora(), shared_prefix=True))
     assert any("lora" in name for name in shared[1])
     assert_shared_equals_unshared(shared, unshared)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The ring (gloo): shared layout split over 2 and 4 ranks == unshared layout on one process
+
+
+def slice_crossings(lengths, parents, world_size):
+    """(documents crossing a slice boundary, responses lying wholly on another rank than all of their prefix)."""
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    local = -(-cu[-1] // world_size)
+
+    def ranks(a, b):
+        return set(range(a // local, (b - 1) // local + 1))
+
+    crossing = sum(len(ranks(cu[d], cu[d + 1])) > 1 for d in range(len(lengths)))
+    remote = sum(p >= 0 and not ranks(cu[d], cu[d + 1]) & ranks(cu[p], cu[p + 1]) for d, p in enumerate(parents))
+    return crossing, remote
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_ring_shared_step_equals_single_process_unshared(tmp_path, tokenizer, world_size):
+    import sp_trainer_worker as worker
+
+    from trl_longrm.sequence_parallel.launch import run_on_gloo_ranks
+
+    run_on_gloo_ranks(
+        worker.gloo_worker,
+        world_size,
+        str(tmp_path),
+        ["shared_step"],
+        timeout=900,
+        preload=("trl_longrm.testing_utils",),
+    )
+    for kind in ("grm", "disrm"):
+        ring = torch.load(tmp_path / f"shared_step_{kind}_world{world_size}.pt", weights_only=False)
+        lengths, parents = ring["segment_lengths"].tolist(), ring["segment_parents"].tolist()
+        crossing, remote = slice_crossings(lengths, parents, world_size)
+        assert crossing >= world_size - 1 and remote >= 1, (kind, lengths, parents)
+        reference = worker.one_step(
+            worker.shared_step_trainer(
+                kind, tmp_path / f"ref_{kind}", tokenizer, sequence_parallel_size=1, shared_prefix=False
+            )
+        )
+        assert "segment_lengths" not in reference
+        torch.testing.assert_close(ring["loss"], reference["loss"], rtol=1e-5, atol=1e-7, msg=f"{kind} loss")
+        assert ring["grads"].keys() == reference["grads"].keys() and len(ring["grads"]) > 10
+        for name, want in reference["grads"].items():
+            scale = want.abs().max().item()
+            torch.testing.assert_close(
+                ring["grads"][name], want, rtol=1e-5, atol=1e-5 * scale, msg=lambda m, n=f"{kind} {name}": f"{n}: {m}"
+            )
