@@ -54,7 +54,7 @@ class SimPODisRMConfig(RewardConfig, LongContextDataArguments, SequenceParallelC
         metadata={"help": "Most tokens of prompt + longest response of a group. Default 131072 (LongRM)."},
     )
     learning_rate: float = field(default=2e-6, metadata={"help": "Initial AdamW learning rate. Default 2e-6."})
-    shared_prefix: bool = field(default=False, metadata={"help": SHARED_PREFIX_HELP.format(default="False")})
+    shared_prefix: bool = field(default=True, metadata={"help": SHARED_PREFIX_HELP.format(default="True")})
 
     def __post_init__(self):
         super().__post_init__()

@@ -68,7 +68,7 @@ class SimPOGRMConfig(CPOConfig, LongContextDataArguments, SequenceParallelConfig
         metadata={"help": "Most tokens of prompt + longest completion of a group. Default 131072 (LongRM)."},
     )
     learning_rate: float = field(default=2e-6, metadata={"help": "Initial AdamW learning rate. Default 2e-6."})
-    shared_prefix: bool = field(default=False, metadata={"help": SHARED_PREFIX_HELP.format(default="False")})
+    shared_prefix: bool = field(default=True, metadata={"help": SHARED_PREFIX_HELP.format(default="True")})
 
     def __post_init__(self):
         self.cpo_alpha = self.nll_loss_weight
