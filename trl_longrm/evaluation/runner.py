@@ -231,6 +231,7 @@ def evaluate_reward_model(config: EvalConfig, judge: Judge | None = None) -> dic
                 dtype=config.dtype,
                 verdict_probs=config.verdict_probs,
                 judge_protocol=config.judge_protocol,
+                shared_prefix=config.shared_prefix,
             )
         model_type = "DisRM" if config.is_disrm else "GRM"
     else:
