@@ -339,3 +339,40 @@ def test_ring_shared_step_equals_single_process_unshared(tmp_path, tokenizer, wo
             torch.testing.assert_close(
                 ring["grads"][name], want, rtol=1e-5, atol=1e-5 * scale, msg=lambda m, n=f"{kind} {name}": f"{n}: {m}"
             )
+
+
+@pytest.mark.parametrize("kind", ["grm", "disrm"])
+def test_evaluate_and_row_budget_count_placed_tokens(tmp_path, tokenizer, kind):
+    """`evaluate()` gives the same loss with and without sharing; with `max_tokens_per_row` the packs are sized by the
+    tokens the shared row really holds."""
+    losses = {}
+    for shared in (False, True):
+        data = random_groups(tokenizer, 6, 2, seed=11, prompt_len=(20, 40), completion_len=(1, 8))
+        trainer = build_trainer(kind, tmp_path / str(shared), tokenizer, 2, shared_prefix=shared)
+        losses[shared] = trainer.evaluate(eval_dataset=data)["eval_loss"]
+    assert losses[True] == pytest.approx(losses[False], rel=1e-5)
+
+    trainer = build_trainer(
+        kind, tmp_path / "packed", tokenizer, 2, max_tokens_per_row=150, per_device_train_batch_size=1
+    )
+    packs = trainer.train_dataset
+    assert len(packs) > 1 and max(packs["num_tokens"]) <= 150
+    batches = list(trainer.get_train_dataloader())
+    assert all("segment_parents" in batch for batch in batches)
+    assert sorted(b["input_ids"].shape[1] for b in batches) == sorted(packs["num_tokens"])
+
+
+def test_varlen_kernels_do_not_take_shared_rows():
+    """On CUDA the varlen kernels (one key range per document) cannot attend a shared row: it falls back to the torch
+    kernel with a warning, and an explicit flash_attn backend is refused, not ignored."""
+    from trl_longrm.sequence_parallel.attention import _shared_prefix_kernel
+    from trl_longrm.sequence_parallel.kernels import VarlenKernel
+
+    meta = shared_row_metadata(torch.tensor([3, 2, 2]), torch.tensor([-1, 0, 0]))
+    with pytest.raises(NotImplementedError, match="varlen"):
+        meta.varlen_layout(torch.device("cpu"))
+    with pytest.warns(UserWarning, match="pure PyTorch kernel"):
+        assert isinstance(_shared_prefix_kernel(meta, VarlenKernel("torch_varlen", None)), TorchBlockKernel)
+    meta.backend = "flash_attn"
+    with pytest.raises(NotImplementedError, match="shared_prefix=False"):
+        _shared_prefix_kernel(meta, VarlenKernel("flash_attn", None))

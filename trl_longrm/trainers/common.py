@@ -83,6 +83,8 @@ def uses_shared_prefix(args) -> bool:
 
 def check_shared_prefix_args(args) -> None:
     """Refuse combinations `shared_prefix` cannot honour, naming the fields (called by the configs)."""
+    if getattr(args, "shared_prefix", False) and not args.padding_free:
+        logger.info("shared_prefix=True needs padding_free=True: groups use the unshared padded layout.")
     if uses_shared_prefix(args) and getattr(args, "ring_attn_backend", "auto") == "flash_attn":
         raise ValueError(
             "shared_prefix=True rows are attended by the pure PyTorch ring kernel, but ring_attn_backend='flash_attn' "
