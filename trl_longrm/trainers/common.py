@@ -66,6 +66,32 @@ class LongContextDataArguments:
     )
 
 
+SHARED_PREFIX_HELP = (
+    "Lay each preference group out as its prompt once followed by each response (the responses' position ids "
+    "continuing from the prompt's length, each attending to the whole prompt and causally to itself, never to another "
+    "response) instead of k + 1 sequences that each repeat the prompt. The log-probs, scores, losses and gradients "
+    "equal those of the unshared layout; the prompt's tokens and its attention are computed once. Needs "
+    "`padding_free=True` (without it the unshared padded layout is used) and is attended by the pure PyTorch ring "
+    "kernel, also on CUDA (not flash-attn). `max_tokens_per_row` then counts the prompt once. Default {default}."
+)
+
+
+def uses_shared_prefix(args) -> bool:
+    """Whether the trainer lays groups out with shared prefixes (`shared_prefix` and `padding_free` both set)."""
+    return bool(getattr(args, "shared_prefix", False)) and bool(args.padding_free)
+
+
+def check_shared_prefix_args(args) -> None:
+    """Refuse combinations `shared_prefix` cannot honour, naming the fields (called by the configs)."""
+    if getattr(args, "shared_prefix", False) and not args.padding_free:
+        logger.info("shared_prefix=True needs padding_free=True: groups use the unshared padded layout.")
+    if uses_shared_prefix(args) and getattr(args, "ring_attn_backend", "auto") == "flash_attn":
+        raise ValueError(
+            "shared_prefix=True rows are attended by the pure PyTorch ring kernel, but ring_attn_backend='flash_attn' "
+            "was requested: set shared_prefix=False to use flash-attn, or ring_attn_backend='auto'."
+        )
+
+
 def resolve_tokenizer(model, processing_class: PreTrainedTokenizerBase | None, trust_remote_code: bool = False):
     """The tokenizer a trainer needs before TRL's `__init__` runs (to tokenise our data formats)."""
     if processing_class is not None:
@@ -108,7 +134,7 @@ def prepare_preference_dataset(dataset, tokenizer, args, dataset_name: str) -> D
             source_name=dataset_name,
         )
     if args.max_tokens_per_row:
-        dataset = pack_groups(dataset, args.max_tokens_per_row)
+        dataset = pack_groups(dataset, args.max_tokens_per_row, shared_prefix=uses_shared_prefix(args))
     return dataset
 
 
@@ -140,8 +166,21 @@ def prepare_sft_dataset(dataset, tokenizer, args, dataset_name: str, packing_bud
 
 
 def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The tensors of a collated batch that the model itself takes."""
+    """The tensors of a collated batch that the model itself takes (not for a shared-prefix batch, whose documents
+    the model must receive as attention metadata: see `SequenceParallelMixin._shared_row_inputs`)."""
+    if "segment_parents" in batch:
+        # With position_ids alone, any attention would let each response see the previous one: refuse.
+        raise ValueError("A shared-prefix batch needs its attention metadata; it cannot be passed as plain inputs.")
     return {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids") if k in batch}
+
+
+def per_pair_sequence_logps(pair_logps: torch.Tensor, batch: dict[str, torch.Tensor]):
+    """Per-sequence sums and counts `[S]` of the log-probs of a shared-prefix batch (one per `logprob_sequence`)."""
+    num_sequences = batch["sequence_lengths"].numel()
+    owners = batch["logprob_sequence"].to(pair_logps.device)
+    sums = pair_logps.new_zeros(num_sequences).index_add(0, owners, pair_logps)
+    counts = torch.zeros(num_sequences, device=pair_logps.device).index_add(0, owners, torch.ones_like(pair_logps))
+    return sums, counts
 
 
 def token_sequence_index(batch: dict[str, torch.Tensor]) -> torch.Tensor:

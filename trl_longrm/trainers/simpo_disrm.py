@@ -11,7 +11,13 @@ from trl_longrm.heads import add_last_token_score_head
 from trl_longrm.losses import bradley_terry_loss, center_rewards_penalty, group_values
 from trl_longrm.packing import PreferenceCollator
 from trl_longrm.sequence_parallel import SequenceParallelConfig
-from trl_longrm.trainers.common import LongContextDataArguments, prepare_preference_dataset
+from trl_longrm.trainers.common import (
+    SHARED_PREFIX_HELP,
+    LongContextDataArguments,
+    check_shared_prefix_args,
+    prepare_preference_dataset,
+    uses_shared_prefix,
+)
 from trl_longrm.trainers.parallel import SequenceParallelMixin
 
 
@@ -48,10 +54,12 @@ class SimPODisRMConfig(RewardConfig, LongContextDataArguments, SequenceParallelC
         metadata={"help": "Most tokens of prompt + longest response of a group. Default 131072 (LongRM)."},
     )
     learning_rate: float = field(default=2e-6, metadata={"help": "Initial AdamW learning rate. Default 2e-6."})
+    shared_prefix: bool = field(default=True, metadata={"help": SHARED_PREFIX_HELP.format(default="True")})
 
     def __post_init__(self):
         super().__post_init__()
         SequenceParallelConfig.__post_init__(self)
+        check_shared_prefix_args(self)
 
 
 class SimPODisRMTrainer(SequenceParallelMixin, RewardTrainer):
@@ -83,6 +91,7 @@ class SimPODisRMTrainer(SequenceParallelMixin, RewardTrainer):
                 pad_token_id=self.processing_class.pad_token_id,
                 padding_free=args.padding_free,
                 pad_to_multiple_of=args.pad_to_multiple_of,
+                shared_prefix=uses_shared_prefix(args),
             )
         add_last_token_score_head(self.model)
         self._init_long_context(self.processing_class.pad_token_id)

@@ -14,14 +14,18 @@ from trl.experimental.cpo import CPOConfig, CPOTrainer  # noqa: E402
 
 from trl_longrm.heads import add_token_logprob_head  # noqa: E402
 from trl_longrm.losses import group_values, simpo_loss  # noqa: E402
-from trl_longrm.packing import PreferenceCollator  # noqa: E402
+from trl_longrm.packing import PreferenceCollator, is_shared_prefix_batch  # noqa: E402
 from trl_longrm.sequence_parallel import SequenceParallelConfig  # noqa: E402
 from trl_longrm.trainers.common import (  # noqa: E402
+    SHARED_PREFIX_HELP,
     LongContextDataArguments,
+    check_shared_prefix_args,
     pad_token_id_of,
+    per_pair_sequence_logps,
     per_sequence_logps,
     prepare_preference_dataset,
     resolve_tokenizer,
+    uses_shared_prefix,
 )
 from trl_longrm.trainers.parallel import SequenceParallelMixin  # noqa: E402
 
@@ -64,11 +68,13 @@ class SimPOGRMConfig(CPOConfig, LongContextDataArguments, SequenceParallelConfig
         metadata={"help": "Most tokens of prompt + longest completion of a group. Default 131072 (LongRM)."},
     )
     learning_rate: float = field(default=2e-6, metadata={"help": "Initial AdamW learning rate. Default 2e-6."})
+    shared_prefix: bool = field(default=True, metadata={"help": SHARED_PREFIX_HELP.format(default="True")})
 
     def __post_init__(self):
         self.cpo_alpha = self.nll_loss_weight
         super().__post_init__()
         SequenceParallelConfig.__post_init__(self)
+        check_shared_prefix_args(self)
 
 
 class SimPOGRMTrainer(SequenceParallelMixin, CPOTrainer):
@@ -119,6 +125,7 @@ class SimPOGRMTrainer(SequenceParallelMixin, CPOTrainer):
                 pad_token_id=pad_token_id_of(tokenizer),
                 padding_free=args.padding_free,
                 pad_to_multiple_of=getattr(args, "pad_to_multiple_of", None),
+                shared_prefix=uses_shared_prefix(args),
             )
         super().__init__(
             model=model,
@@ -148,6 +155,8 @@ class SimPOGRMTrainer(SequenceParallelMixin, CPOTrainer):
 
     def sequence_logps(self, model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """Summed log-prob and number of scored tokens of every sequence of the batch, `[S]` each."""
+        if is_shared_prefix_batch(batch):
+            return per_pair_sequence_logps(self.forward_pair_logps(model, batch), batch)
         token_logps, label_mask = self.forward_token_logps(model, batch)
         return per_sequence_logps(token_logps, label_mask, batch)
 
