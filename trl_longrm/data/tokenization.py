@@ -217,13 +217,16 @@ def _tokenize_preference(record, tokenizer, max_length, truncation, index, sourc
         return None, DROPPED
 
     status = KEPT
-    for _ in range(MAX_TRUNCATION_ROUNDS):
+    # Every cut is measured, the last one too: MAX_TRUNCATION_ROUNDS cuts, then one final check.
+    for cuts in range(MAX_TRUNCATION_ROUNDS + 1):
         if completions is not None:
             longest = max(len(c) for c in completions)
             if max_length is None or len(prompt_ids) + longest <= max_length:
                 break
             if truncation == "drop":
                 return None, DROPPED
+            if cuts == MAX_TRUNCATION_ROUNDS:
+                return None, DROPPED_UNSETTLED
         else:
             # The response's own tokens plus EOS: what a completion usually is. A wrong guess costs one more round.
             longest = 1 + max(len(tokenizer(r, add_special_tokens=False)["input_ids"]) for r in responses)
@@ -239,8 +242,6 @@ def _tokenize_preference(record, tokenizer, max_length, truncation, index, sourc
         prompt_ids = encoder.prompt_ids(prompt)
         completions = encoder.completions(prompt, prompt_ids, responses)
         status = TRUNCATED
-    else:
-        return None, DROPPED_UNSETTLED
 
     out = {
         "prompt_ids": prompt_ids,
@@ -279,20 +280,20 @@ def _tokenize_sft(record, tokenizer, max_length, truncation, index, source, chat
         input_ids, mask = encode(prompt)
 
     status = KEPT
-    for _ in range(MAX_TRUNCATION_ROUNDS):
+    for cuts in range(MAX_TRUNCATION_ROUNDS + 1):
         if input_ids is not None:
             if max_length is None or len(input_ids) <= max_length:
                 break
             if truncation == "drop":
                 return None, DROPPED
+            if cuts == MAX_TRUNCATION_ROUNDS:
+                return None, DROPPED_UNSETTLED
             budget -= len(input_ids) - max_length  # an EOS appended by the encoding is not in `count`
         prompt = truncate_middle_to_fit(prompt, tokenizer, count, max_tokens=budget)
         if prompt is None:
             return None, DROPPED_NO_ROOM
         input_ids, mask = encode(prompt)
         status = TRUNCATED
-    else:
-        return None, DROPPED_UNSETTLED
     return {"input_ids": input_ids, "completion_mask": mask}, status
 
 
