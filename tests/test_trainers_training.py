@@ -108,3 +108,22 @@ def test_ddp_keeps_gradients_in_its_buckets(tmp_path, tokenizer, model_paths, ki
     # buckets rather than a second model-sized copy on every rank.
     trainer = make_trainer(kind, model_paths[KINDS[kind][2]], tmp_path, tokenizer, max_steps=1)
     assert trainer.accelerator.ddp_handler.to_kwargs().get("gradient_as_bucket_view") is True
+
+
+@pytest.mark.parametrize("kind", ["grm", "disrm", "sft"])
+def test_a_packed_dataset_passed_again_is_not_packed_twice(tmp_path, tokenizer, model_paths, kind):
+    """A trainer's prepared (packed) train and eval sets, passed to a new trainer, train the same as the raw data."""
+    path = model_paths[KINDS[kind][2]]
+    packing = {"max_tokens_per_row": 400} if kind != "sft" else {"max_tokens_per_row": 400, "packing": True}
+    settings = dict(per_device_train_batch_size=1, max_steps=3, eval_strategy="no", **packing)
+    first = make_trainer(kind, path, tmp_path / "a", tokenizer, **settings)
+    packed = first.train_dataset
+    assert "num_tokens" in packed.column_names and len(packed) < len(dataset_for(kind, tokenizer))
+    trainer_cls, config_cls, _, _ = KINDS[kind]
+    args = config_cls(**cpu_args(tmp_path / "b", learning_rate=3e-3, lr_scheduler_type="constant", logging_steps=1, **settings))
+    second = trainer_cls(model=path, args=args, train_dataset=packed, eval_dataset=packed, processing_class=tokenizer)
+    assert second.train_dataset.to_list() == packed.to_list() and second.eval_dataset.to_list() == packed.to_list()
+    first.train()
+    second.train()
+    for (name, a), b in zip(first.model.named_parameters(), second.model.parameters()):
+        torch.testing.assert_close(a, b, msg=name)

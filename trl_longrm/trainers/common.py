@@ -107,6 +107,14 @@ def pad_token_id_of(tokenizer: PreTrainedTokenizerBase) -> int:
 PREFERENCE_COLUMNS = ("prompt_ids", "chosen_completion_ids", "rejected_completion_ids")
 
 
+def _is_packed(dataset, column: str) -> bool:
+    """Whether `dataset` holds packs (rows of several examples, `num_tokens` per pack) rather than examples."""
+    if not isinstance(dataset, Dataset) or "num_tokens" not in dataset.column_names or column not in dataset.column_names:
+        return False
+    first = dataset[0][column] if len(dataset) else None
+    return bool(first) and isinstance(first[0], list)
+
+
 def prepare_preference_dataset(dataset, tokenizer, args, dataset_name: str) -> Dataset:
     """Normalise (any format of `trl_longrm.data`), tokenise, report truncations, and optionally pack."""
     from trl_longrm.data import load_preference_dataset, tokenize_preference_dataset
@@ -115,9 +123,9 @@ def prepare_preference_dataset(dataset, tokenizer, args, dataset_name: str) -> D
     if dataset is None:
         return None
     columns = dataset.column_names if isinstance(dataset, Dataset) else None
+    if _is_packed(dataset, "prompt_ids"):
+        return dataset  # packed by `pack_groups` already (a dataset prepared once, passed again)
     if columns is None or not all(c in columns for c in PREFERENCE_COLUMNS):
-        if "num_tokens" in (columns or []):
-            return dataset  # already packed
         dataset = load_preference_dataset(
             dataset,
             prompt_key=args.prompt_key,
@@ -146,6 +154,8 @@ def prepare_sft_dataset(dataset, tokenizer, args, dataset_name: str, packing_bud
     if dataset is None:
         return None
     columns = dataset.column_names if isinstance(dataset, Dataset) else None
+    if _is_packed(dataset, "input_ids"):
+        return dataset  # packed by `pack_sft_examples` already
     if columns is None or "input_ids" not in columns:
         dataset = load_sft_dataset(
             dataset, prompt_key=args.prompt_key, completion_key=args.chosen_key, source_name=f"{dataset_name} dataset"
@@ -158,8 +168,6 @@ def prepare_sft_dataset(dataset, tokenizer, args, dataset_name: str, packing_bud
             num_proc=args.dataset_num_proc,
             source_name=dataset_name,
         )
-    elif "num_tokens" in columns:
-        return dataset
     if packing_budget:
         dataset = pack_sft_examples(dataset, packing_budget)
     return dataset
