@@ -24,6 +24,7 @@ from trl_longrm.trainers.common import (  # noqa: E402
     per_pair_sequence_logps,
     per_sequence_logps,
     prepare_preference_dataset,
+    reduce_over_rows,
     resolve_tokenizer,
     uses_shared_prefix,
 )
@@ -181,20 +182,33 @@ class SimPOGRMTrainer(SequenceParallelMixin, CPOTrainer):
         nll_loss = -sums[is_chosen].sum() / counts[is_chosen].sum().clamp(min=1)
         loss = losses.mean() + self.args.nll_loss_weight * nll_loss
 
-        gather = self.accelerator.gather_for_metrics
         prefix = "eval_" if train_eval == "eval" else ""
         with torch.no_grad():
             beat_all = chosen_logps.unsqueeze(-1) > rejected_logps.masked_fill(~rejected_mask, float("-inf"))
-            metrics = {
-                "rewards/chosen": gather(chosen_rewards).mean().item(),
-                "rewards/rejected": gather(rejected_rewards).mean().item(),
-                "rewards/accuracies": gather((chosen_rewards > rejected_rewards).float()).mean().item(),
-                "rewards/accuracies_vs_all": gather(beat_all.all(-1).float()).mean().item(),
-                "rewards/margins": gather(chosen_rewards - rejected_rewards).mean().item(),
-                "logps/chosen": gather(chosen_logps.detach()).mean().item(),
-                "logps/rejected": gather(rejected_logps.detach()[rejected_mask]).mean().item(),
-                "nll_loss": gather(nll_loss.detach()).mean().item(),
+            rows = batch["group_row"]
+            is_chosen = batch["response_index"] == 0
+            per_group = {
+                "rewards/chosen": chosen_rewards,
+                "rewards/rejected": rejected_rewards,
+                "rewards/accuracies": (chosen_rewards > rejected_rewards).float(),
+                "rewards/accuracies_vs_all": beat_all.all(-1).float(),
+                "rewards/margins": chosen_rewards - rejected_rewards,
+                "logps/chosen": chosen_logps,
             }
+            reduced = reduce_over_rows(
+                self.accelerator,
+                {
+                    **{name: (v, rows) for name, v in per_group.items()},
+                    # Every rejected response counts once.
+                    "logps/rejected": (rejected_logps[rejected_mask], rows.unsqueeze(1).expand_as(rejected_mask)[rejected_mask]),
+                    # Token-mean NLL of the chosen judgments, over the whole global batch's tokens.
+                    "nll_loss": (-sums[is_chosen], rows[batch["group_index"][is_chosen]]),
+                    "chosen_tokens": (counts[is_chosen], rows[batch["group_index"][is_chosen]]),
+                },
+                num_rows=int(rows.max().item()) + 1,
+            )
+            metrics = {name: reduced[name]["mean"] for name in (*per_group, "logps/rejected")}
+            metrics["nll_loss"] = reduced["nll_loss"]["mean"] / max(reduced["chosen_tokens"]["mean"], 1e-12)
             tokens = self._count_tokens(batch)
             metrics["tokens_per_step"] = float(tokens)
             if train_eval == "train":
