@@ -13,7 +13,7 @@ os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 from trl.experimental.cpo import CPOConfig, CPOTrainer  # noqa: E402
 
 from trl_longrm.heads import add_token_logprob_head  # noqa: E402
-from trl_longrm.losses import group_values, simpo_loss  # noqa: E402
+from trl_longrm.losses import AVERAGED_LOSS_TYPES, CPO_LOSS_TYPES, cpo_loss, group_values  # noqa: E402
 from trl_longrm.packing import PreferenceCollator, is_shared_prefix_batch  # noqa: E402
 from trl_longrm.sequence_parallel import SequenceParallelConfig  # noqa: E402
 from trl_longrm.trainers.common import (  # noqa: E402
@@ -37,7 +37,8 @@ class SimPOGRMConfig(CPOConfig, LongContextDataArguments, SequenceParallelConfig
     fields (see `LongContextDataArguments`).
 
     The loss is `-logsigmoid(beta * (logp_chosen - mean_k logp_rejected_k) - simpo_gamma)` on length-normalised
-    log-probs, plus `nll_loss_weight` times the NLL of the chosen judgment.
+    log-probs (`loss_type="simpo"`; TRL's other CPO loss types and AlphaPO's `alpha` work as in `CPOTrainer`), plus
+    `nll_loss_weight` (TRL's `cpo_alpha`) times the NLL of the chosen judgment.
 
     Example:
     ```python
@@ -49,19 +50,29 @@ class SimPOGRMConfig(CPOConfig, LongContextDataArguments, SequenceParallelConfig
     loss_type: str = field(
         default="simpo",
         metadata={
-            "help": "'simpo' (sigmoid SimPO loss, default) or 'hinge' (`relu(1 - logits)` on the same logits).",
-            "choices": ["simpo", "hinge"],
+            "help": "CPO loss, as TRL's `CPOTrainer` computes it for one rejected response and against the mean "
+            "reward of the k rejected ones otherwise: 'simpo' (default, LongRM: sigmoid on length-normalised "
+            "log-probs minus `simpo_gamma`), 'sigmoid' (CPO: summed log-probs), 'hinge' (SLiC: summed log-probs), "
+            "'ipo' (length-normalised log-probs), or 'alphapo' (TRL's shorthand: 'simpo' with `cpo_alpha=0`).",
+            "choices": ["simpo", "sigmoid", "hinge", "ipo", "alphapo"],
         },
     )
     beta: float = field(default=2.5, metadata={"help": "SimPO reward scale beta. Default 2.5 (LongRM stage II)."})
     simpo_gamma: float = field(
         default=0.5, metadata={"help": "SimPO target reward margin gamma (absolute). Default 0.5 (LongRM stage II)."}
     )
-    nll_loss_weight: float = field(
-        default=0.05,
+    nll_loss_weight: float | None = field(
+        default=None,
         metadata={
-            "help": "Weight of the token-mean NLL of the chosen judgment added to the loss. Default 0.05 (LongRM). "
-            "TRL's `cpo_alpha` is set to this value."
+            "help": "Weight of the token-mean NLL of the chosen judgment added to the loss (TRL's `cpo_alpha`; set "
+            "either, or both to the same value). Default None: `cpo_alpha` if set, else 0.05 (LongRM)."
+        },
+    )
+    cpo_alpha: float | None = field(
+        default=None,
+        metadata={
+            "help": "TRL's name of `nll_loss_weight` (TRL's pure SimPO is `cpo_alpha=0.0`). Default None: "
+            "`nll_loss_weight`, else 0.05 (LongRM)."
         },
     )
     max_length: int | None = field(
@@ -72,7 +83,17 @@ class SimPOGRMConfig(CPOConfig, LongContextDataArguments, SequenceParallelConfig
     shared_prefix: bool = field(default=True, metadata={"help": SHARED_PREFIX_HELP.format(default="True")})
 
     def __post_init__(self):
-        self.cpo_alpha = self.nll_loss_weight
+        if self.loss_type == "alphapo":  # TRL's shorthand, resolved before the NLL weight it implies
+            if self.nll_loss_weight not in (None, 0.0) or self.cpo_alpha not in (None, 0.0):
+                raise ValueError("loss_type='alphapo' means SimPO without the NLL term; leave nll_loss_weight unset.")
+            self.loss_type, self.cpo_alpha = "simpo", 0.0
+        if None not in (self.nll_loss_weight, self.cpo_alpha) and self.nll_loss_weight != self.cpo_alpha:
+            raise ValueError(
+                f"nll_loss_weight={self.nll_loss_weight} and cpo_alpha={self.cpo_alpha} name the same weight (the NLL "
+                "term's); set one of them."
+            )
+        weight = next((w for w in (self.nll_loss_weight, self.cpo_alpha) if w is not None), 0.05)
+        self.nll_loss_weight = self.cpo_alpha = weight
         super().__post_init__()
         SequenceParallelConfig.__post_init__(self)
         check_shared_prefix_args(self)
@@ -113,8 +134,8 @@ class SimPOGRMTrainer(SequenceParallelMixin, CPOTrainer):
     ):
         if args is None:
             args = SimPOGRMConfig(output_dir="simpo-grm")
-        if args.loss_type not in ("simpo", "hinge"):
-            raise ValueError(f"SimPOGRMConfig.loss_type must be 'simpo' or 'hinge', got {args.loss_type!r}.")
+        if args.loss_type not in CPO_LOSS_TYPES:
+            raise ValueError(f"SimPOGRMConfig.loss_type must be one of {list(CPO_LOSS_TYPES)}, got {args.loss_type!r}.")
         tokenizer = resolve_tokenizer(model, processing_class, args.trust_remote_code)
         train_dataset = prepare_preference_dataset(train_dataset, tokenizer, args, "train")
         if isinstance(eval_dataset, dict):
@@ -163,19 +184,21 @@ class SimPOGRMTrainer(SequenceParallelMixin, CPOTrainer):
 
     def get_batch_loss_metrics(self, model, batch, train_eval: Literal["train", "eval"] = "train"):
         sums, counts = self.sequence_logps(model, batch)
-        mean_logps = sums / counts.clamp(min=1)
+        # Length-normalised log-probs for simpo and ipo, summed for sigmoid and hinge, as TRL's CPOTrainer.
+        sequence_logps = sums / counts.clamp(min=1) if self.args.loss_type in AVERAGED_LOSS_TYPES else sums
         num_groups = int(batch["group_index"].max().item()) + 1
         chosen_logps, rejected_logps, rejected_mask = group_values(
-            mean_logps, batch["group_index"], batch["response_index"], num_groups
+            sequence_logps, batch["group_index"], batch["response_index"], num_groups
         )
-        losses, chosen_rewards, rejected_rewards = simpo_loss(
+        losses, chosen_rewards, rejected_rewards = cpo_loss(
             chosen_logps,
             rejected_logps,
             rejected_mask,
+            loss_type=self.args.loss_type,
             beta=self.args.beta,
             gamma=self.args.simpo_gamma,
             label_smoothing=self.args.label_smoothing,
-            loss_type="sigmoid" if self.args.loss_type == "simpo" else "hinge",
+            alpha=self.args.alpha,
         )
         is_chosen = batch["response_index"] == 0
         # Token-mean NLL over the chosen judgments of the micro-batch, as TRL's CPO computes it.
