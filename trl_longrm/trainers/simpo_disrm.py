@@ -154,5 +154,17 @@ class SimPODisRMTrainer(SequenceParallelMixin, RewardTrainer):
             for name in ("accuracy", "accuracy_vs_all", "margin"):
                 self._metrics[mode][name].append(reduced[name]["mean"])
         if return_outputs:
-            return loss, {"scores": scores}
+            rejected_mean = (rejected * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+            return loss, {"scores": scores, "group_scores": torch.stack([chosen, rejected_mean], dim=-1)}
         return loss
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        """Loss, and for `compute_metrics` / `predict()` each group's `[chosen score, mean rejected score]` (`[G, 2]`,
+        RewardTrainer's chosen/rejected pair when k = 1) with zero labels (the chosen one is right)."""
+        inputs = self._prepare_inputs(inputs)
+        with torch.no_grad():
+            loss, outputs = self.compute_loss(model, inputs, return_outputs=True)
+        if prediction_loss_only:
+            return loss.detach(), None, None
+        scores = outputs["group_scores"].detach()
+        return loss.detach(), scores, torch.zeros(scores.shape[0], device=scores.device)

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
+from datasets import DatasetDict
 
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
@@ -139,7 +140,10 @@ class SimPOGRMTrainer(SequenceParallelMixin, CPOTrainer):
         tokenizer = resolve_tokenizer(model, processing_class, args.trust_remote_code)
         train_dataset = prepare_preference_dataset(train_dataset, tokenizer, args, "train")
         if isinstance(eval_dataset, dict):
-            eval_dataset = {k: prepare_preference_dataset(v, tokenizer, args, k) for k, v in eval_dataset.items()}
+            # A DatasetDict stays one: CPOTrainer maps over the eval sets with `.map`.
+            eval_dataset = DatasetDict(
+                {k: prepare_preference_dataset(v, tokenizer, args, k) for k, v in eval_dataset.items()}
+            )
         else:
             eval_dataset = prepare_preference_dataset(eval_dataset, tokenizer, args, "eval")
         if data_collator is None:
@@ -183,6 +187,10 @@ class SimPOGRMTrainer(SequenceParallelMixin, CPOTrainer):
         return per_sequence_logps(token_logps, label_mask, batch)
 
     def get_batch_loss_metrics(self, model, batch, train_eval: Literal["train", "eval"] = "train"):
+        loss, metrics, _ = self._loss_metrics_rewards(model, batch, train_eval)
+        return loss, metrics
+
+    def _loss_metrics_rewards(self, model, batch, train_eval):
         sums, counts = self.sequence_logps(model, batch)
         # Length-normalised log-probs for simpo and ipo, summed for sigmoid and hinge, as TRL's CPOTrainer.
         sequence_logps = sums / counts.clamp(min=1) if self.args.loss_type in AVERAGED_LOSS_TYPES else sums
@@ -236,7 +244,8 @@ class SimPOGRMTrainer(SequenceParallelMixin, CPOTrainer):
             metrics["tokens_per_step"] = float(tokens)
             if train_eval == "train":
                 self._total_train_tokens += tokens
-        return loss, {prefix + k: v for k, v in metrics.items()}
+        rewards = torch.stack([chosen_rewards, rejected_rewards], dim=-1)
+        return loss, {prefix + k: v for k, v in metrics.items()}, rewards
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if "loss" in logs:
@@ -244,9 +253,13 @@ class SimPOGRMTrainer(SequenceParallelMixin, CPOTrainer):
         super().log(logs, start_time)
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
-        # CPO's version reads logit statistics that the sparse head does not produce; the loss is what eval needs.
+        """Loss, and for `compute_metrics` / `predict()` the `[groups, 2]` rewards (chosen, mean rejected) with zero
+        labels. CPO's version returns two vocabulary-logit means per batch, which the sparse LM head never computes;
+        the rewards are what a preference metric needs."""
         inputs = self._prepare_inputs(inputs)
         with torch.no_grad():
-            loss, metrics = self.get_batch_loss_metrics(model, inputs, train_eval="eval")
+            loss, metrics, rewards = self._loss_metrics_rewards(model, inputs, train_eval="eval")
         self.store_metrics(metrics, train_eval="eval")
-        return loss.detach(), None, None
+        if prediction_loss_only:
+            return loss.detach(), None, None
+        return loss.detach(), rewards, torch.zeros(rewards.shape[0], device=rewards.device)
