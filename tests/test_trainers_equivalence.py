@@ -104,8 +104,8 @@ def test_grm_matches_stock_cpo(tmp_path, tokenizer, padding_free, cpo):
         assert metrics[key] == pytest.approx(stock_metrics[key], abs=1e-5, rel=1e-5), key
 
 
-@pytest.mark.parametrize("padding_free", [False, True])
-def test_disrm_matches_stock_reward_trainer(tmp_path, tokenizer, padding_free):
+@pytest.mark.parametrize("padding_free, stock_format", [(False, False), (True, False), (True, True)])
+def test_disrm_matches_stock_reward_trainer(tmp_path, tokenizer, padding_free, stock_format):
     groups = random_groups(tokenizer, 4, 1, seed=2)
     stock_rows = [
         {
@@ -124,10 +124,11 @@ def test_disrm_matches_stock_reward_trainer(tmp_path, tokenizer, padding_free):
         processing_class=tokenizer,
     )
     stock_loss, stock_grads = loss_and_grads(stock)
+    # Our tokenised groups, or (stock_format) the very rows the stock trainer got: pre-tokenised chosen_ids/rejected_ids.
     ours = SimPODisRMTrainer(
         model=model,
         args=SimPODisRMConfig(padding_free=padding_free, **common),
-        train_dataset=groups.add_column("margin", [0.1 * i for i in range(4)]),
+        train_dataset=Dataset.from_list(stock_rows) if stock_format else groups.add_column("margin", [0.1 * i for i in range(4)]),
         processing_class=tokenizer,
     )
     loss, grads = loss_and_grads(ours)
@@ -255,3 +256,25 @@ def test_nll_weight_has_one_value_under_either_name(tmp_path):
         SimPOGRMConfig(nll_loss_weight=0.2, cpo_alpha=0.0, **common)
     with pytest.raises(ValueError, match="alphapo"):
         SimPOGRMConfig(loss_type="alphapo", nll_loss_weight=0.1, **common)
+
+
+def test_pre_tokenized_sequences_become_groups(caplog):
+    from trl_longrm.trainers.common import groups_from_sequences
+
+    rows = Dataset.from_list(
+        [
+            {"chosen_ids": [1, 2, 3, 4], "rejected_ids": [1, 2, 5], "margin": 0.5},
+            {"chosen_ids": [7, 8], "rejected_ids": [7, 8, 9]},  # the chosen sequence is a prefix of the rejected one
+            {"chosen_ids": list(range(10)), "rejected_ids": [1]},  # over max_length: dropped, as RewardTrainer does
+        ]
+    )
+    with caplog.at_level("WARNING"):
+        groups = groups_from_sequences(rows, max_length=6, dataset_name="train").to_list()
+    assert [(g["prompt_ids"], g["chosen_completion_ids"], g["rejected_completion_ids"]) for g in groups] == [
+        ([1, 2], [3, 4], [[5]]),
+        ([7], [8], [[8, 9]]),
+    ]
+    assert groups[0]["margin"] == 0.5
+    assert "dropped 1 of 3" in caplog.text
+    with pytest.raises(ValueError, match="every row is longer than max_length=1"):
+        groups_from_sequences(rows, max_length=1, dataset_name="train")

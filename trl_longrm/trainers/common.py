@@ -115,8 +115,51 @@ def _is_packed(dataset, column: str) -> bool:
     return bool(first) and isinstance(first[0], list)
 
 
+# RewardTrainer's pre-tokenised format: each row's whole chosen and rejected sequences.
+SEQUENCE_COLUMNS = ("chosen_ids", "rejected_ids")
+
+
+def groups_from_sequences(dataset: Dataset, max_length: int | None, dataset_name: str) -> Dataset:
+    """Pre-tokenised `chosen_ids` / `rejected_ids` rows (RewardTrainer's format) as tokenised groups.
+
+    The prompt is the sequences' longest common prefix (at least one token of each response is left to it), so
+    `prompt_ids + completion` is each given sequence, scored at its last token as RewardTrainer scores it. As there,
+    rows with a sequence over `max_length` are dropped (token ids cannot be cut like text); they are counted.
+    """
+    groups, dropped = [], 0
+    for row in dataset:
+        chosen, rejected = list(row["chosen_ids"]), list(row["rejected_ids"])
+        if max_length is not None and max(len(chosen), len(rejected)) > max_length:
+            dropped += 1
+            continue
+        shared = 0
+        limit = min(len(chosen), len(rejected)) - 1
+        while shared < limit and chosen[shared] == rejected[shared]:
+            shared += 1
+        group = {
+            "prompt_ids": chosen[:shared],
+            "chosen_completion_ids": chosen[shared:],
+            "rejected_completion_ids": [rejected[shared:]],
+        }
+        if "margin" in row:
+            group["margin"] = row["margin"]
+        groups.append(group)
+    if dropped:
+        logger.warning(
+            "%s dataset: dropped %d of %d pre-tokenised rows longer than max_length=%s (as RewardTrainer does).",
+            dataset_name,
+            dropped,
+            len(dataset),
+            max_length,
+        )
+    if not groups:
+        raise ValueError(f"{dataset_name} dataset: every row is longer than max_length={max_length}; raise max_length.")
+    return Dataset.from_list(groups)
+
+
 def prepare_preference_dataset(dataset, tokenizer, args, dataset_name: str) -> Dataset:
-    """Normalise (any format of `trl_longrm.data`), tokenise, report truncations, and optionally pack."""
+    """Normalise (any format of `trl_longrm.data`, or RewardTrainer's pre-tokenised `chosen_ids` / `rejected_ids`),
+    tokenise, report truncations, and optionally pack."""
     from trl_longrm.data import load_preference_dataset, tokenize_preference_dataset
     from trl_longrm.packing import pack_groups
 
@@ -125,7 +168,9 @@ def prepare_preference_dataset(dataset, tokenizer, args, dataset_name: str) -> D
     columns = dataset.column_names if isinstance(dataset, Dataset) else None
     if _is_packed(dataset, "prompt_ids"):
         return dataset  # packed by `pack_groups` already (a dataset prepared once, passed again)
-    if columns is None or not all(c in columns for c in PREFERENCE_COLUMNS):
+    if columns is not None and all(c in columns for c in SEQUENCE_COLUMNS) and "prompt_ids" not in columns:
+        dataset = groups_from_sequences(dataset, args.max_length, dataset_name)
+    elif columns is None or not all(c in columns for c in PREFERENCE_COLUMNS):
         dataset = load_preference_dataset(
             dataset,
             prompt_key=args.prompt_key,
