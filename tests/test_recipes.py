@@ -164,14 +164,14 @@ def test_trl_longrm_train_launches_one_process(tiny_assets, tmp_path):
     "accelerate_config,recipe,extra",
     [
         ("cpu_ddp.yaml", "simpo_grm.yaml", ["--sequence_parallel_size", "1"]),  # 2 processes, DDP
-        ("cpu_ddp.yaml", "simpo_disrm.yaml", []),  # 2 processes, one ring of 2
+        ("cpu_ddp.yaml", "simpo_disrm.yaml", ["--max_length", "96"]),  # 2 processes, one ring of 2; rows truncated
         ("cpu_zero2.yaml", "simpo_grm.yaml", ["--sequence_parallel_size", "1"]),  # DeepSpeed ZeRO-2
     ],
 )
 def test_tiny_recipes_multi_process(tiny_assets, tmp_path, accelerate_config, recipe, extra):
     model = tiny_assets["cls"] if "disrm" in recipe else tiny_assets["lm"]
     out = tmp_path / "run"
-    launch(
+    result = launch(
         accelerate_config,
         recipe,
         "--model_name_or_path",
@@ -186,6 +186,10 @@ def test_tiny_recipes_multi_process(tiny_assets, tmp_path, accelerate_config, re
     )
     trained = weights(out)
     assert all(torch.isfinite(t.float()).all() for t in trained.values())
+    if "--max_length" in extra:
+        # Every rank prepares the data; the truncation report is printed once, by rank 0.
+        reports = [line for line in result.stderr.splitlines() if "truncated (middle of the prompt" in line]
+        assert len(reports) == 1 and f"{tiny_assets['pref']}: tokenised 8 rows" in reports[0], result.stderr[-3000:]
 
 
 @pytest.mark.slow
