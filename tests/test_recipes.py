@@ -164,14 +164,14 @@ def test_trl_longrm_train_launches_one_process(tiny_assets, tmp_path):
     "accelerate_config,recipe,extra",
     [
         ("cpu_ddp.yaml", "simpo_grm.yaml", ["--sequence_parallel_size", "1"]),  # 2 processes, DDP
-        ("cpu_ddp.yaml", "simpo_disrm.yaml", []),  # 2 processes, one ring of 2
+        ("cpu_ddp.yaml", "simpo_disrm.yaml", ["--max_length", "96"]),  # 2 processes, one ring of 2; rows truncated
         ("cpu_zero2.yaml", "simpo_grm.yaml", ["--sequence_parallel_size", "1"]),  # DeepSpeed ZeRO-2
     ],
 )
 def test_tiny_recipes_multi_process(tiny_assets, tmp_path, accelerate_config, recipe, extra):
     model = tiny_assets["cls"] if "disrm" in recipe else tiny_assets["lm"]
     out = tmp_path / "run"
-    launch(
+    result = launch(
         accelerate_config,
         recipe,
         "--model_name_or_path",
@@ -186,6 +186,10 @@ def test_tiny_recipes_multi_process(tiny_assets, tmp_path, accelerate_config, re
     )
     trained = weights(out)
     assert all(torch.isfinite(t.float()).all() for t in trained.values())
+    if "--max_length" in extra:
+        # Every rank prepares the data; the truncation report is printed once, by rank 0.
+        reports = [line for line in result.stderr.splitlines() if "truncated (middle of the prompt" in line]
+        assert len(reports) == 1 and f"{tiny_assets['pref']}: tokenised 8 rows" in reports[0], result.stderr[-3000:]
 
 
 @pytest.mark.slow
@@ -298,3 +302,93 @@ def test_killed_run_resumes_with_the_same_command(tiny_assets, uninterrupted_run
         again = launch("cpu_single.yaml", "sft.yaml", *args, *extra)
         assert f"{killed} already holds the final model of a finished run (step 6 of 6)" in again.stdout
     assert (killed / "model.safetensors").stat().st_mtime_ns == mtime
+
+
+def trl_longrm_train(recipe, *args, env=None, **popen):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRL_EXPERIMENTAL_SILENCE": "1", "HF_HUB_OFFLINE": "1", **(env or {})}
+    command = [str(Path(sys.executable).parent / "trl-longrm"), "train", str(RECIPES / "tiny" / recipe), *args]
+    return subprocess.Popen(
+        command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen
+    )
+
+
+# Imported by every Python process of a launch (PYTHONPATH): the training process pauses after its checkpoint-2, so
+# that a signal sent then lands mid-run whatever the machine's speed.
+PAUSE_AFTER_CHECKPOINT = """
+import os, time
+if os.environ.get("PAUSE_AFTER_CHECKPOINT"):
+    import transformers
+    save = transformers.Trainer._save_checkpoint
+    def save_then_pause(self, model, trial):
+        save(self, model, trial)
+        if self.state.global_step == int(os.environ["PAUSE_AFTER_CHECKPOINT"]):
+            time.sleep(300)
+    transformers.Trainer._save_checkpoint = save_then_pause
+"""
+
+
+@pytest.mark.slow
+def test_a_bad_row_on_two_processes_is_one_message(tiny_assets, tmp_path):
+    data = tmp_path / "pref.jsonl"
+    lines = Path(tiny_assets["pref"]).read_text().splitlines()
+    bad = json.loads(lines[5])
+    bad["rejects"] = []
+    data.write_text("\n".join([*lines[:5], json.dumps(bad), *lines[6:]]) + "\n")
+    process = trl_longrm_train(
+        "simpo_disrm.yaml",  # cpu_ddp.yaml: 2 processes, one ring of 2
+        *(
+            "--model_name_or_path",
+            tiny_assets["cls"],
+            "--dataset_name",
+            str(data),
+            "--output_dir",
+            str(tmp_path / "o"),
+        ),
+    )
+    out, err = process.communicate(timeout=600)
+    assert process.returncode == 1, err[-3000:]
+    errors = [line for line in err.splitlines() if "error" in line.lower()]
+    assert errors == [f"trl-longrm: error: {data}, line 6, key 'rejects': must hold at least one rejected response, "
+                      "got an empty list"], err[-3000:]  # fmt: skip
+    assert "Traceback" not in err and "ChildFailedError" not in err
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_without_a_traceback_and_the_same_command_resumes(tiny_assets, uninterrupted_run, tmp_path):
+    import signal
+    import time
+
+    out_dir = tmp_path / "run"
+    args = [
+        "--output_dir",
+        str(out_dir),
+        "--model_name_or_path",
+        tiny_assets["lm"],
+        "--dataset_name",
+        tiny_assets["sft"],
+    ]
+    args += RESUME_RUN
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(PAUSE_AFTER_CHECKPOINT)
+    env = {"PYTHONPATH": os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")]), "PAUSE_AFTER_CHECKPOINT": "2"}
+    # Its own process group, as a terminal's foreground job: the SIGINT reaches it as a Ctrl-C does.
+    process = trl_longrm_train("sft.yaml", *args, env=env, start_new_session=True)
+    deadline = time.monotonic() + 300
+    while not (out_dir / "checkpoint-2" / "trainer_state.json").exists():
+        assert process.poll() is None and time.monotonic() < deadline, process.communicate()[1][-3000:]
+        time.sleep(0.2)
+    os.killpg(process.pid, signal.SIGINT)
+    out, err = process.communicate(timeout=300)
+    assert process.returncode == 130, err[-3000:]
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
+    assert f"Interrupted. The same command resumes from the newest complete checkpoint in {out_dir}." in out
+    assert not (out_dir / "trainer_state.json").exists()
+
+    resumed = trl_longrm_train("sft.yaml", *args)
+    out, err = resumed.communicate(timeout=600)
+    assert resumed.returncode == 0, err[-3000:]
+    assert "Resuming from" in out
+    final = weights(out_dir)
+    for name in final:
+        torch.testing.assert_close(final[name], uninterrupted_run[name], atol=1e-5, rtol=0, msg=name)

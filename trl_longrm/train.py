@@ -506,6 +506,14 @@ def main(argv: list[str] | None = None) -> int:
         if is_main_process():
             print(f"trl-longrm: error: {error}", file=sys.stderr, flush=True)
         return 1
+    except KeyboardInterrupt:
+        if is_main_process():
+            print(
+                f"Interrupted. The same command resumes from the newest complete checkpoint in "
+                f"{training_args.output_dir}.",
+                flush=True,
+            )
+        return 130
 
 
 def preflight(argv: list[str]) -> int | None:

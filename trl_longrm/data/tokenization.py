@@ -27,7 +27,7 @@ from transformers import PreTrainedTokenizerBase
 
 from .errors import DataFormatError
 from .records import DEFAULT_SOURCE
-from .truncation import truncate_middle_to_fit
+from .truncation import precut_middle, truncate_middle_to_fit
 
 
 logger = logging.getLogger(__name__)
@@ -203,11 +203,14 @@ def _require(record: dict, keys: tuple[str, ...], index, source) -> None:
             )
 
 
-def _tokenize_preference(record, tokenizer, max_length, truncation, index, source, chat_template_kwargs):
+def _tokenize_preference(record, tokenizer, max_length, truncation, index, source, chat_template_kwargs, precut=True):
     _check_policy(max_length, truncation)
     _require(record, ("prompt", "chosen", "rejected"), index, source)
     encoder = _Encoder(tokenizer, index, source, chat_template_kwargs)
     prompt = record["prompt"]
+    if max_length is not None and precut:
+        # Cut a huge prompt by characters first: tokenising it whole would cost time and memory of its raw size.
+        prompt = precut_middle(prompt, tokenizer, max_length)
     responses = [record["chosen"], *record["rejected"]]
     prompt_ids = encoder.prompt_ids(prompt)
     completions = None
@@ -253,17 +256,21 @@ def _tokenize_preference(record, tokenizer, max_length, truncation, index, sourc
     return out, status
 
 
-def _tokenize_sft(record, tokenizer, max_length, truncation, index, source, chat_template_kwargs):
+def _tokenize_sft(record, tokenizer, max_length, truncation, index, source, chat_template_kwargs, precut=True):
     _check_policy(max_length, truncation)
     encoder = _Encoder(tokenizer, index, source, chat_template_kwargs)
     if "messages" in record:
         prompt, encode = record["messages"], encoder.conversation
+        if max_length is not None and precut:  # as for preference prompts
+            prompt = precut_middle(prompt, tokenizer, max_length)
 
         def count(messages):  # one rendering; the turn-by-turn encoding renders the conversation once per turn
             return len(encoder.render(messages, False, "messages"))
     else:
         _require(record, ("prompt", "completion"), index, source)
         prompt, completion = record["prompt"], record["completion"]
+        if max_length is not None and precut:
+            prompt = precut_middle(prompt, tokenizer, max_length)
 
         def encode(p):
             return encoder.prompt_completion(p, completion)
