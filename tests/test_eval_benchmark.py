@@ -92,8 +92,15 @@ def test_bad_json_duplicate_ids_and_missing_files(tmp_path):
     _write(tmp_path / "Cite.jsonl", [_pairwise(id=7), _pairwise(id=8), _pairwise(id=7)])
     with pytest.raises(ValueError, match=r"Cite\.jsonl, line 3: key `id` duplicates the record on line 1"):
         load_benchmark(tmp_path, ["Cite"], list(FORMATS))
-    with pytest.raises(FileNotFoundError, match="Summ.jsonl"):
+    with pytest.raises(FileNotFoundError, match=r"Summ\.jsonl .*the directory has the tasks \['Cite', 'ICL'\]"):
         load_benchmark(tmp_path, ["Summ"], list(FORMATS))
+
+
+def test_task_names_match_ignoring_case(tmp_path):
+    _write(tmp_path / "LongQA.jsonl", [_pairwise(id="a")])
+    records = load_benchmark(tmp_path, ["longqa"], list(FORMATS))
+    # The record carries the file's spelling of the task, as a full run's predictions do.
+    assert [(r.task, r.id) for r in records] == [("LongQA", "LongQA/a")]
 
 
 def test_package_exports_resolve_lazily():

@@ -1,5 +1,6 @@
 """Recipes and the launch path: the paper's values, `--dry_run`, and tiny recipes through `accelerate launch`."""
 
+import json
 import os
 import subprocess
 import sys
@@ -79,6 +80,10 @@ def test_stage_help_lists_every_option():
     for option in ("--nll_loss_weight", "--sequence_parallel_size", "--ring_head_stride", "--lora_r", "--dry_run"):
         assert option in out
     assert "Weight of the token-mean NLL" in out
+    # Resuming is documented where a user looks, not as TrainingArguments' "Not directly used by Trainer".
+    resume_help = " ".join(out.split("--resume_from_checkpoint RESUME_FROM_CHECKPOINT,")[1].split("\n  --")[0].split())
+    assert "newest complete one in `output_dir`" in resume_help and "Not directly used" not in resume_help
+    assert "--overwrite_output_dir" in out
 
 
 # ---------------------------------------------------------------- tiny recipes through accelerate (slow)
@@ -221,45 +226,77 @@ def test_tiny_qlora_recipes(tiny_assets, tmp_path, recipe):
     assert weights(out / "merged")
 
 
-@pytest.mark.slow
-def test_killed_run_resumes_to_the_same_weights(tiny_assets, tmp_path):
-    common = [
-        "--model_name_or_path",
-        tiny_assets["lm"],
-        "--dataset_name",
-        tiny_assets["sft"],
-        "--max_steps",
-        "6",
-        "--per_device_train_batch_size",
-        "2",
-        "--save_strategy",
-        "steps",
-        "--save_steps",
-        "2",
-    ]
-    launch("cpu_single.yaml", "sft.yaml", "--output_dir", str(tmp_path / "full"), *common)
+RESUME_RUN = [
+    "--max_steps",
+    "6",
+    "--per_device_train_batch_size",
+    "2",
+    "--save_strategy",
+    "steps",
+    "--save_steps",
+    "2",
+]
 
-    # The same run, killed (no clean-up at all) right after checkpoint-4 is written.
+
+@pytest.fixture(scope="module")
+def uninterrupted_run(tiny_assets, tmp_path_factory):
+    out = tmp_path_factory.mktemp("full")
+    data = ["--model_name_or_path", tiny_assets["lm"], "--dataset_name", tiny_assets["sft"]]
+    launch("cpu_single.yaml", "sft.yaml", "--output_dir", str(out), *data, *RESUME_RUN)
+    return weights(out)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "signal_name,kill_step",
+    [
+        ("SIGKILL", 4),  # mid-run, no clean-up at all; the newest checkpoint is then damaged
+        ("SIGINT", 6),  # after the last checkpoint, before the final model: resuming must not train a 7th step
+    ],
+)
+def test_killed_run_resumes_with_the_same_command(tiny_assets, uninterrupted_run, tmp_path, signal_name, kill_step):
     killed = tmp_path / "killed"
+    args = [
+        "--output_dir", str(killed), "--model_name_or_path", tiny_assets["lm"], "--dataset_name", tiny_assets["sft"],
+        *RESUME_RUN,
+    ]  # fmt: skip
     kill_after_save = (
-        "import os, sys, transformers\n"
+        "import os, signal, sys, transformers\n"
         "save = transformers.Trainer._save_checkpoint\n"
         "def save_then_die(self, model, trial):\n"
         "    save(self, model, trial)\n"
-        "    if self.state.global_step == 4:\n"
-        "        os._exit(137)\n"
+        f"    if self.state.global_step == {kill_step}:\n"
+        f"        os.kill(os.getpid(), signal.{signal_name})\n"
         "transformers.Trainer._save_checkpoint = save_then_die\n"
         "from trl_longrm.train import main\n"
         "sys.exit(main(sys.argv[1:]))\n"
     )
-    args = [str(RECIPES / "tiny" / "sft.yaml"), "--output_dir", str(killed), *common]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run([sys.executable, "-c", kill_after_save, *args], cwd=ROOT, env=env, capture_output=True)
-    assert result.returncode == 137, result.stderr[-3000:]
-    assert (killed / "checkpoint-4").is_dir() and not (killed / "checkpoint-6").exists()
+    command = [sys.executable, "-c", kill_after_save, str(RECIPES / "tiny" / "sft.yaml"), *args]
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
+    assert result.returncode != 0, result.stderr[-3000:]
+    assert (killed / f"checkpoint-{kill_step}").is_dir() and not (killed / "trainer_state.json").exists()
+    newest = killed / f"checkpoint-{kill_step}"
+    if signal_name == "SIGKILL":
+        data = (newest / "model.safetensors").read_bytes()
+        (newest / "model.safetensors").write_bytes(data[: len(data) // 2])
 
-    launch("cpu_single.yaml", "sft.yaml", "--output_dir", str(killed), "--resume_from_checkpoint", "last", *common)
-    full, resumed = weights(tmp_path / "full"), weights(killed)
-    assert full.keys() == resumed.keys()
-    for name in full:
-        torch.testing.assert_close(resumed[name], full[name], atol=1e-5, rtol=0, msg=name)
+    # The same command again: it resumes from the newest complete checkpoint and says so.
+    resumed = launch("cpu_single.yaml", "sft.yaml", *args)
+    if signal_name == "SIGKILL":
+        assert f"Skipping damaged checkpoint {newest}: model.safetensors is unreadable" in resumed.stderr
+        assert f"Resuming from {killed / 'checkpoint-2'} at step 2." in resumed.stdout
+    else:
+        assert f"Resuming from {newest} at step 6." in resumed.stdout
+    final = weights(killed)
+    assert final.keys() == uninterrupted_run.keys()
+    for name in final:
+        torch.testing.assert_close(final[name], uninterrupted_run[name], atol=1e-5, rtol=0, msg=name)
+    assert json.loads((killed / "trainer_state.json").read_text())["global_step"] == 6
+
+    # Once more, with and without `--resume_from_checkpoint last`: a finished run is not trained again.
+    mtime = (killed / "model.safetensors").stat().st_mtime_ns
+    for extra in ([], ["--resume_from_checkpoint", "last"]):
+        again = launch("cpu_single.yaml", "sft.yaml", *args, *extra)
+        assert f"{killed} already holds the final model of a finished run (step 6 of 6)" in again.stdout
+    assert (killed / "model.safetensors").stat().st_mtime_ns == mtime

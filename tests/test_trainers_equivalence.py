@@ -44,8 +44,21 @@ def assert_same_grads(a, b, atol=1e-5):
 # ---------------------------------------------------------------- stock TRL equivalence (k = 1, padded)
 
 
-@pytest.mark.parametrize("padding_free", [False, True])
-def test_grm_matches_stock_cpo_simpo(tmp_path, tokenizer, padding_free):
+@pytest.mark.parametrize(
+    "padding_free, cpo",
+    [
+        (False, dict(loss_type="simpo", cpo_alpha=0.0)),
+        (True, dict(loss_type="simpo", cpo_alpha=0.0)),
+        (True, dict(loss_type="sigmoid", cpo_alpha=0.0)),
+        (True, dict(loss_type="hinge", cpo_alpha=0.0)),
+        (True, dict(loss_type="ipo", cpo_alpha=0.0)),
+        (True, dict(loss_type="simpo", cpo_alpha=0.0, alpha=0.25)),  # AlphaPO rewards
+        (True, dict(loss_type="alphapo", alpha=0.25)),
+        (True, dict(loss_type="sigmoid", cpo_alpha=1.0, label_smoothing=0.1)),  # TRL's CPO defaults: NLL weight 1
+        (True, dict(loss_type="simpo", cpo_alpha=0.3)),
+    ],
+)
+def test_grm_matches_stock_cpo(tmp_path, tokenizer, padding_free, cpo):
     words = "the city river number name year color animal planet capital".split()
     rows = [
         {
@@ -59,7 +72,7 @@ def test_grm_matches_stock_cpo_simpo(tmp_path, tokenizer, padding_free):
     common = cpu_args(tmp_path, max_length=256, beta=2.0, simpo_gamma=0.3)
     stock = CPOTrainer(
         model=model,
-        args=CPOConfig(loss_type="simpo", cpo_alpha=0.0, **common),
+        args=CPOConfig(**cpo, **common),
         train_dataset=Dataset.from_list(rows),
         processing_class=tokenizer,
     )
@@ -77,16 +90,18 @@ def test_grm_matches_stock_cpo_simpo(tmp_path, tokenizer, padding_free):
                 "rejected_completion_ids": [row["rejected_input_ids"][n:]],
             }
         )
+    # The same fields as for the stock config, only the class changes (TRL's names: cpo_alpha, not nll_loss_weight).
     ours = SimPOGRMTrainer(
         model=model,
-        args=SimPOGRMConfig(nll_loss_weight=0.0, padding_free=padding_free, **common),
+        args=SimPOGRMConfig(padding_free=padding_free, **cpo, **common),
         train_dataset=Dataset.from_list(groups),
         processing_class=tokenizer,
     )
+    assert ours.args.nll_loss_weight == stock.args.cpo_alpha and ours.args.loss_type == stock.args.loss_type
     loss, metrics = ours.get_batch_loss_metrics(ours.model, first_batch(ours))
-    torch.testing.assert_close(loss, stock_loss, atol=1e-5, rtol=0)
+    torch.testing.assert_close(loss, stock_loss, atol=1e-5, rtol=1e-5)
     for key in ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies"):
-        assert metrics[key] == pytest.approx(stock_metrics[key], abs=1e-5), key
+        assert metrics[key] == pytest.approx(stock_metrics[key], abs=1e-5, rel=1e-5), key
 
 
 @pytest.mark.parametrize("padding_free", [False, True])
@@ -229,3 +244,14 @@ def test_sft_loss_matches_hand_reference(tmp_path, tokenizer):
         total, count = total - s, count + n
     loss = trainer.compute_loss(trainer.model, first_batch(trainer))
     torch.testing.assert_close(loss, total / count, atol=1e-5, rtol=0)
+
+
+def test_nll_weight_has_one_value_under_either_name(tmp_path):
+    common = cpu_args(tmp_path)
+    assert SimPOGRMConfig(**common).nll_loss_weight == 0.05  # LongRM's default when neither name is set
+    assert SimPOGRMConfig(cpo_alpha=0.0, **common).nll_loss_weight == 0.0  # TRL's pure SimPO is honoured
+    assert SimPOGRMConfig(nll_loss_weight=0.2, **common).cpo_alpha == 0.2
+    with pytest.raises(ValueError, match="nll_loss_weight=0.2 and cpo_alpha=0.0"):
+        SimPOGRMConfig(nll_loss_weight=0.2, cpo_alpha=0.0, **common)
+    with pytest.raises(ValueError, match="alphapo"):
+        SimPOGRMConfig(loss_type="alphapo", nll_loss_weight=0.1, **common)

@@ -59,7 +59,8 @@ def launch_command(recipe: str, overrides: list[str]) -> list[str]:
     settings = read_recipe(["--config", recipe])
     accelerate_config = _flag_value(overrides, "--accelerate_config") or settings.get("accelerate_config")
     num_processes = _flag_value(overrides, "--num_processes") or settings.get("num_processes")
-    command = [sys.executable, "-m", "accelerate.commands.launch"]
+    # `--quiet`: a run that failed has printed why; accelerate's own traceback of the launch would only bury it.
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--quiet"]
     if accelerate_config:
         command += ["--config_file", find_accelerate_config(str(accelerate_config))]
     if num_processes:
@@ -76,6 +77,12 @@ def run_train(args: argparse.Namespace, overrides: list[str]) -> int:
         from trl_longrm.train import main as train_main
 
         return train_main([args.recipe, *overrides])
+    from trl_longrm.train import preflight
+
+    # Paths, splits and a finished run are checked here, once, before any process (or model) starts.
+    code = preflight([args.recipe, *overrides])
+    if code is not None:
+        return code
     command = launch_command(args.recipe, overrides)
     print("Launching:", " ".join(command), flush=True)
     return subprocess.call(command, env=os.environ.copy())

@@ -11,8 +11,9 @@ A tokenised preference group (see `trl_longrm.data`) is `prompt_ids`, `chosen_co
 - a padded batch `[S, L_max]` with an `attention_mask` (`padding_free=False`).
 
 Either way the batch also carries `sequence_lengths [S]`, `group_index [S]` and `response_index [S]` (0 = chosen,
-1..k = rejected) so the loss can regroup per-sequence values, and `score_positions [S]`, the flat index of each
-sequence's last token. The first token of each sequence is never a label, so a shifted label never crosses into the
+1..k = rejected) so the loss can regroup per-sequence values, `group_row [G]` (the dataset row, i.e. the example or
+pack, each group came from: metrics are reduced per row, the unit accelerate gathers), and `score_positions [S]`, the
+flat index of each sequence's last token. The first token of each sequence is never a label, so a shifted label never crosses into the
 previous sequence of a packed row.
 
 With `shared_prefix=True` (padding-free only) a group is laid out as its prompt once followed by each completion,
@@ -67,6 +68,14 @@ def _groups_of(examples: list[dict[str, Any]]) -> list[dict[str, Any]]:
         else:
             groups.append(example)
     return groups
+
+
+def _group_rows(examples: list[dict[str, Any]]) -> torch.Tensor:
+    """For each group of `_groups_of(examples)`, the index of the example (dataset row) it came from."""
+    rows = []
+    for row, example in enumerate(examples):
+        rows += [row] * (len(example["prompt_ids"]) if _is_pack(example) else 1)
+    return torch.tensor(rows, dtype=torch.long)
 
 
 def group_num_tokens(example: dict[str, Any], shared_prefix: bool = False) -> int:
@@ -230,6 +239,7 @@ class PreferenceCollator:
             batch = _shared_row(groups)
             if all("margin" in g and g["margin"] is not None for g in groups):
                 batch["margin"] = torch.tensor([float(g["margin"]) for g in groups], dtype=torch.float)
+            batch["group_row"] = _group_rows(examples)
             return batch
         sequences, labels, group_index, response_index = [], [], [], []
         for g, group in enumerate(groups):
@@ -247,6 +257,7 @@ class PreferenceCollator:
         batch = collate_sequences(sequences, labels, self.pad_token_id, self.padding_free, self.pad_to_multiple_of)
         batch["group_index"] = torch.tensor(group_index, dtype=torch.long)
         batch["response_index"] = torch.tensor(response_index, dtype=torch.long)
+        batch["group_row"] = _group_rows(examples)
         if all("margin" in g and g["margin"] is not None for g in groups):
             batch["margin"] = torch.tensor([float(g["margin"]) for g in groups], dtype=torch.float)
         return batch

@@ -174,3 +174,46 @@ def save_tiny_model(
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return str(path)
+
+
+def steer_generation(model: PreTrainedModel, script: list[int], bias: float = 1000.0) -> PreTrainedModel:
+    """Make greedy `model.generate` write the token ids `script` first, then go on freely: a random model that writes
+    a chosen opening (e.g. a judgment up to its verdict) with real forward passes, for tests and benchmarks.
+
+    Inside `generate` only, the logits of `script[i]` get `bias` added at the i-th generated step; a plain forward
+    (teacher forcing) is untouched. Works for decoder models whose backbone is `model.model` and head `model.lm_head`.
+
+    Example:
+    ```python
+    >>> script = tokenizer("Both fine.\n[[", add_special_tokens=False)["input_ids"]
+    >>> steer_generation(model, script)
+    >>> tokenizer.decode(model.generate(ids, max_new_tokens=len(script) + 1)[0, ids.shape[1]:])  # 'Both fine.\n[[' + 1
+    ```
+    """
+    state = {"active": False, "step": 0}
+
+    def count(module, args, kwargs):
+        if state["active"]:
+            # A prompt (several tokens) starts a generation; each later call adds one token.
+            state["step"] = 0 if kwargs["input_ids"].shape[1] > 1 else state["step"] + 1
+
+    def steer(module, args, output):
+        if state["active"] and state["step"] < len(script):
+            output = output.clone()
+            output[..., script[state["step"]]] += bias
+            return output
+        return output
+
+    model.model.register_forward_pre_hook(count, with_kwargs=True)
+    model.lm_head.register_forward_hook(steer)
+    generate = model.generate
+
+    def steered_generate(*args, **kwargs):
+        state["active"] = True
+        try:
+            return generate(*args, **kwargs)
+        finally:
+            state["active"] = False
+
+    model.generate = steered_generate
+    return model

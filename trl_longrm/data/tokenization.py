@@ -35,8 +35,15 @@ logger = logging.getLogger(__name__)
 TRUNCATION_POLICIES = ("drop", "truncate_prompt")
 _STATUS = "__tokenization_status"
 KEPT, TRUNCATED, DROPPED = "kept", "truncated", "dropped"
+# Why a row was dropped (each status starts with DROPPED), as the report counts it.
+DROPPED_NO_ROOM, DROPPED_UNSETTLED = "dropped: no room", "dropped: unsettled"
 # Cut-and-re-measure rounds before giving up on a row; re-rendering usually settles in one or two.
 MAX_TRUNCATION_ROUNDS = 4
+DROP_REASONS = {
+    DROPPED: "longer than max_length with truncation='drop'",
+    DROPPED_NO_ROOM: "responses alone fill max_length (only the prompt is ever cut)",
+    DROPPED_UNSETTLED: f"still over max_length after {MAX_TRUNCATION_ROUNDS} rounds of cutting the prompt",
+}
 
 
 @dataclass
@@ -58,6 +65,9 @@ class TokenizationReport:
     num_truncated: int = field(metadata={"help": "Rows kept after cutting the middle of their prompt."})
     max_length: int | None = field(metadata={"help": "Token budget per row; None means no limit."})
     truncation: str = field(metadata={"help": "Policy for over-long rows: 'drop' or 'truncate_prompt'."})
+    dropped_by_reason: dict[str, int] = field(
+        default_factory=dict, metadata={"help": "Dropped rows per reason (a sentence), e.g. for an error message."}
+    )
 
     def log(self) -> None:
         """Log the counts once: a warning when rows were dropped or truncated, an info line otherwise."""
@@ -207,13 +217,16 @@ def _tokenize_preference(record, tokenizer, max_length, truncation, index, sourc
         return None, DROPPED
 
     status = KEPT
-    for _ in range(MAX_TRUNCATION_ROUNDS):
+    # Every cut is measured, the last one too: MAX_TRUNCATION_ROUNDS cuts, then one final check.
+    for cuts in range(MAX_TRUNCATION_ROUNDS + 1):
         if completions is not None:
             longest = max(len(c) for c in completions)
             if max_length is None or len(prompt_ids) + longest <= max_length:
                 break
             if truncation == "drop":
                 return None, DROPPED
+            if cuts == MAX_TRUNCATION_ROUNDS:
+                return None, DROPPED_UNSETTLED
         else:
             # The response's own tokens plus EOS: what a completion usually is. A wrong guess costs one more round.
             longest = 1 + max(len(tokenizer(r, add_special_tokens=False)["input_ids"]) for r in responses)
@@ -225,12 +238,10 @@ def _tokenize_preference(record, tokenizer, max_length, truncation, index, sourc
             num_tokens=len(prompt_ids),
         )
         if prompt is None:  # the completions alone (nearly) fill max_length
-            return None, DROPPED
+            return None, DROPPED_NO_ROOM
         prompt_ids = encoder.prompt_ids(prompt)
         completions = encoder.completions(prompt, prompt_ids, responses)
         status = TRUNCATED
-    else:
-        return None, DROPPED
 
     out = {
         "prompt_ids": prompt_ids,
@@ -269,20 +280,20 @@ def _tokenize_sft(record, tokenizer, max_length, truncation, index, source, chat
         input_ids, mask = encode(prompt)
 
     status = KEPT
-    for _ in range(MAX_TRUNCATION_ROUNDS):
+    for cuts in range(MAX_TRUNCATION_ROUNDS + 1):
         if input_ids is not None:
             if max_length is None or len(input_ids) <= max_length:
                 break
             if truncation == "drop":
                 return None, DROPPED
+            if cuts == MAX_TRUNCATION_ROUNDS:
+                return None, DROPPED_UNSETTLED
             budget -= len(input_ids) - max_length  # an EOS appended by the encoding is not in `count`
         prompt = truncate_middle_to_fit(prompt, tokenizer, count, max_tokens=budget)
         if prompt is None:
-            return None, DROPPED
+            return None, DROPPED_NO_ROOM
         input_ids, mask = encode(prompt)
         status = TRUNCATED
-    else:
-        return None, DROPPED
     return {"input_ids": input_ids, "completion_mask": mask}, status
 
 
@@ -395,7 +406,12 @@ def _tokenize_dataset(dataset, tokenize, features, tokenizer, max_length, trunca
         desc=f"Tokenising {source}",
     )
     statuses = list(mapped[_STATUS])
-    kept = [i for i, status in enumerate(statuses) if status != DROPPED]
+    kept = [i for i, status in enumerate(statuses) if not status.startswith(DROPPED)]
+    dropped_by_reason = {}
+    for status in statuses:
+        if status.startswith(DROPPED):
+            reason = DROP_REASONS[status]
+            dropped_by_reason[reason] = dropped_by_reason.get(reason, 0) + 1
     if len(kept) < len(mapped):
         mapped = mapped.select(kept)
     mapped = mapped.remove_columns(_STATUS)
@@ -403,10 +419,11 @@ def _tokenize_dataset(dataset, tokenize, features, tokenizer, max_length, trunca
         source=source,
         num_rows=len(statuses),
         num_kept=len(kept),
-        num_dropped=statuses.count(DROPPED),
+        num_dropped=len(statuses) - len(kept),
         num_truncated=statuses.count(TRUNCATED),
         max_length=max_length,
         truncation=truncation,
+        dropped_by_reason=dropped_by_reason,
     )
     report.log()
     return mapped, report

@@ -119,6 +119,30 @@ def load_task_file(path: str | Path, task: str) -> list[BenchmarkRecord]:
     return records
 
 
+def find_task_files(data_path: str | Path, tasks: list[str]) -> list[Path]:
+    """The `{Task}.jsonl` file of each task, the name matched case-insensitively (`--tasks longqa` finds
+    `LongQA.jsonl`); a task without a file is an error naming the tasks the directory has.
+
+    Example:
+    ```python
+    >>> [p.name for p in find_task_files("./LongReward-Bench", ["longqa", "MATH"])]
+    ['LongQA.jsonl', 'Math.jsonl']
+    ```
+    """
+    data_path = Path(data_path)
+    if not data_path.is_dir():
+        raise FileNotFoundError(f"Benchmark directory {data_path} not found (resolved from {Path.cwd()}).")
+    files = {path.stem.lower(): path for path in sorted(data_path.glob("*.jsonl"))}
+    missing = [task for task in tasks if task.lower() not in files]
+    if missing:
+        available = sorted(path.stem for path in files.values())
+        raise FileNotFoundError(
+            f"No task file {', '.join(f'{task}.jsonl' for task in missing)} in {data_path} (one `{{Task}}.jsonl` per "
+            f"task, names matched ignoring case); the directory has the tasks {available}."
+        )
+    return [files[task.lower()] for task in dict.fromkeys(tasks)]
+
+
 def load_benchmark(data_path: str | Path, tasks: list[str], formats: list[str]) -> list[BenchmarkRecord]:
     """Records of the given tasks and formats, in task order then file order.
 
@@ -129,12 +153,8 @@ def load_benchmark(data_path: str | Path, tasks: list[str], formats: list[str]) 
     """
     data_path = Path(data_path)
     records, skipped, seen = [], 0, {}
-    for task in tasks:
-        path = data_path / f"{task}.jsonl"
-        if not path.is_file():
-            raise FileNotFoundError(
-                f"Task file {path} not found; expected one `{{Task}}.jsonl` per task in {data_path}."
-            )
+    for path in find_task_files(data_path, tasks):
+        task = path.stem
         for record in load_task_file(path, task):
             if record.tasktype not in formats:
                 skipped += 1

@@ -5,9 +5,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
+import subprocess
 import typing
 
-from trl_longrm.evaluation.config import DATA_FORMATS, DTYPES, FORMATS, JUDGE_PROTOCOLS, EvalConfig
+from trl_longrm.evaluation.config import DATA_FORMATS, DTYPES, FORMATS, JUDGE_PROTOCOLS, PROTOCOLS, EvalConfig
 
 
 def add_eval_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -40,11 +42,58 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
             kwargs.update(type=base, required=required)
             if not required:
                 kwargs["default"] = field.default
-            choices = {"dtype": DTYPES, "data_format": DATA_FORMATS, "judge_protocol": JUDGE_PROTOCOLS}
+            choices = {
+                "dtype": DTYPES,
+                "data_format": DATA_FORMATS,
+                "judge_protocol": JUDGE_PROTOCOLS,
+                "protocol": PROTOCOLS,
+            }
             if field.name in choices:
                 kwargs["choices"] = list(choices[field.name])
         parser.add_argument(flag, **kwargs)
+    parser.add_argument(
+        "--num-processes",
+        dest="num_processes",
+        type=int,
+        default=1,
+        help="Processes to judge with, started through `accelerate launch` (one per GPU; on CPU they share the cores). "
+        "The records are dealt out over the processes and the results equal one process's. Default 1. Under your own "
+        "`accelerate launch -m trl_longrm eval ...` leave it out: the launcher's processes are used.",
+    )
     return parser
+
+
+def config_flags(config: EvalConfig) -> list[str]:
+    """The `eval` flags that give back `config` (what the processes of a multi-process launch are started with).
+
+    Example:
+    ```python
+    >>> config_flags(EvalConfig(model_path="m", data_path="d", is_disrm=True))[:4]
+    ['--model-path', 'm', '--data-path', 'd']
+    ```
+    """
+    flags = []
+    for field in dataclasses.fields(EvalConfig):
+        value = getattr(config, field.name)
+        flag = "--" + field.name.replace("_", "-")
+        if isinstance(value, bool):
+            # Flags that default to on have a `--no-...` form; the others are off unless given.
+            flags += [flag] if value else ([f"--no-{flag[2:]}"] if field.default else [])
+        elif isinstance(value, list):
+            flags += [flag, *map(str, value)]
+        elif value is not None:
+            flags += [flag, str(value)]
+    return flags
+
+
+def launch_command(config: EvalConfig, num_processes: int) -> list[str]:
+    """`accelerate launch` of `python -m trl_longrm eval` on `num_processes` processes (torchrun launcher: GPUs when
+    there are, else CPU processes over gloo)."""
+    import sys
+
+    launcher = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(num_processes)]
+    launcher += ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+    return [*launcher, "-m", "trl_longrm", "eval", *config_flags(config)]
 
 
 def config_from_args(args: argparse.Namespace) -> EvalConfig:
@@ -60,7 +109,18 @@ def run_eval(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     config = config_from_args(args)
+    if args.num_processes < 1:
+        raise SystemExit(f"--num-processes must be >= 1, got {args.num_processes}.")
+    if args.num_processes > 1 and int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        # Not launched yet: start the processes. Processes x threads must not exceed the cores.
+        env = dict(os.environ)
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.num_processes)))
+        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        command = launch_command(config, args.num_processes)
+        print("Launching:", " ".join(command), flush=True)
+        return subprocess.call(command, env=env)
     results = evaluate_reward_model(config)
-    print(markdown_table(results))
-    print(f"Predictions and results written to {config.save_path}")
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(markdown_table(results))
+        print(f"Predictions and results written to {config.save_path}")
     return 0

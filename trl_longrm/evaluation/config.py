@@ -14,6 +14,7 @@ RANK_SUBTYPES = ("2", "3", "4")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DATA_FORMATS = ("auto", "long_rewardbench", "preference")
 JUDGE_PROTOCOLS = ("pairwise", "pointwise")
+PROTOCOLS = ("default", "longrm")
 
 
 @dataclass
@@ -132,13 +133,33 @@ class EvalConfig:
         },
     )
 
+    protocol: str = field(
+        default="default",
+        metadata={
+            "help": "Evaluation protocol: `default` (each record's candidate order from a hash of the seed and its id, "
+            "the last verdict of a judgment counts, only complete rankings score) or `longrm` (reproduces LongRM's "
+            "evaluator from the same judge outputs: its seeded candidate order per task file, its verdict parsing, "
+            "partial rankings, empty groups reported as 0, and its truncation of inputs of at least max_length "
+            "tokens). Default `default`."
+        },
+    )
+    prompt_template: str | None = field(
+        default=None,
+        metadata={
+            "help": "YAML file with the generative judge's system and user templates for pairwise, ranking (BestOfN) "
+            "and pointwise judging, and the verdict format each expects (e.g. LongRM's pointwise `[Score: N]` on "
+            "0..10); sections it leaves out keep the built-in prompts. Default None: the built-in prompts "
+            "(`trl_longrm/evaluation/templates/default.yaml`, a file of that shape)."
+        },
+    )
+
     def resolved_data_format(self) -> str:
         """`long_rewardbench` or `preference`: `data_format`, with `auto` decided by the files under `data_path`."""
         if self.data_format != "auto":
             return self.data_format
         path = Path(self.data_path)
-        has_task_file = path.is_dir() and any((path / f"{task}.jsonl").is_file() for task in self.tasks)
-        return "long_rewardbench" if has_task_file else "preference"
+        names = {p.stem.lower() for p in path.glob("*.jsonl")} if path.is_dir() else set()
+        return "long_rewardbench" if any(task.lower() in names for task in self.tasks) else "preference"
 
     def __post_init__(self):
         self.tasks = list(self.tasks)
@@ -158,6 +179,18 @@ class EvalConfig:
             raise ValueError(f"`data_format` must be one of {list(DATA_FORMATS)}, got {self.data_format!r}.")
         if self.judge_protocol not in JUDGE_PROTOCOLS:
             raise ValueError(f"`judge_protocol` must be one of {list(JUDGE_PROTOCOLS)}, got {self.judge_protocol!r}.")
+        if self.protocol not in PROTOCOLS:
+            raise ValueError(f"`protocol` must be one of {list(PROTOCOLS)}, got {self.protocol!r}.")
+        if self.protocol == "longrm" and self.judge_protocol == "pointwise" and not self.is_disrm:
+            raise ValueError(
+                "`protocol` longrm reproduces LongRM's evaluator, which judges pairwise and by ranking only; "
+                "`judge_protocol` pointwise cannot be combined with it."
+            )
+        if not self.is_disrm and self.protocol == "default" and self.max_new_tokens >= self.max_length:
+            raise ValueError(
+                f"`max_new_tokens` ({self.max_new_tokens}) must be below `max_length` ({self.max_length}): the prompt "
+                "and the judgment share the context."
+            )
         if self.dtype not in DTYPES:
             raise ValueError(f"`dtype` must be one of {list(DTYPES)}, got {self.dtype!r}.")
         if self.save_path is None:

@@ -14,16 +14,12 @@ from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import torch
-from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, LogitsProcessor
+from transformers.generation import LogitsProcessorList
 
 from trl_longrm.data.tokenization import scoring_ids
-from trl_longrm.evaluation.config import JUDGE_PROTOCOLS
-from trl_longrm.evaluation.prompts import (
-    POINTWISE_SCALE,
-    build_judge_messages,
-    build_pointwise_messages,
-    label,
-)
+from trl_longrm.evaluation.config import JUDGE_PROTOCOLS, PROTOCOLS
+from trl_longrm.evaluation.templates import PromptTemplate, label
 
 
 logger = logging.getLogger(__name__)
@@ -119,8 +115,11 @@ class ScriptedJudge:
         return outputs
 
 
-def truncate_head_tail(ids: list[int], max_length: int) -> tuple[list[int], bool]:
+def truncate_head_tail(ids: list[int], max_length: int, at_limit: bool = False) -> tuple[list[int], bool]:
     """Keep the first `max_length // 2` and last `max_length - max_length // 2 - 5` tokens of an over-long input.
+
+    An input is over-long when it has more than `max_length` tokens, or with `at_limit=True` (LongRM's evaluator,
+    the `longrm` protocol) when it has at least `max_length`.
 
     Example:
     ```python
@@ -128,7 +127,7 @@ def truncate_head_tail(ids: list[int], max_length: int) -> tuple[list[int], bool
     ([0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 35, 36, 37, 38, 39], True)
     ```
     """
-    if len(ids) <= max_length:
+    if len(ids) < max_length or (len(ids) == max_length and not at_limit):
         return ids, False
     head = max_length // 2
     tail = max_length - head - TRUNCATION_MARGIN
@@ -143,6 +142,32 @@ def _resolve_device(device: str | None) -> torch.device:
 
 def _resolve_dtype(dtype: str):
     return "auto" if dtype == "auto" else getattr(torch, dtype)
+
+
+_HEADS = {"causal-lm": ("ForCausalLM", "--is-disrm"), "seq-cls": ("ForSequenceClassification", "no --is-disrm")}
+
+
+def _load_checked(auto_class, model_path: str, dtype: str, kind: str):
+    """Load `model_path` with `auto_class`, refusing a checkpoint of the other head (`kind`: `causal-lm` for a
+    generative judge, `seq-cls` for a DisRM): its missing head would be initialised at random and every score or
+    verdict would be noise."""
+    from transformers import AutoConfig
+
+    suffix, hint = _HEADS[kind]
+    other = next(v for k, v in _HEADS.items() if k != kind)[0]
+    architectures = AutoConfig.from_pretrained(model_path).architectures or []
+    if architectures and all(a.endswith(other) for a in architectures):
+        raise ValueError(
+            f"{model_path} is a {', '.join(architectures)} checkpoint, but the evaluation loads it as a *{suffix} "
+            f"model; evaluate it with {hint}."
+        )
+    model, info = auto_class.from_pretrained(model_path, dtype=_resolve_dtype(dtype), output_loading_info=True)
+    if info["missing_keys"]:
+        raise ValueError(
+            f"{model_path}: loading it as a *{suffix} model leaves the weights {sorted(info['missing_keys'])} missing "
+            f"from the checkpoint (they would be random). Evaluate a model trained with that head, or with {hint}."
+        )
+    return model
 
 
 def _chat_ids(tokenizer, messages: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
@@ -176,18 +201,38 @@ def _pad_token_id(tokenizer) -> int:
     return pad
 
 
+class _VerdictLogits(LogitsProcessor):
+    """Keeps, at every generation step, the logits of the verdict tokens (a few per row), so that the verdict's
+    probabilities are read from the pass that wrote it instead of a second forward over the whole prompt."""
+
+    def __init__(self, token_ids: list[int]):
+        self.token_ids = token_ids
+        self.steps: list[torch.Tensor] = []
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        self.steps.append(scores[:, self.token_ids].detach())
+        return scores
+
+
 class GenerativeJudge:
     """A causal LM judge: greedy, batched (left-padded) generation of a verdict per request.
+
+    Prompts come from `template` (a `PromptTemplate`; default the built-in prompts). In the default evaluation
+    protocol a prompt is cut to head + tail so that it leaves room for the judgment: prompt + `max_new_tokens` fit in
+    `max_length`. With `evaluation_protocol="longrm"` the cut is LongRM's: a prompt of at least `max_length` tokens
+    keeps its first `max_length // 2` and last `max_length - max_length // 2 - 5`.
 
     With `verdict_probs=True` each pairwise request also gets one forced-decoding pass: the prompt, the judge's own
     output up to its verdict (all of it when it wrote none), then `[[`; the next-token probabilities of `A` and `B`
     there, renormalised over the two, are `JudgeOutput.verdict_probs`.
 
-    With `protocol="pointwise"` the judge writes one judgment per response (`build_pointwise_messages`), ending with a
-    score `[[0]]`..`[[9]]`; the record's ranks follow from the scores. With `verdict_probs=True` the score of a
-    response is its expected score: the same forced-decoding pass reads the probabilities of the ten digit tokens
-    after `[[`, renormalised over them, so that two responses given the same integer score are still ordered (and
-    the AUC has continuous scores); otherwise it is the parsed integer (ties keep display order).
+    With `protocol="pointwise"` the judge writes one judgment per response (the template's pointwise prompt), ending
+    with a score in the template's verdict format (`[[N]]` on 0..9 by default, or `[Score: N]` on 0..10); the record's
+    ranks follow from the scores. With `verdict_probs=True` the score of a response is its expected score: the same
+    forced-decoding pass (up to the verdict's opening, e.g. `[[`) reads the probabilities of the score tokens,
+    renormalised over them, so that two responses given the same integer score are still ordered (and the AUC has
+    continuous scores); every score must then be one token. Otherwise it is the parsed integer (ties keep display
+    order).
 
     Example:
     ```python
@@ -207,91 +252,158 @@ class GenerativeJudge:
         max_new_tokens: int = 2048,
         verdict_probs=True,
         protocol: str = "pairwise",
+        template: PromptTemplate | None = None,
+        evaluation_protocol: str = "default",
     ):
         if protocol not in JUDGE_PROTOCOLS:
             raise ValueError(f"`protocol` must be one of {list(JUDGE_PROTOCOLS)}, got {protocol!r}.")
+        if evaluation_protocol not in PROTOCOLS:
+            raise ValueError(f"`evaluation_protocol` must be one of {list(PROTOCOLS)}, got {evaluation_protocol!r}.")
+        if evaluation_protocol == "default" and max_new_tokens >= max_length:
+            raise ValueError(
+                f"`max_new_tokens` ({max_new_tokens}) leaves no room for the prompt in `max_length` ({max_length})."
+            )
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.max_length = max_length
         self.max_new_tokens = max_new_tokens
         self.verdict_probs = verdict_probs
         self.protocol = protocol
+        self.template = template or PromptTemplate.default()
+        self.evaluation_protocol = evaluation_protocol
         self.pad_id = _pad_token_id(tokenizer)
-        self.forced_ids = tokenizer("[[", add_special_tokens=False)["input_ids"]
-        low, high = POINTWISE_SCALE
+        score_format = self.template.pointwise_format
+        low, high = score_format.scale
         self.score_values = list(range(low, high + 1))
-        # Pairwise verdicts are read at the letters A and B, pointwise scores at the digits of the scale.
+        # Pairwise verdicts are read at the letters A and B after `[[`, pointwise scores at the score tokens after the
+        # verdict's opening.
+        self.verdict_prefix = "[[" if protocol == "pairwise" else score_format.prefix
+        self.forced_ids = tokenizer(self.verdict_prefix, add_special_tokens=False)["input_ids"]
         verdicts = [label(p) for p in range(2)] if protocol == "pairwise" else [str(v) for v in self.score_values]
         self.verdict_ids = []
-        for verdict in verdicts:
+        for verdict in verdicts if verdict_probs else []:
             ids = tokenizer(verdict, add_special_tokens=False)["input_ids"]
             if len(ids) != 1:
-                raise ValueError(f"Verdict {verdict!r} is not a single token ({ids}) for this tokenizer.")
+                raise ValueError(
+                    f"Verdict {verdict!r} is not a single token ({ids}) for this tokenizer, so its probability cannot "
+                    "be read at one position; evaluate with --no-verdict-probs (scores are then the parsed ones)."
+                )
             self.verdict_ids.append(ids[0])
 
     @classmethod
     def from_pretrained(cls, model_path: str, device: str | None = None, dtype: str = "auto", **kwargs):
         """Load the judge's causal LM and tokenizer from a local directory."""
         tokenizer = AutoTokenizer.from_pretrained(model_path)
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=_resolve_dtype(dtype))
+        model = _load_checked(AutoModelForCausalLM, model_path, dtype, "causal-lm")
         return cls(model.to(_resolve_device(device)), tokenizer, **kwargs)
 
     def _prompt_ids(self, messages: list[dict[str, str]]) -> tuple[list[int], bool]:
-        return truncate_head_tail(_chat_ids(self.tokenizer, messages, add_generation_prompt=True), self.max_length)
+        ids = _chat_ids(self.tokenizer, messages, add_generation_prompt=True)
+        if self.evaluation_protocol == "longrm":
+            return truncate_head_tail(ids, self.max_length, at_limit=True)
+        # The judgment must fit in the context too.
+        return truncate_head_tail(ids, self.max_length - self.max_new_tokens)
 
     @torch.no_grad()
-    def _generate(self, prompts: list[list[int]]) -> list[str]:
+    def _generate(self, prompts: list[list[int]], read_verdicts: bool = False):
+        """Greedy judgments of `prompts` (left-padded batch): their texts, and with `read_verdicts` also, per row, the
+        probabilities of the verdict tokens at the step after the verdict's opening, read from the generation's own
+        logits (None where the judgment has no verdict opening or it does not end on a token boundary)."""
         device = self.model.device
         input_ids, attention_mask = _pad(prompts, self.pad_id, left=True)
+        recorder = _VerdictLogits(self.verdict_ids) if read_verdicts else None
         generated = self.model.generate(
             input_ids=input_ids.to(device),
             attention_mask=attention_mask.to(device),
             max_new_tokens=self.max_new_tokens,
             do_sample=False,
             pad_token_id=self.pad_id,
+            logits_processor=LogitsProcessorList([recorder]) if recorder else None,
         )[:, input_ids.shape[1] :]
-        return self.tokenizer.batch_decode(generated, skip_special_tokens=True)
+        texts = self.tokenizer.batch_decode(generated, skip_special_tokens=True)
+        if not read_verdicts:
+            return texts
+        steps = torch.stack(recorder.steps, dim=1).float().cpu()  # [rows, steps, verdict tokens]
+        probs = [self._probs_at_verdict(row.tolist(), text, logits) for row, text, logits in zip(generated, texts, steps)]
+        return texts, probs
+
+    def _probs_at_verdict(self, tokens: list[int], text: str, step_logits: torch.Tensor) -> list[float] | None:
+        start = text.find(self.verdict_prefix)
+        if start < 0:
+            return None
+        target = text[: start + len(self.verdict_prefix)]
+
+        def decoded(n):
+            return self.tokenizer.decode(tokens[:n], skip_special_tokens=True)
+
+        # The fewest generated tokens whose text reaches the end of the verdict's opening.
+        low, high = 1, len(tokens)
+        while low < high:
+            middle = (low + high) // 2
+            if len(decoded(middle)) >= len(target):
+                high = middle
+            else:
+                low = middle + 1
+        if low >= step_logits.shape[0] or decoded(low) != target:
+            return None  # the opening shares a token with what follows: the forced pass reads it instead
+        return step_logits[low].softmax(dim=-1).tolist()
+
+    def _read_verdicts(self, prompts: list[list[int]], wanted: list[bool] | None = None):
+        """Texts, and the verdict probabilities of the `wanted` rows (default all; None for the others): from the
+        generation pass where it can, else from a forced pass."""
+        texts, probs = self._generate(prompts, read_verdicts=True)
+        wanted = wanted or [True] * len(prompts)
+        probs = [p if want else None for p, want in zip(probs, wanted)]
+        missing = [i for i, p in enumerate(probs) if p is None and wanted[i]]
+        if missing:
+            for i, p in zip(missing, self._verdict_probs([prompts[i] for i in missing], [texts[i] for i in missing])):
+                probs[i] = p
+        return texts, probs
 
     def judge(self, requests: Sequence[JudgeRequest]) -> list[JudgeOutput]:
         if self.protocol == "pointwise":
             return self._judge_pointwise(requests)
         prompts, truncated = [], []
         for request in requests:
-            messages = build_judge_messages(request.task_prompt, request.responses, ranking=request.ranking)
+            if request.ranking:
+                messages = self.template.ranking_messages(request.task_prompt, request.responses)
+            else:
+                messages = self.template.pairwise_messages(request.task_prompt, request.responses)
             ids, cut = self._prompt_ids(messages)
             prompts.append(ids)
             truncated.append(cut)
-        texts = self._generate(prompts)
-        outputs = [JudgeOutput(text=text, truncated=cut) for text, cut in zip(texts, truncated)]
-        if self.verdict_probs:
-            pairwise = [i for i, request in enumerate(requests) if not request.ranking]
-            if pairwise:
-                probs = self._verdict_probs([prompts[i] for i in pairwise], [texts[i] for i in pairwise])
-                for i, p in zip(pairwise, probs):
-                    outputs[i].verdict_probs = p
-        return outputs
+        wanted = [self.verdict_probs and not request.ranking for request in requests]
+        if any(wanted):
+            texts, probs = self._read_verdicts(prompts, wanted)
+        else:
+            texts, probs = self._generate(prompts), [None] * len(prompts)
+        return [
+            JudgeOutput(text=text, truncated=cut, verdict_probs=p) for text, cut, p in zip(texts, truncated, probs)
+        ]
 
     def _judge_pointwise(self, requests: Sequence[JudgeRequest]) -> list[JudgeOutput]:
         # One judgment per (request, response), generated in one batch.
         prompts, owners, truncated = [], [], [False] * len(requests)
         for i, request in enumerate(requests):
             for response in request.responses:
-                ids, cut = self._prompt_ids(build_pointwise_messages(request.task_prompt, response))
+                ids, cut = self._prompt_ids(self.template.pointwise_messages(request.task_prompt, response))
                 prompts.append(ids)
                 owners.append(i)
                 truncated[i] = truncated[i] or cut
-        texts = self._generate(prompts)
+        if self.verdict_probs:
+            texts, probs = self._read_verdicts(prompts)
+        else:
+            # The runner then ranks by the judgments' parsed scores.
+            texts, probs = self._generate(prompts), None
         outputs = [JudgeOutput(judgments=[], truncated=cut) for cut in truncated]
         for owner, text in zip(owners, texts):
             outputs[owner].judgments.append(text)
-        if self.verdict_probs:
-            # Without them the runner ranks by the judgments' parsed scores.
+        if probs is not None:
             values = torch.tensor(self.score_values, dtype=torch.float)
-            expected = [float(p @ values) for p in torch.tensor(self._verdict_probs(prompts, texts))]
             for output in outputs:
                 output.scores = []
-            for owner, score in zip(owners, expected):
-                outputs[owner].scores.append(score)
+            for owner, p in zip(owners, probs):
+                outputs[owner].scores.append(float(torch.tensor(p) @ values))
         return outputs
 
     @torch.no_grad()
@@ -299,7 +411,8 @@ class GenerativeJudge:
         rows = []
         for prompt, text in zip(prompts, texts):
             # Reasoning up to the verdict stays in context, so the probe reads the judgment at its own verdict spot.
-            reasoning = text[: text.find("[[")] if "[[" in text else text
+            start = text.find(self.verdict_prefix)
+            reasoning = text[:start] if start >= 0 else text
             reasoning_ids = self.tokenizer(reasoning, add_special_tokens=False)["input_ids"] if reasoning else []
             rows.append(prompt + reasoning_ids + self.forced_ids)
         input_ids, attention_mask = _pad(rows, self.pad_id, left=True)
@@ -312,7 +425,7 @@ class GenerativeJudge:
             logits_to_keep=1,
             use_cache=False,
         ).logits[:, -1, :]
-        # Renormalised over the verdict tokens (A/B, or the score digits) at the position after `[[`.
+        # Renormalised over the verdict tokens (A/B, or the score tokens) at the position after the verdict's opening.
         probs = torch.log_softmax(logits.float(), dim=-1)[:, self.verdict_ids].softmax(dim=-1)
         return probs.cpu().tolist()
 
@@ -321,13 +434,17 @@ class DiscriminativeJudge:
     """A 1-label sequence-classification RM: each response is scored as the prompt messages plus an assistant turn.
 
     The scored sequence is the one the DisRM trainers train on (`trl_longrm.data.scoring_ids`): the prompt rendered
-    with the generation prompt, then the response up to and including the EOS token.
+    with the generation prompt, then the response up to and including the EOS token. The score is read at exactly that
+    last token, as training reads it (`trl_longrm.heads.add_last_token_score_head`), whatever the tokenizer's pad
+    token: the stock classification head pools the last token that is not the pad id, which is the token *before* the
+    EOS when pad == EOS (a common setting for models without a pad token).
 
     With `shared_prefix` (default), the candidates of a record are laid out as their longest common token prefix (the
     prompt) once, then each candidate's remaining tokens, in one packed row of `batch_size` records attended by the
     `"longrm_ring"` attention (each candidate sees the prefix and itself only, positions continuing the prefix): the
     scores of scoring each candidate alone, the prompt encoded once. Otherwise sequences are right-padded (natural
-    position ids, as in reward-model training) and scored `batch_size` at a time.
+    position ids, as in reward-model training) and scored `batch_size` at a time. With `evaluation_protocol="longrm"`
+    a sequence of at least `max_length` tokens is cut (LongRM's rule), else only a longer one.
 
     Example:
     ```python
@@ -338,16 +455,29 @@ class DiscriminativeJudge:
 
     model_type = "DisRM"
 
-    def __init__(self, model, tokenizer, max_length: int = 131072, batch_size: int = 1, shared_prefix: bool = True):
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        max_length: int = 131072,
+        batch_size: int = 1,
+        shared_prefix: bool = True,
+        evaluation_protocol: str = "default",
+    ):
         if model.config.num_labels != 1:
             raise ValueError(f"A DisRM must have exactly 1 output label, got num_labels={model.config.num_labels}.")
+        if evaluation_protocol not in PROTOCOLS:
+            raise ValueError(f"`evaluation_protocol` must be one of {list(PROTOCOLS)}, got {evaluation_protocol!r}.")
+        from trl_longrm.heads import add_last_token_score_head
+
         self.model = model.eval()
+        add_last_token_score_head(self.model)
         self.tokenizer = tokenizer
         self.max_length = max_length
         self.batch_size = batch_size
+        self.at_limit = evaluation_protocol == "longrm"
         self.shared_prefix = shared_prefix
         if shared_prefix:
-            from trl_longrm.heads import add_last_token_score_head
             from trl_longrm.sequence_parallel import validate_ring_attention_model
 
             try:
@@ -356,18 +486,13 @@ class DiscriminativeJudge:
                 # Same scores either way: only the cost differs, so say why and score unshared.
                 logger.warning("Scoring candidates without a shared prefix: %s", error)
                 self.shared_prefix = False
-            else:
-                add_last_token_score_head(self.model)  # called without `score_positions` the model is unchanged
         self.pad_id = _pad_token_id(tokenizer)
-        if self.model.config.pad_token_id is None:
-            # The classification head pools the last non-pad token of each row and needs to know the pad id.
-            self.model.config.pad_token_id = self.pad_id
 
     @classmethod
     def from_pretrained(cls, model_path: str, device: str | None = None, dtype: str = "auto", **kwargs):
         """Load the sequence classifier and tokenizer from a local directory."""
         tokenizer = AutoTokenizer.from_pretrained(model_path)
-        model = AutoModelForSequenceClassification.from_pretrained(model_path, dtype=_resolve_dtype(dtype))
+        model = _load_checked(AutoModelForSequenceClassification, model_path, dtype, "seq-cls")
         return cls(model.to(_resolve_device(device)), tokenizer, **kwargs)
 
     def _shared_scores(self, records: list[list[list[int]]]) -> list[float]:
@@ -407,7 +532,7 @@ class DiscriminativeJudge:
             # The sequences the DisRM trainers score (prompt, response, EOS), not the whole rendered chat: a template
             # that writes a newline after the EOS would move the scored token to one never trained.
             for full in scoring_ids(self.tokenizer, request.prompt_messages, request.responses):
-                ids, cut = truncate_head_tail(full, self.max_length)
+                ids, cut = truncate_head_tail(full, self.max_length, at_limit=self.at_limit)
                 sequences.append(ids)
                 records[-1].append(ids)
                 owners.append(i)
@@ -419,11 +544,17 @@ class DiscriminativeJudge:
             return outputs
         scores = []
         for start in range(0, len(sequences), self.batch_size):
-            input_ids, attention_mask = _pad(sequences[start : start + self.batch_size], self.pad_id, left=False)
-            logits = self.model(
-                input_ids=input_ids.to(self.model.device), attention_mask=attention_mask.to(self.model.device)
-            ).logits
-            scores.extend(logits[:, 0].float().cpu().tolist())
+            rows = sequences[start : start + self.batch_size]
+            input_ids, attention_mask = _pad(rows, self.pad_id, left=False)
+            # Flat index of each row's last real token in the [rows * width] batch: the token training scores.
+            last = torch.tensor([r * input_ids.shape[1] + len(row) - 1 for r, row in enumerate(rows)])
+            device = self.model.device
+            out = self.model(
+                input_ids=input_ids.to(device),
+                attention_mask=attention_mask.to(device),
+                score_positions=last.to(device),
+            )
+            scores.extend(out.scores.float().cpu().tolist())
         for owner, score in zip(owners, scores):
             outputs[owner].scores.append(score)
         return outputs
@@ -483,9 +614,11 @@ def load_judge(
     verdict_probs: bool = True,
     judge_protocol: str = "pairwise",
     shared_prefix: bool = True,
+    protocol: str = "default",
+    template: PromptTemplate | None = None,
 ) -> Judge:
-    """A `DiscriminativeJudge` (`is_disrm=True`) or `GenerativeJudge` (judging with `judge_protocol`) loaded from a
-    local model directory.
+    """A `DiscriminativeJudge` (`is_disrm=True`) or `GenerativeJudge` (judging with `judge_protocol` and the prompts
+    of `template`) loaded from a local model directory; `protocol` is the evaluation protocol (`default` or `longrm`).
 
     Example:
     ```python
@@ -500,6 +633,7 @@ def load_judge(
             max_length=max_length,
             batch_size=batch_size,
             shared_prefix=shared_prefix,
+            evaluation_protocol=protocol,
         )
     return GenerativeJudge.from_pretrained(
         model_path,
@@ -509,4 +643,6 @@ def load_judge(
         max_new_tokens=max_new_tokens,
         verdict_probs=verdict_probs,
         protocol=judge_protocol,
+        template=template,
+        evaluation_protocol=protocol,
     )

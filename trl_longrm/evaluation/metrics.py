@@ -14,6 +14,7 @@ from collections.abc import Iterable
 from sklearn.metrics import roc_auc_score
 
 from trl_longrm.evaluation.config import LENGTH_BUCKETS, RANK_SUBTYPES
+from trl_longrm.evaluation.protocols import score_ranking_longrm
 
 
 def score_ranking(order: list[int], predicted_ranks: list[int] | None) -> tuple[float, bool]:
@@ -83,13 +84,19 @@ def compute_auc(predictions: list[dict]) -> tuple[float | None, str | None, int]
     return float(roc_auc_score(labels, values)), sources.pop(), len(labels) // 2
 
 
-def compute_metrics(predictions: list[dict], tasks: list[str]) -> dict:
-    """The paper's table (and more) from predictions; groups without records are None.
+def compute_metrics(predictions: list[dict], tasks: list[str], protocol: str = "default") -> dict:
+    """The paper's table (and more) from predictions.
 
     Records without a subtype or length (from a plain preference dataset) are left out of Same/Diff and of the
-    length buckets only. Keys: `tasks` (PairWise accuracy per task), `same`, `diff`, `pairwise_avg`, `rank` / `rank_exact` (per BestOfN
-    subtype 2/3/4), `rank_avg`, `rank_exact_avg`, `length` (PairWise accuracy per length bucket), `average` (over all
-    records), `auc`, `auc_source`, `auc_pairs`, `counts`, `unparseable`, `truncated`.
+    length buckets only. Keys: `tasks` (PairWise accuracy per task), `same`, `diff`, `pairwise_avg`, `rank` /
+    `rank_exact` (per BestOfN subtype 2/3/4), `rank_avg`, `rank_exact_avg`, `length` (PairWise accuracy per length
+    bucket), `average` (over all records), `auc`, `auc_source`, `auc_pairs`, `counts`, `unparseable`, `truncated`.
+
+    With `protocol="default"` a group without records is None and a record scores `score_ranking`. With
+    `protocol="longrm"` the numbers are those of LongRM's evaluator: a record scores `score_ranking_longrm` (partial
+    rankings count), a group without records is 0, Diff is every PairWise record whose subtype is not `same`, the
+    length buckets are always 4k..128k, and the rank average is the sum over subtypes 2, 3 and 4 divided by the
+    number of all BestOfN records.
 
     Example:
     ```python
@@ -99,48 +106,62 @@ def compute_metrics(predictions: list[dict], tasks: list[str]) -> dict:
     1.0
     ```
     """
+    longrm = protocol == "longrm"
+    score = score_ranking_longrm if longrm else score_ranking
+
+    def mean(values: list[float]) -> float | None:
+        # LongRM reports an empty group as 0; we report None (0 would read as a failed model).
+        return (sum(values) / len(values) if values else 0.0) if longrm else _mean(values)
+
     scored = []
     for prediction in predictions:
-        ratio, exact = score_ranking(prediction["order"], prediction.get("predicted_ranks"))
+        ratio, exact = score(prediction["order"], prediction.get("predicted_ranks"))
         scored.append((prediction, ratio, exact))
     pairwise = [(p, r) for p, r, _ in scored if p["tasktype"] == "PairWise"]
     bestofn = [(p, r, e) for p, r, e in scored if p["tasktype"] == "BestOfN"]
+    if longrm:
+        lengths = list(LENGTH_BUCKETS)
+        in_diff = [p["subtype"] != "same" for p, _ in pairwise]
+        rank_avg = sum(r for p, r, _ in bestofn if p["subtype"] in RANK_SUBTYPES) / len(bestofn) if bestofn else 0.0
+    else:
+        lengths = _ordered_lengths(p["length"] for p, _ in pairwise if p["length"] is not None)
+        in_diff = [p["subtype"] not in ("same", None) for p, _ in pairwise]
+        rank_avg = _mean([r for _, r, _ in bestofn])
+    diff = [pr for pr, keep in zip(pairwise, in_diff) if keep]
 
     results: dict = {
-        "tasks": {task: _mean([r for p, r in pairwise if p["task"] == task]) for task in tasks},
-        "same": _mean([r for p, r in pairwise if p["subtype"] == "same"]),
-        "diff": _mean([r for p, r in pairwise if p["subtype"] not in ("same", None)]),
-        "pairwise_avg": _mean([r for _, r in pairwise]),
-        "rank": {s: _mean([r for p, r, _ in bestofn if p["subtype"] == s]) for s in RANK_SUBTYPES},
-        "rank_exact": {s: _mean([float(e) for p, _, e in bestofn if p["subtype"] == s]) for s in RANK_SUBTYPES},
-        "rank_avg": _mean([r for _, r, _ in bestofn]),
-        "rank_exact_avg": _mean([float(e) for _, _, e in bestofn]),
-        "length": {
-            length: _mean([r for p, r in pairwise if p["length"] == length])
-            for length in _ordered_lengths(p["length"] for p, _ in pairwise if p["length"] is not None)
-        },
-        "average": _mean([r for _, r, _ in scored]),
+        "tasks": {task: mean([r for p, r in pairwise if p["task"] == task]) for task in tasks},
+        "same": mean([r for p, r in pairwise if p["subtype"] == "same"]),
+        "diff": mean([r for _, r in diff]),
+        "pairwise_avg": mean([r for _, r in pairwise]),
+        "rank": {s: mean([r for p, r, _ in bestofn if p["subtype"] == s]) for s in RANK_SUBTYPES},
+        "rank_exact": {s: mean([float(e) for p, _, e in bestofn if p["subtype"] == s]) for s in RANK_SUBTYPES},
+        "rank_avg": rank_avg,
+        "rank_exact_avg": mean([float(e) for _, _, e in bestofn]),
+        "length": {length: mean([r for p, r in pairwise if p["length"] == length]) for length in lengths},
+        "average": mean([r for _, r, _ in scored]),
     }
-    other_subtypes = sorted({p["subtype"] for p, _, _ in bestofn} - set(RANK_SUBTYPES))
-    for subtype in other_subtypes:
-        results["rank"][subtype] = _mean([r for p, r, _ in bestofn if p["subtype"] == subtype])
-        results["rank_exact"][subtype] = _mean([float(e) for p, _, e in bestofn if p["subtype"] == subtype])
+    if not longrm:
+        # Subtypes beyond 2/3/4 get their own rows (LongRM's table has none).
+        for subtype in sorted({p["subtype"] for p, _, _ in bestofn} - set(RANK_SUBTYPES)):
+            results["rank"][subtype] = mean([r for p, r, _ in bestofn if p["subtype"] == subtype])
+            results["rank_exact"][subtype] = mean([float(e) for p, _, e in bestofn if p["subtype"] == subtype])
     auc, source, pairs = compute_auc(predictions)
-    results.update(auc=auc, auc_source=source, auc_pairs=pairs)
+    results.update(auc=auc, auc_source=source, auc_pairs=pairs, protocol=protocol)
     results["counts"] = {
         "records": len(scored),
         "pairwise": len(pairwise),
         "bestofn": len(bestofn),
         "same": sum(1 for p, _ in pairwise if p["subtype"] == "same"),
-        "diff": sum(1 for p, _ in pairwise if p["subtype"] not in ("same", None)),
+        "diff": len(diff),
         "tasks": {task: sum(1 for p, _ in pairwise if p["task"] == task) for task in tasks},
         "length": {length: sum(1 for p, _ in pairwise if p["length"] == length) for length in results["length"]},
         "rank": {s: sum(1 for p, _, _ in bestofn if p["subtype"] == s) for s in results["rank"]},
     }
     results["unparseable"] = {
-        "total": sum(1 for p in predictions if p.get("predicted_ranks") is None),
-        "PairWise": sum(1 for p, _ in pairwise if p.get("predicted_ranks") is None),
-        "BestOfN": sum(1 for p, _, _ in bestofn if p.get("predicted_ranks") is None),
+        "total": sum(1 for p in predictions if not p.get("predicted_ranks")),
+        "PairWise": sum(1 for p, _ in pairwise if not p.get("predicted_ranks")),
+        "BestOfN": sum(1 for p, _, _ in bestofn if not p.get("predicted_ranks")),
     }
     results["truncated"] = sum(1 for p in predictions if p.get("truncated"))
     return results

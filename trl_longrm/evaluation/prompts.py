@@ -12,6 +12,8 @@ import hashlib
 import random
 import re
 
+from trl_longrm.evaluation.templates import PromptTemplate, label  # noqa: F401 (label: re-exported)
+
 
 def shuffled_order(seed: int, record_id: str, n: int) -> list[int]:
     """Display order of a record's candidates: `order[p]` is the index (= gold rank) of the candidate shown at p.
@@ -30,30 +32,19 @@ def shuffled_order(seed: int, record_id: str, n: int) -> list[int]:
     return order
 
 
-def label(position: int) -> str:
-    """Letter naming the response at a display position (0 -> `A`)."""
-    return chr(ord("A") + position)
-
-
-PAIRWISE_SYSTEM_PROMPT = (
-    "You are a careful, impartial judge of AI responses. You will see a task, which may include a long document, and "
-    "two candidate responses labelled A and B. Decide which response completes the task better: check it against the "
-    "document and the instructions for correctness, faithfulness, helpfulness and safety. The order in which the "
-    "responses appear, their length and their style must not sway you. Give a brief justification, then end with "
-    "your verdict on its own line: [[A]] if response A is better, or [[B]] if response B is better."
-)
-
-RANKING_SYSTEM_PROMPT = (
-    "You are a careful, impartial judge of AI responses. You will see a task, which may include a long document, and "
-    "{n} candidate responses labelled {labels}. Rank all of them from best to worst: check each against the document "
-    "and the instructions for correctness, faithfulness, helpfulness and safety. The order in which the responses "
-    "appear, their length and their style must not sway you. Give a brief justification, then end with the ranking "
-    "on its own line, best first, every label exactly once, in the form {example}."
-)
+# The built-in prompts, read from `templates/default.yaml` (the shape of a `--prompt-template` file).
+DEFAULT_TEMPLATE = PromptTemplate.default()
+PAIRWISE_SYSTEM_PROMPT = DEFAULT_TEMPLATE.pairwise.system
+RANKING_SYSTEM_PROMPT = DEFAULT_TEMPLATE.ranking.system
+POINTWISE_SYSTEM_PROMPT = DEFAULT_TEMPLATE.pointwise.system
+# The score scale of the built-in pointwise protocol: single digits, so that each score is one token for common
+# tokenizers (Qwen and Llama 3 split numbers into digits) and the score distribution is read at one position.
+POINTWISE_SCALE = DEFAULT_TEMPLATE.pointwise_format.scale
 
 
 def build_judge_messages(task_prompt: str, responses: list[str], ranking: bool = False) -> list[dict[str, str]]:
-    """System and user messages asking a judge to pick the better of two responses, or (`ranking=True`) to rank them.
+    """System and user messages (built-in prompts) asking a judge to pick the better of two responses, or
+    (`ranking=True`) to rank them.
 
     BestOfN records always use the ranking protocol, even with two candidates (as LongRM does).
 
@@ -64,41 +55,13 @@ def build_judge_messages(task_prompt: str, responses: list[str], ranking: bool =
     ['system', 'user']
     ```
     """
-    n = len(responses)
-    if n < 2:
-        raise ValueError(f"A judge needs at least 2 responses, got {n}.")
-    labels = [label(i) for i in range(n)]
-    if not ranking and n != 2:
-        raise ValueError(f"A pairwise judgment needs exactly 2 responses, got {n}.")
-    if not ranking:
-        system = PAIRWISE_SYSTEM_PROMPT
-    else:
-        example = "[[" + ">".join(labels[::-1]) + "]]"
-        system = RANKING_SYSTEM_PROMPT.format(n=n, labels=", ".join(labels), example=example)
-    parts = [f"# Task\n{task_prompt}"]
-    for letter, response in zip(labels, responses):
-        parts.append(f"# Response {letter}\n{response}\n# End of Response {letter}")
-    instruction = (
-        "Which response is better? End with [[A]] or [[B]]." if not ranking else "Rank the responses, best first."
-    )
-    parts.append(instruction)
-    return [{"role": "system", "content": system}, {"role": "user", "content": "\n\n".join(parts)}]
-
-
-POINTWISE_SYSTEM_PROMPT = (
-    "You are a careful, impartial judge of AI responses. You will see a task, which may include a long document, and "
-    "one candidate response. Rate how well the response completes the task: check it against the document and the "
-    "instructions for correctness, faithfulness, helpfulness and safety. Its length and its style must not sway you. "
-    "Give a brief justification, then end with your score on its own line, an integer from {low} (worst) to {high} "
-    "(best), in the form [[{example}]]."
-)
-# The score scale of the pointwise protocol: single digits, so that each score is one token for common tokenizers
-# (Qwen and Llama 3 split numbers into digits) and the score distribution is read at one position.
-POINTWISE_SCALE = (0, 9)
+    if ranking:
+        return DEFAULT_TEMPLATE.ranking_messages(task_prompt, responses)
+    return DEFAULT_TEMPLATE.pairwise_messages(task_prompt, responses)
 
 
 def build_pointwise_messages(task_prompt: str, response: str) -> list[dict[str, str]]:
-    """System and user messages asking a judge to score a single response (the pointwise protocol).
+    """System and user messages (built-in prompts) asking a judge to score a single response (the pointwise protocol).
 
     Example:
     ```python
@@ -107,14 +70,7 @@ def build_pointwise_messages(task_prompt: str, response: str) -> list[dict[str, 
     'Rate the response from 0 to 9. End with your score, e.g. [[7]].'
     ```
     """
-    low, high = POINTWISE_SCALE
-    system = POINTWISE_SYSTEM_PROMPT.format(low=low, high=high, example=high - 2)
-    parts = [
-        f"# Task\n{task_prompt}",
-        f"# Response\n{response}\n# End of Response",
-        f"Rate the response from {low} to {high}. End with your score, e.g. [[{high - 2}]].",
-    ]
-    return [{"role": "system", "content": system}, {"role": "user", "content": "\n\n".join(parts)}]
+    return DEFAULT_TEMPLATE.pointwise_messages(task_prompt, response)
 
 
 _PAIR_VERDICT = re.compile(r"\[\[\s*([AB])\s*\]\]")
@@ -159,11 +115,9 @@ def parse_ranking_verdict(text: str, n: int) -> list[int] | None:
     return [positions.index(p) for p in range(n)]
 
 
-_SCORE_VERDICT = re.compile(r"\[\[\s*(\d+)\s*\]\]")
-
-
 def parse_pointwise_score(text: str) -> int | None:
-    """The score of a pointwise judgment (the last `[[N]]` in the text), or None when it has none or N is off the scale.
+    """The score of a built-in pointwise judgment (the last `[[N]]` in the text), or None when it has none or N is off
+    the scale.
 
     Example:
     ```python
@@ -171,12 +125,7 @@ def parse_pointwise_score(text: str) -> int | None:
     (8, None)
     ```
     """
-    matches = _SCORE_VERDICT.findall(text)
-    if not matches:
-        return None
-    score = int(matches[-1])
-    low, high = POINTWISE_SCALE
-    return score if low <= score <= high else None
+    return DEFAULT_TEMPLATE.pointwise_format.parse(text)
 
 
 def ranks_from_scores(scores: list[float]) -> list[int]:

@@ -106,14 +106,15 @@ def plot_length_accuracy(results: dict, path: str | Path) -> Path:
     return path
 
 
-def write_reports(results: dict, save_path: str | Path) -> dict[str, Path]:
-    """Write results.json, results.csv, results.md and length_accuracy.png into `save_path`; returns their paths."""
+def write_reports(results: dict, save_path: str | Path, stem: str = "results") -> dict[str, Path]:
+    """Write `<stem>.json`, `.csv`, `.md` and the length plot (`length_accuracy<suffix>.png`, the suffix being what
+    follows `results` in `stem`) into `save_path`; returns their paths."""
     save_path = Path(save_path)
     paths = {
-        "json": save_path / "results.json",
-        "csv": save_path / "results.csv",
-        "markdown": save_path / "results.md",
-        "plot": save_path / "length_accuracy.png",
+        "json": save_path / f"{stem}.json",
+        "csv": save_path / f"{stem}.csv",
+        "markdown": save_path / f"{stem}.md",
+        "plot": save_path / f"length_accuracy{stem.removeprefix('results')}.png",
     }
     paths["json"].write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
     with paths["csv"].open("w", newline="", encoding="utf-8") as handle:

@@ -9,25 +9,35 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 
+import torch
 from tqdm.auto import tqdm
 
 from trl_longrm.evaluation.benchmark import BenchmarkRecord, load_benchmark, load_preference_records
-from trl_longrm.evaluation.config import EvalConfig
+from trl_longrm.evaluation.config import FORMATS, EvalConfig
 from trl_longrm.evaluation.judges import Judge, JudgeOutput, JudgeRequest, load_judge
 from trl_longrm.evaluation.metrics import compute_metrics, score_ranking
 from trl_longrm.evaluation.prompts import (
     parse_pairwise_verdict,
-    parse_pointwise_score,
     parse_ranking_verdict,
     ranks_from_scores,
     shuffled_order,
 )
+from trl_longrm.evaluation.protocols import (
+    longrm_orders,
+    parse_pairwise_longrm,
+    parse_ranking_longrm,
+    score_ranking_longrm,
+)
 from trl_longrm.evaluation.report import write_reports
+from trl_longrm.evaluation.templates import POINTWISE_FORMATS, PointwiseFormat, PromptTemplate
 
 
 logger = logging.getLogger(__name__)
 
 PREDICTIONS_FILE = "predictions.jsonl"
+# Under several processes each writes its own shard; the main process merges them into PREDICTIONS_FILE.
+SHARD_NAME = "predictions.rank{}.jsonl"
+SHARD_PATTERN = "predictions.rank*.jsonl"
 RUN_FILE = "run_config.json"
 
 
@@ -81,21 +91,44 @@ class PredictionStore:
                 handle.flush()
 
 
-def make_request(record: BenchmarkRecord, seed: int) -> tuple[JudgeRequest, list[int]]:
-    """The judge request of a record, with its candidates in the record's shuffled order, and that order."""
-    order = shuffled_order(seed, record.id, len(record.candidates))
-    request = JudgeRequest(
+def display_orders(records: list[BenchmarkRecord], seed: int, protocol: str = "default") -> dict[str, list[int]]:
+    """Display order of every record's candidates (`order[p]`: gold rank of the candidate shown at p), by record id.
+
+    The default protocol draws each record's order from a hash of (seed, record id) alone; the `longrm` protocol
+    draws them as LongRM's evaluator does, over each task file's selected records (`longrm_orders`).
+    """
+    if protocol != "longrm":
+        return {record.id: shuffled_order(seed, record.id, len(record.candidates)) for record in records}
+    orders = {}
+    for task in dict.fromkeys(record.task for record in records):
+        orders.update(longrm_orders([record for record in records if record.task == task], seed))
+    return orders
+
+
+def make_request(record: BenchmarkRecord, order: list[int]) -> JudgeRequest:
+    """The judge request of a record, with its candidates shown in `order`."""
+    return JudgeRequest(
         record_id=record.id,
         prompt_messages=record.prompt_messages,
         task_prompt=record.task_prompt,
         responses=[record.candidates[i] for i in order],
         ranking=record.tasktype == "BestOfN",
     )
-    return request, order
 
 
-def make_prediction(record: BenchmarkRecord, order: list[int], output: JudgeOutput) -> dict:
-    """The `predictions.jsonl` line of a judged record: what was shown, what the judge said, and whether it was right."""
+def make_prediction(
+    record: BenchmarkRecord,
+    order: list[int],
+    output: JudgeOutput,
+    protocol: str = "default",
+    score_format: PointwiseFormat = POINTWISE_FORMATS["[[N]]"],
+) -> dict:
+    """The `predictions.jsonl` line of a judged record: what was shown, what the judge said, and whether it was right.
+
+    A verdict text is parsed by the protocol's rules (`parse_pairwise_verdict` / `parse_ranking_verdict`, or
+    LongRM's `parse_pairwise_longrm` / `parse_ranking_longrm`), pointwise judgments by `score_format`; scores rank
+    the candidates the same way in both protocols.
+    """
     n = len(order)
     scores = output.scores
     if output.judgments is not None:
@@ -105,7 +138,7 @@ def make_prediction(record: BenchmarkRecord, order: list[int], output: JudgeOutp
             raise ValueError(
                 f"Judge returned {len(output.judgments)} judgments for record {record.id!r} with {n} candidates."
             )
-        parsed = [parse_pointwise_score(text) for text in output.judgments]
+        parsed = [score_format.parse(text) for text in output.judgments]
         if scores is None and None not in parsed:
             scores = parsed
         predicted = None if None in parsed else ranks_from_scores(scores)
@@ -116,14 +149,16 @@ def make_prediction(record: BenchmarkRecord, order: list[int], output: JudgeOutp
             )
         predicted = ranks_from_scores(output.scores)
     elif output.text is not None:
-        predicted = (
-            parse_ranking_verdict(output.text, n)
-            if record.tasktype == "BestOfN"
-            else parse_pairwise_verdict(output.text)
-        )
+        if protocol == "longrm":
+            parse = parse_ranking_longrm if record.tasktype == "BestOfN" else parse_pairwise_longrm
+            predicted = parse(output.text)
+        elif record.tasktype == "BestOfN":
+            predicted = parse_ranking_verdict(output.text, n)
+        else:
+            predicted = parse_pairwise_verdict(output.text)
     else:
         raise ValueError(f"Judge returned neither text nor scores for record {record.id!r}.")
-    ratio, exact = score_ranking(order, predicted)
+    ratio, exact = (score_ranking_longrm if protocol == "longrm" else score_ranking)(order, predicted)
     return {
         "id": record.id,
         "task": record.task,
@@ -170,16 +205,23 @@ def _run_identity(config: EvalConfig, model_type: str) -> dict:
         "max_new_tokens": config.max_new_tokens if model_type == "GRM" else None,
         "verdict_probs": config.verdict_probs if model_type == "GRM" else None,
         "dtype": config.dtype,
-        # Only when not the default, so that runs written before the option existed still resume.
+        # Only when not the default, so that runs written before the options existed still resume.
         **(
             {"judge_protocol": config.judge_protocol}
             if model_type == "GRM" and config.judge_protocol != "pairwise"
             else {}
         ),
+        # LongRM's orders depend on which formats of a task file are evaluated, so its predictions hold only for them.
+        **({"protocol": config.protocol, "formats": sorted(config.formats)} if config.protocol != "default" else {}),
+        **(
+            {"prompt_template": os.path.abspath(config.prompt_template)}
+            if model_type == "GRM" and config.prompt_template
+            else {}
+        ),
     }
 
 
-def _check_run_identity(save_path: Path, identity: dict):
+def _check_run_identity(save_path: Path, identity: dict, write: bool = True):
     path = save_path / RUN_FILE
     if path.exists():
         previous = json.loads(path.read_text(encoding="utf-8"))
@@ -190,8 +232,31 @@ def _check_run_identity(save_path: Path, identity: dict):
             raise ValueError(
                 f"{save_path} holds predictions of a different run ({details}); use another --save-path or delete it."
             )
-    else:
+    elif write:
         path.write_text(json.dumps(identity, indent=2) + "\n", encoding="utf-8")
+
+
+def _merge_shards(save_path: Path, store: PredictionStore):
+    """Move the predictions of every per-process shard into the main store (idempotent, so a merge cut short by a
+    kill is finished by the next run), then delete the shard."""
+    done = store.load()
+    for shard_path in sorted(save_path.glob(SHARD_PATTERN)):
+        shard = PredictionStore(shard_path).load()
+        store.append([prediction for key, prediction in shard.items() if key not in done])
+        done.update(shard)
+        shard_path.unlink()
+
+
+def _results_stem(config: EvalConfig) -> str:
+    """`results` when every task file of the benchmark directory and both formats are evaluated, else
+    `results.<tasks>.<formats>`: evaluating a subset in a directory that holds a full run adds its own results files
+    instead of overwriting the full run's."""
+    if config.resolved_data_format() != "long_rewardbench":
+        return "results"
+    present = {path.stem.lower() for path in Path(config.data_path).glob("*.jsonl")}
+    if {task.lower() for task in config.tasks} >= present and sorted(config.formats) == sorted(FORMATS):
+        return "results"
+    return "results." + "+".join(config.tasks) + "." + "+".join(config.formats)
 
 
 def evaluate_reward_model(config: EvalConfig, judge: Judge | None = None) -> dict:
@@ -201,6 +266,10 @@ def evaluate_reward_model(config: EvalConfig, judge: Judge | None = None) -> dic
     `is_disrm`); pass any `Judge` to plug in another one. Metrics are computed from `predictions.jsonl`, so a resumed
     run reports exactly what an uninterrupted one would.
 
+    Under `accelerate launch` (several processes), the records still to judge are dealt out over the processes; each
+    writes its own `predictions.rank<N>.jsonl`, and the main process merges them into `predictions.jsonl` and writes
+    the results, which equal a single process's. Every process returns the results.
+
     Example:
     ```python
     >>> from trl_longrm.evaluation import EvalConfig, evaluate_reward_model
@@ -208,60 +277,94 @@ def evaluate_reward_model(config: EvalConfig, judge: Judge | None = None) -> dic
     >>> results["tasks"]["LongQA"], results["auc"]
     ```
     """
+    from accelerate import PartialState
+
+    # One process unless started by `accelerate launch`; CPU processes (no GPU, or `device: cpu`) talk over gloo.
+    on_cpu = config.device == "cpu" or (config.device is None and not torch.cuda.is_available())
+    state = PartialState(cpu=on_cpu)
+    # Read and checked before any model loads: a bad template file fails at once.
+    template = PromptTemplate.from_yaml(config.prompt_template) if config.prompt_template else PromptTemplate.default()
     records = load_records(config)
+    orders = display_orders(records, config.seed, config.protocol)
     save_path = Path(config.save_path)
-    save_path.mkdir(parents=True, exist_ok=True)
     store = PredictionStore(save_path / PREDICTIONS_FILE)
-    done = store.load()
+    model_type = judge.model_type if judge is not None else ("DisRM" if config.is_disrm else "GRM")
+    # Every process checks (all raise alike, none waits for the others in vain); the main one records and repairs.
+    _check_run_identity(save_path, _run_identity(config, model_type), write=False)
+    if state.is_main_process:
+        save_path.mkdir(parents=True, exist_ok=True)
+        _check_run_identity(save_path, _run_identity(config, model_type))
+        _merge_shards(save_path, store)
+    state.wait_for_everyone()
+
+    done = store.load() if store.path.exists() else {}
     todo = [record for record in records if record.id not in done]
-    if done:
+    if done and state.is_main_process:
         logger.info(
             "Resuming: %d of %d records already judged in %s.", len(records) - len(todo), len(records), store.path
         )
+    mine = todo[state.process_index :: state.num_processes]
+    if state.num_processes > 1:
+        logger.info("Process %d of %d judges %d records.", state.process_index, state.num_processes, len(mine))
+    own_store = store if state.num_processes == 1 else PredictionStore(save_path / SHARD_NAME.format(state.process_index))
+    if judge is None and mine:
+        device = config.device if config.device is not None or state.num_processes == 1 else str(state.device)
+        judge = load_judge(
+            config.model_path,
+            is_disrm=config.is_disrm,
+            max_length=config.max_length,
+            max_new_tokens=config.max_new_tokens,
+            batch_size=config.batch_size,
+            device=device,
+            dtype=config.dtype,
+            verdict_probs=config.verdict_probs,
+            judge_protocol=config.judge_protocol,
+            protocol=config.protocol,
+            template=template,
+            shared_prefix=config.shared_prefix,
+        )
 
-    if judge is None:
-        if todo:
-            judge = load_judge(
-                config.model_path,
-                is_disrm=config.is_disrm,
-                max_length=config.max_length,
-                max_new_tokens=config.max_new_tokens,
-                batch_size=config.batch_size,
-                device=config.device,
-                dtype=config.dtype,
-                verdict_probs=config.verdict_probs,
-                judge_protocol=config.judge_protocol,
-                shared_prefix=config.shared_prefix,
-            )
-        model_type = "DisRM" if config.is_disrm else "GRM"
-    else:
-        model_type = judge.model_type
-    _check_run_identity(save_path, _run_identity(config, model_type))
-
-    with tqdm(total=len(records), initial=len(records) - len(todo), desc="Long-RewardBench", unit="record") as bar:
-        for start in range(0, len(todo), config.batch_size):
-            batch = todo[start : start + config.batch_size]
-            requests, orders = zip(*(make_request(record, config.seed) for record in batch))
-            outputs = judge.judge(list(requests))
+    # With several processes, the main process's bar shows its own share of the records.
+    with tqdm(total=len(mine), desc="Long-RewardBench", unit="record", disable=not state.is_main_process) as bar:
+        for start in range(0, len(mine), config.batch_size):
+            batch = mine[start : start + config.batch_size]
+            outputs = judge.judge([make_request(record, orders[record.id]) for record in batch])
             if len(outputs) != len(batch):
                 raise ValueError(f"Judge returned {len(outputs)} outputs for a batch of {len(batch)} requests.")
-            store.append([make_prediction(r, o, out) for r, o, out in zip(batch, orders, outputs)])
+            own_store.append(
+                [
+                    make_prediction(r, orders[r.id], out, config.protocol, template.pointwise_format)
+                    for r, out in zip(batch, outputs)
+                ]
+            )
             bar.update(len(batch))
 
+    state.wait_for_everyone()
+    if state.is_main_process:
+        _merge_shards(save_path, store)
+    state.wait_for_everyone()
     done = store.load()
     predictions = [done[record.id] for record in records]
-    tasks = list(dict.fromkeys(record.task for record in records))
-    results = compute_metrics(predictions, tasks)
+    tasks = (
+        list(config.tasks)
+        if config.protocol == "longrm" and config.resolved_data_format() == "long_rewardbench"
+        else list(dict.fromkeys(record.task for record in records))
+    )
+    results = compute_metrics(predictions, tasks, protocol=config.protocol)
     results = {"model": config.model_path, "model_type": model_type, **results, "config": asdict(config)}
-    if results["unparseable"]["total"]:
-        logger.warning(
-            "%d of %d verdicts could not be parsed and count as wrong.",
-            results["unparseable"]["total"],
-            len(predictions),
-        )
-    if results["truncated"]:
-        logger.warning(
-            "%d records had inputs over %d tokens, cut to head + tail.", results["truncated"], config.max_length
-        )
-    write_reports(results, save_path)
+    if state.is_main_process:
+        if results["unparseable"]["total"]:
+            logger.warning(
+                "%d of %d verdicts could not be parsed and count as wrong.",
+                results["unparseable"]["total"],
+                len(predictions),
+            )
+        if results["truncated"]:
+            logger.warning(
+                "%d records had inputs cut to head + tail (over the %d-token limit).",
+                results["truncated"],
+                config.max_length,
+            )
+        write_reports(results, save_path, stem=_results_stem(config))
+    state.wait_for_everyone()
     return results

@@ -107,6 +107,14 @@ def pad_token_id_of(tokenizer: PreTrainedTokenizerBase) -> int:
 PREFERENCE_COLUMNS = ("prompt_ids", "chosen_completion_ids", "rejected_completion_ids")
 
 
+def _is_packed(dataset, column: str) -> bool:
+    """Whether `dataset` holds packs (rows of several examples, `num_tokens` per pack) rather than examples."""
+    if not isinstance(dataset, Dataset) or "num_tokens" not in dataset.column_names or column not in dataset.column_names:
+        return False
+    first = dataset[0][column] if len(dataset) else None
+    return bool(first) and isinstance(first[0], list)
+
+
 def prepare_preference_dataset(dataset, tokenizer, args, dataset_name: str) -> Dataset:
     """Normalise (any format of `trl_longrm.data`), tokenise, report truncations, and optionally pack."""
     from trl_longrm.data import load_preference_dataset, tokenize_preference_dataset
@@ -115,9 +123,9 @@ def prepare_preference_dataset(dataset, tokenizer, args, dataset_name: str) -> D
     if dataset is None:
         return None
     columns = dataset.column_names if isinstance(dataset, Dataset) else None
+    if _is_packed(dataset, "prompt_ids"):
+        return dataset  # packed by `pack_groups` already (a dataset prepared once, passed again)
     if columns is None or not all(c in columns for c in PREFERENCE_COLUMNS):
-        if "num_tokens" in (columns or []):
-            return dataset  # already packed
         dataset = load_preference_dataset(
             dataset,
             prompt_key=args.prompt_key,
@@ -146,6 +154,8 @@ def prepare_sft_dataset(dataset, tokenizer, args, dataset_name: str, packing_bud
     if dataset is None:
         return None
     columns = dataset.column_names if isinstance(dataset, Dataset) else None
+    if _is_packed(dataset, "input_ids"):
+        return dataset  # packed by `pack_sft_examples` already
     if columns is None or "input_ids" not in columns:
         dataset = load_sft_dataset(
             dataset, prompt_key=args.prompt_key, completion_key=args.chosen_key, source_name=f"{dataset_name} dataset"
@@ -158,8 +168,6 @@ def prepare_sft_dataset(dataset, tokenizer, args, dataset_name: str, packing_bud
             num_proc=args.dataset_num_proc,
             source_name=dataset_name,
         )
-    elif "num_tokens" in columns:
-        return dataset
     if packing_budget:
         dataset = pack_sft_examples(dataset, packing_budget)
     return dataset
@@ -205,3 +213,37 @@ def per_sequence_logps(
         0, index, torch.ones_like(token_logps[label_mask])
     )
     return sums, counts
+
+
+def reduce_over_rows(accelerator, values: dict[str, tuple[torch.Tensor, torch.Tensor]], num_rows: int) -> dict:
+    """Mean, min and max of per-group metric values over every group of the global batch, each counted once.
+
+    `values` maps a name to `(values [N], rows [N])`: one value per item (a group, or a rejected response) and the
+    dataset row (example or pack) of the micro-batch it belongs to. Reduced to per-row sums, counts, minima and maxima
+    (`[num_rows, 4]` per metric, the same shape on every rank), the table goes through `gather_for_metrics`, which
+    drops the rows accelerate repeated to even out the last batch; gathering the items themselves would crash across
+    data-parallel ranks holding different numbers of groups, and would cut the repeated rows by the wrong count.
+    Returns `{name: {"mean", "min", "max"}}` (NaN where no item).
+    """
+    columns = []
+    for item_values, rows in values.values():
+        item_values = item_values.detach().float()
+        zeros = item_values.new_zeros(num_rows)
+        rows = rows.to(item_values.device)
+        sums = zeros.index_add(0, rows, item_values)
+        counts = zeros.index_add(0, rows, torch.ones_like(item_values))
+        lows = zeros.scatter_reduce(0, rows, item_values, "amin", include_self=False)
+        highs = zeros.scatter_reduce(0, rows, item_values, "amax", include_self=False)
+        columns.append(torch.stack([sums, counts, lows, highs], dim=1))
+    table = accelerator.gather_for_metrics(torch.stack(columns, dim=1))  # [rows of all ranks, metrics, 4]
+    reduced = {}
+    for i, name in enumerate(values):
+        sums, counts, lows, highs = table[:, i].unbind(-1)
+        present = counts > 0
+        total = counts.sum()
+        reduced[name] = {
+            "mean": (sums.sum() / total).item() if total > 0 else float("nan"),
+            "min": lows[present].min().item() if present.any() else float("nan"),
+            "max": highs[present].max().item() if present.any() else float("nan"),
+        }
+    return reduced
