@@ -35,6 +35,8 @@ def test_recipe_dry_run_matches_the_paper(name, capsys):
     assert args.num_train_epochs == 1 and args.max_grad_norm == 1.0 and args.bf16
     assert args.per_device_train_batch_size == 1 and plan["global_batch_size"] == 32
     assert args.gradient_checkpointing
+    # Preference stages place a group's prompt once (the shared-prefix default); SFT has no groups.
+    assert plan["shared_prefix"] == (not name.startswith("sft"))
     if name in PAPER:
         assert args.max_length == 131072 and args.sequence_parallel_size == 8 and args.ring_head_stride == 4
         assert script.accelerate_config == "zero2.yaml" and plan["world_size"] == 8

@@ -202,6 +202,9 @@ def training_plan(script_args, training_args, model_args, world_size: int | None
         "max_tokens_per_row": row_tokens,
         "max_tokens_per_optimizer_step": (row_tokens * per_device * accumulation * dp) if row_tokens else None,
         "tokens_per_rank_per_row": (row_tokens // sp) if row_tokens else None,
+        # Preference stages: whether a group's prompt is placed once for all its responses (tokens per row then
+        # count it once; see `shared_prefix`).
+        "shared_prefix": bool(getattr(training_args, "shared_prefix", False)) and bool(training_args.padding_free),
         "use_peft": model_args.use_peft,
         "quantization": "4bit" if model_args.load_in_4bit else ("8bit" if model_args.load_in_8bit else None),
         "output_dir": training_args.output_dir,
