@@ -17,7 +17,7 @@ from trl_longrm.evaluation.prompts import (
     parse_pointwise_score,
     parse_ranking_verdict,
 )
-from trl_longrm.evaluation.runner import make_request
+from trl_longrm.evaluation.runner import display_orders, make_request
 from trl_longrm.synthetic import (
     SURFACES,
     VALUES,
@@ -224,7 +224,7 @@ def test_pointwise_judge_data_scores_the_shown_response_against_the_document(tmp
 def test_judge_prompt_matches_what_the_evaluator_shows(suite):
     """A benchmark record judged by the runner gets a prompt of the same layout as the SFT rows."""
     record = load_benchmark(suite.benchmark, ["Code"], ["PairWise"])[0]
-    request, _ = make_request(record, seed=42)
+    request = make_request(record, display_orders([record], seed=42)[record.id])
     surface = SURFACES["Code"]
     assert request.task_prompt.startswith(f"{surface.system}\n\n# {surface.title}\n")
     sft_code = [r for r in read_jsonl(suite.sft) if parse_facts("Code", document_of(r["chat_template"][1]["content"]))]
