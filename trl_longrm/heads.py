@@ -34,10 +34,14 @@ _NOT_FOR_BACKBONE = ("labels", "return_dict", "logits_to_keep", "num_items_in_ba
 @dataclass
 class TokenLogProbOutput(ModelOutput):
     """`token_logps[b, t]`: log-prob of the token at `t + 1` given the tokens up to `t` (0 where not scored);
-    `label_mask[b, t]`: whether position `t` is scored."""
+    `label_mask[b, t]`: whether position `t` is scored. With `logprob_metrics=True`, also `is_top1[b, t]` (the
+    label is the most likely token) and `entropy[b, t]` of the predicted distribution, both 0 where not scored and
+    without gradient (TRL's `mean_token_accuracy` and `entropy` metrics)."""
 
     token_logps: torch.Tensor | None = None
     label_mask: torch.Tensor | None = None
+    is_top1: torch.Tensor | None = None
+    entropy: torch.Tensor | None = None
 
 
 @dataclass
@@ -90,6 +94,24 @@ def chunked_token_logprobs(
     return torch.cat(pieces) if pieces else hidden.new_zeros(0, dtype=torch.float32)
 
 
+@torch.no_grad()
+def chunked_token_stats(
+    hidden: torch.Tensor, labels: torch.Tensor, lm_head: torch.nn.Module, chunk_elements: int = 2**26
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Whether each label is the arg-max of `lm_head(hidden)` and the entropy there, both `[N]`, in chunks."""
+    vocab = lm_head.out_features if hasattr(lm_head, "out_features") else lm_head.weight.shape[0]
+    chunk = max(1, chunk_elements // vocab)
+    top1, entropy = [], []
+    for start in range(0, hidden.shape[0], chunk):
+        logits = lm_head(hidden[start : start + chunk]).float()
+        logps = torch.log_softmax(logits, dim=-1)
+        top1.append(logits.argmax(-1) == labels[start : start + chunk])
+        entropy.append(-(logps.exp() * logps).sum(-1))
+    if not top1:
+        return hidden.new_zeros(0, dtype=torch.bool), hidden.new_zeros(0, dtype=torch.float32)
+    return torch.cat(top1), torch.cat(entropy)
+
+
 def shift_labels_left(labels: torch.Tensor) -> torch.Tensor:
     """`shifted[:, t] = labels[:, t + 1]`, -100 at the last position."""
     return torch.nn.functional.pad(labels[:, 1:], (0, 1), value=-100)
@@ -104,7 +126,7 @@ def add_token_logprob_head(model, chunk_elements: int = 2**26) -> None:
     _logit_transform(base.config)
     original_forward = base.forward
 
-    def forward(self, *args, logprob_labels=None, logprob_shift_labels=None, **kwargs):
+    def forward(self, *args, logprob_labels=None, logprob_shift_labels=None, logprob_metrics=False, **kwargs):
         if logprob_labels is None and logprob_shift_labels is None:
             return original_forward(*args, **kwargs)
         for key in _NOT_FOR_BACKBONE:
@@ -118,7 +140,18 @@ def add_token_logprob_head(model, chunk_elements: int = 2**26) -> None:
         logps = chunked_token_logprobs(selected, shift_labels[mask].to(selected.device), lm_head, chunk_elements)
         # `masked_scatter` keeps the graph connected even when no position is scored.
         token_logps = logps.new_zeros(mask.shape).masked_scatter(mask.to(logps.device), logps)
-        return TokenLogProbOutput(token_logps=token_logps, label_mask=mask)
+        if not logprob_metrics:
+            return TokenLogProbOutput(token_logps=token_logps, label_mask=mask)
+        # A second, gradient-free pass over the scored positions: the chunks above are recomputed in backward and
+        # keep no logits to read the arg-max and entropy from.
+        top1, entropy = chunked_token_stats(selected, shift_labels[mask].to(selected.device), lm_head, chunk_elements)
+        device = mask.to(logps.device)
+        return TokenLogProbOutput(
+            token_logps=token_logps,
+            label_mask=mask,
+            is_top1=torch.zeros_like(device).masked_scatter(device, top1),
+            entropy=entropy.new_zeros(mask.shape).masked_scatter(device, entropy),
+        )
 
     base.forward = types.MethodType(forward, base)
     base._longrm_token_logprob_head = True

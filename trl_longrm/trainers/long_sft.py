@@ -2,16 +2,26 @@
 
 from __future__ import annotations
 
+import copy
+import logging
 from dataclasses import dataclass, field
 
 import torch
+from datasets import Dataset, IterableDataset
+from transformers import AutoConfig, TrainingArguments
 from trl import SFTConfig, SFTTrainer
 
 from trl_longrm.heads import add_token_logprob_head
 from trl_longrm.packing import SFTCollator
 from trl_longrm.sequence_parallel import SequenceParallelConfig
-from trl_longrm.trainers.common import LongContextDataArguments, pad_token_id_of, prepare_sft_dataset
+from trl_longrm.trainers.common import LongContextDataArguments, model_inputs, pad_token_id_of, prepare_sft_dataset
 from trl_longrm.trainers.parallel import SequenceParallelMixin
+
+
+logger = logging.getLogger(__name__)
+
+# Columns that only stock TRL's dataset preparation understands (tool schemas, per-row template arguments, images).
+STOCK_ONLY_COLUMNS = ("tools", "chat_template_kwargs", "image", "images", "conversations")
 
 
 @dataclass
@@ -30,13 +40,26 @@ class LongSFTConfig(SFTConfig, LongContextDataArguments, SequenceParallelConfig)
     """
 
     max_length: int | None = field(
-        default=131072, metadata={"help": "Most tokens of one example. Default 131072 (LongRM)."}
+        default=131072,
+        metadata={
+            "help": "Most tokens of one example. Default 131072 (LongRM). Conversations and prompt/completion rows "
+            "over it follow `truncation`; `text` and pre-tokenized rows are cut per `truncation_mode` (or dropped "
+            "with `truncation='drop'`)."
+        },
     )
     padding_free: bool = field(
         default=True,
         metadata={
             "help": "Lay every sequence of a micro-batch end to end in one row with `position_ids` restarting per "
             "sequence, computing no padding (default True). False gives a padded batch with an attention mask."
+        },
+    )
+    completion_only_loss: bool | None = field(
+        default=None,
+        metadata={
+            "help": "Train only on completion tokens. Default None: True for prompt/completion rows and for "
+            "pre-tokenized rows with a `completion_mask` column (stock TRL trains every token of the latter), "
+            "False for `text` rows. False trains on the prompt too."
         },
     )
     learning_rate: float = field(default=2e-6, metadata={"help": "Initial AdamW learning rate. Default 2e-6."})
@@ -46,12 +69,96 @@ class LongSFTConfig(SFTConfig, LongContextDataArguments, SequenceParallelConfig)
         SequenceParallelConfig.__post_init__(self)
 
 
-class LongSFTTrainer(SequenceParallelMixin, SFTTrainer):
-    """SFT on judgment tokens only (assistant turns), for long conversations; a drop-in for TRL's `SFTTrainer`.
+def _columns(dataset) -> list[str]:
+    if isinstance(dataset, IterableDataset):
+        return list(dataset.column_names or next(iter(dataset)).keys())
+    return list(dataset.column_names)
 
-    Accepts LongRM's SFT format (`chat_template` + `golden`) and TRL's `messages` / `prompt`+`completion` formats;
-    packs padding-free with the same collator layout as the preference trainers, and computes log-probs only at the
-    trained tokens.
+
+def _has_feature(feature, name: str) -> bool:
+    """Whether a (nested) `datasets` feature holds a field called `name`, e.g. messages with `tool_calls`."""
+    if isinstance(feature, dict):
+        return name in feature or any(_has_feature(value, name) for value in feature.values())
+    if isinstance(feature, (list, tuple)):
+        return any(_has_feature(value, name) for value in feature)
+    inner = getattr(feature, "feature", None)
+    return inner is not None and _has_feature(inner, name)
+
+
+def _labels_differ_from_inputs(dataset: Dataset) -> bool:
+    """Whether some `labels` are neither the input token nor -100 (our collator derives labels from a mask)."""
+    for ids, labels in zip(dataset["input_ids"], dataset["labels"]):
+        if len(ids) != len(labels) or any(label != -100 and label != tok for tok, label in zip(ids, labels)):
+            return True
+    return False
+
+
+def _moe_aux_loss_enabled(model, args) -> bool:
+    """Stock TRL adds a Mixture-of-Experts router's load-balancing loss; our sparse head does not return it."""
+    config = (
+        AutoConfig.from_pretrained(model, trust_remote_code=args.trust_remote_code)
+        if isinstance(model, str)
+        else model.config
+    )
+    text_config = config.get_text_config()
+    coef = args.router_aux_loss_coef
+    coef = getattr(text_config, "router_aux_loss_coef", 0.0) if coef is None else coef
+    return hasattr(text_config, "output_router_logits") and bool(coef)
+
+
+def stock_path_reasons(model, args, train_dataset, eval_dataset, formatting_func, compute_loss_func) -> list[str]:
+    """What in this setup our packed path cannot serve, each said in words; empty when it serves all of it."""
+    reasons = []
+    if formatting_func is not None:
+        reasons.append("a `formatting_func` is given")
+    if compute_loss_func is not None:
+        reasons.append("a `compute_loss_func` is given (it needs the full logits)")
+    if args.label_smoothing_factor > 0:
+        reasons.append(f"`label_smoothing_factor={args.label_smoothing_factor}` (it needs the full logits)")
+    if args.packing and args.packing_strategy != "bfd":
+        reasons.append(f"`packing_strategy={args.packing_strategy!r}` (ours packs whole examples, BFD)")
+    if (args.dataset_kwargs or {}).get("skip_prepare_dataset"):
+        reasons.append("`dataset_kwargs={'skip_prepare_dataset': True}`")
+    if model is not None and _moe_aux_loss_enabled(model, args):
+        reasons.append("the model's Mixture-of-Experts router loss (`router_aux_loss_coef`) needs its own forward")
+    datasets = {"train": train_dataset}
+    if isinstance(eval_dataset, dict):
+        datasets.update({f"eval {key!r}": value for key, value in eval_dataset.items()})
+    elif eval_dataset is not None:
+        datasets["eval"] = eval_dataset
+    for name, dataset in datasets.items():
+        if dataset is None:
+            continue
+        if isinstance(dataset, IterableDataset):
+            reasons.append(f"the {name} dataset is an `IterableDataset` (packing needs the whole dataset)")
+            continue
+        if not isinstance(dataset, Dataset):
+            continue
+        columns = dataset.column_names
+        if "num_tokens" in columns:  # already packed by us
+            continue
+        stock_only = [c for c in STOCK_ONLY_COLUMNS if c in columns]
+        if stock_only:
+            reasons.append(f"the {name} dataset has the column(s) {stock_only}")
+        if "input_ids" not in columns and _has_feature(dataset.features, "tool_calls"):
+            reasons.append(f"the {name} dataset has assistant `tool_calls`")
+        if "input_ids" in columns and "labels" in columns and _labels_differ_from_inputs(dataset):
+            reasons.append(f"the {name} dataset's `labels` differ from its `input_ids`")
+    return reasons
+
+
+class LongSFTTrainer(SequenceParallelMixin, SFTTrainer):
+    """SFT for long conversations; a drop-in for TRL's `SFTTrainer`.
+
+    Accepts LongRM's SFT format (`chat_template` + `golden`, trained on the judgment) and TRL's formats: `messages`
+    (trained on assistant turns), `prompt`+`completion`, language modeling (`text`, every token, EOS appended as TRL
+    does) and pre-tokenized `input_ids` (with `labels`, `assistant_masks` or `completion_mask`). Packs padding-free
+    with the same collator layout as the preference trainers, and computes log-probs only at the trained tokens.
+
+    What the packed path cannot serve (a `formatting_func`, an `IterableDataset`, tool-call rows, per-row
+    `chat_template_kwargs`, `compute_loss_func`, label smoothing, other packing strategies, a Mixture-of-Experts
+    router loss) goes through stock `SFTTrainer` instead, said in one logged line; with `sequence_parallel_size > 1`
+    it is an error.
 
     Example:
     ```python
@@ -63,45 +170,191 @@ class LongSFTTrainer(SequenceParallelMixin, SFTTrainer):
 
     _tag_names = ["trl", "trl-longrm", "sft"]
 
-    def __init__(self, model, args: LongSFTConfig | None = None, data_collator=None, *pargs, **kwargs):
+    def __init__(
+        self,
+        model,
+        args: LongSFTConfig | TrainingArguments | None = None,
+        data_collator=None,
+        train_dataset=None,
+        eval_dataset=None,
+        processing_class=None,
+        compute_loss_func=None,
+        *pargs,
+        formatting_func=None,
+        **kwargs,
+    ):
         if args is None:
             args = LongSFTConfig(output_dir="long-sft")
+        elif not isinstance(args, LongSFTConfig):
+            # Like SFTTrainer with a plain `TrainingArguments` (or an `SFTConfig`): every field the user set carries
+            # over, the fields it lacks take LongSFTConfig's defaults.
+            values = args.to_dict()
+            values["hub_token"] = args.hub_token  # `to_dict` hides it
+            args = LongSFTConfig(**values)
+        reasons = stock_path_reasons(model, args, train_dataset, eval_dataset, formatting_func, compute_loss_func)
+        if reasons and args.sequence_parallel_size > 1:
+            raise ValueError(
+                f"sequence_parallel_size={args.sequence_parallel_size} needs LongSFTTrainer's packed path, which "
+                f"cannot serve this setup: {'; '.join(reasons)}."
+            )
+        self._stock_path = bool(reasons)
+        if self._stock_path:
+            logger.warning(
+                "LongSFTTrainer trains through stock TRL SFTTrainer's path (no sequence parallelism, TRL's collator "
+                "and loss) because %s.",
+                "; ".join(reasons),
+            )
         # SFTTrainer refuses a custom collator in padding-free mode, and refuses padding-free without its own packing
         # because it would not enforce `max_length`; our dataset preparation enforces it, and our collator replaces
-        # its collator after `__init__`. So TRL sees `padding_free=False` while it initialises.
+        # its collator after `__init__`. So TRL sees `padding_free=False` while it initialises (on the stock path it
+        # keeps TRL's padded batches, which give the same loss).
         padding_free, args.padding_free = args.padding_free, False
         try:
-            super().__init__(model, args, None, *pargs, **kwargs)
+            super().__init__(
+                model,
+                args,
+                data_collator if self._stock_path else None,
+                train_dataset,
+                eval_dataset,
+                processing_class,
+                compute_loss_func,
+                *pargs,
+                formatting_func=formatting_func,
+                **kwargs,
+            )
         finally:
             args.padding_free = padding_free
+        self._pad_token_id = pad_token_id_of(self._tokenizer)
+        if self._stock_path:
+            return
         self.data_collator = data_collator or SFTCollator(
-            pad_token_id=pad_token_id_of(self._tokenizer),
+            pad_token_id=self._pad_token_id,
             padding_free=args.padding_free,
             pad_to_multiple_of=args.pad_to_multiple_of,
         )
         add_token_logprob_head(self.model, chunk_elements=args.logprob_chunk_elements)
-        self._init_long_context(pad_token_id_of(self._tokenizer))
+        self._init_long_context(self._pad_token_id)
+
+    # ------------------------------------------------------------------ data
 
     def _prepare_dataset(self, dataset, processing_class, args, packing, formatting_func, dataset_name):
-        if formatting_func is not None:
-            raise ValueError("LongSFTTrainer does not take a `formatting_func`; pass messages or prompt/completion.")
+        if self._stock_path:
+            return super()._prepare_dataset(dataset, processing_class, args, packing, formatting_func, dataset_name)
+        if formatting_func is not None or isinstance(dataset, IterableDataset):
+            what = "a `formatting_func`" if formatting_func is not None else "an `IterableDataset`"
+            raise ValueError(
+                f"The {dataset_name} dataset comes with {what}, which LongSFTTrainer's packed path (chosen at "
+                "construction from the train and eval datasets) cannot serve; pass it when constructing the trainer, "
+                "so that it trains through stock SFTTrainer's path."
+            )
         tokenizer = getattr(processing_class, "tokenizer", processing_class)
         budget = (args.max_tokens_per_row or args.max_length) if packing else args.max_tokens_per_row
-        return prepare_sft_dataset(dataset, tokenizer, args, dataset_name, budget)
+        columns = dataset.column_names
+        if "num_tokens" in columns:
+            return dataset
+        if "input_ids" in columns or (
+            args.dataset_text_field in columns and not {"messages", "prompt", "chat_template"} & set(columns)
+        ):
+            dataset = self._tokenize_as_stock(dataset, processing_class, args, dataset_name)
+        else:
+            if args.truncation_mode != "keep_start":
+                raise ValueError(
+                    f"truncation_mode={args.truncation_mode!r} applies to `text` and pre-tokenized rows; the "
+                    f"{dataset_name} dataset holds conversations or prompt/completion rows, whose over-long prompts "
+                    "are cut per `truncation` ('truncate_prompt' keeps the head and tail, or 'drop')."
+                )
+            dataset = prepare_sft_dataset(dataset, tokenizer, args, dataset_name, None)
+            if args.completion_only_loss is False and "prompt" in columns:
+                dataset = dataset.map(lambda row: {"completion_mask": [1] * len(row["input_ids"])})
+        dataset = prepare_sft_dataset(dataset, tokenizer, args, dataset_name, budget)
+        if args.shuffle_dataset:
+            dataset = dataset.shuffle(seed=args.seed)
+        return dataset
+
+    def _tokenize_as_stock(self, dataset, processing_class, args, dataset_name):
+        """`text` and pre-tokenized rows: TRL's own preparation (EOS, tokenisation, labels from the masks), then a
+        `completion_mask` for our collator and truncation to `max_length`, counted."""
+        columns = dataset.column_names
+        stock_args = copy.copy(args)
+        stock_args.max_length, stock_args.shuffle_dataset = None, False  # we truncate (or drop) and count below
+        completion_only_loss = self.completion_only_loss
+        if args.completion_only_loss is None and "completion_mask" in columns:
+            self.completion_only_loss = True  # documented default of LongSFTConfig
+        try:
+            dataset = SFTTrainer._prepare_dataset(
+                self, dataset, processing_class, stock_args, False, None, dataset_name
+            )
+        finally:
+            self.completion_only_loss = completion_only_loss
+        if _labels_differ_from_inputs(dataset):
+            raise ValueError(
+                f"The {dataset_name} dataset's `labels` differ from its `input_ids`; pass it when constructing the "
+                "trainer so that it trains through stock SFTTrainer's path."
+            )
+        dataset = dataset.map(
+            lambda row: {"completion_mask": [int(label != -100) for label in row["labels"]]},
+            remove_columns=["labels"],
+        )
+        return self._truncate(dataset, args, dataset_name)
+
+    @staticmethod
+    def _truncate(dataset: Dataset, args, dataset_name: str) -> Dataset:
+        if args.max_length is None:
+            return dataset
+        limit = args.max_length
+        long_rows = sum(len(ids) > limit for ids in dataset["input_ids"])
+        if args.truncation == "drop":
+            dataset = dataset.filter(lambda row: len(row["input_ids"]) <= limit)
+        elif long_rows:
+            cut = slice(None, limit) if args.truncation_mode == "keep_start" else slice(-limit, None)
+            dataset = dataset.map(
+                lambda row: {"input_ids": row["input_ids"][cut], "completion_mask": row["completion_mask"][cut]}
+            )
+        before = len(dataset)
+        # Like TRL: a row left without a trained token contributes no loss (the first token is never a label).
+        dataset = dataset.filter(lambda row: any(row["completion_mask"][1:]))
+        untrained = before - len(dataset)
+        if long_rows or untrained:
+            logger.warning(
+                "%s dataset: %d rows over max_length=%d %s; %d rows without a trained token dropped.",
+                dataset_name,
+                long_rows,
+                limit,
+                "dropped" if args.truncation == "drop" else f"truncated ({args.truncation_mode})",
+                untrained,
+            )
+        return dataset
 
     def _set_signature_columns_if_needed(self):
+        if self._stock_path:
+            return super()._set_signature_columns_if_needed()
         if self._signature_columns is None:
             self._signature_columns = ["input_ids", "completion_mask", "num_tokens"]
+
+    # ------------------------------------------------------------------ loss and metrics
 
     def token_logps(self, model, batch: dict[str, torch.Tensor]):
         """Per-position log-probs of the next token and the mask of trained positions."""
         return self.forward_token_logps(model, batch)
 
+    def _token_logps_and_stats(self, model, batch):
+        if self.sp_groups is not None:  # a ring: the arg-max and entropy of a split row are not gathered
+            token_logps, label_mask = self.token_logps(model, batch)
+            return token_logps, label_mask, None, None
+        out = model(**model_inputs(batch), logprob_labels=batch["labels"], logprob_metrics=True, use_cache=False)
+        return out.token_logps, out.label_mask, out.is_top1, out.entropy
+
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if self._stock_path:
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         mode = "train" if self.model.training else "eval"
-        token_logps, label_mask = self.token_logps(model, inputs)
+        token_logps, label_mask, is_top1, entropy = self._token_logps_and_stats(model, inputs)
+        per_token_loss = -token_logps  # 0 where not trained
+        if self.args.loss_type == "dft":
+            # DFT (arXiv 2508.05629), as TRL: each token's NLL weighted by its (detached) probability.
+            per_token_loss = per_token_loss * token_logps.exp().detach()
         num_tokens = label_mask.sum() if num_items_in_batch is None else num_items_in_batch
-        loss = -token_logps.sum() / torch.as_tensor(num_tokens).clamp(min=1)
+        loss = per_token_loss.sum() / torch.as_tensor(num_tokens).clamp(min=1)
         # Like TRL: `num_items_in_batch` counts every rank's tokens and DDP averages gradients across ranks.
         if self.args.average_tokens_across_devices and num_items_in_batch is not None:
             loss = loss * self.accelerator.num_processes
@@ -114,6 +367,30 @@ class LongSFTTrainer(SequenceParallelMixin, SFTTrainer):
             scored = gather(label_mask.sum()).sum()
             nll = gather(-token_logps.detach().sum()).sum() / scored.clamp(min=1)
             self._metrics[mode]["nll"].append(nll.item())
+            if is_top1 is not None:
+                correct = gather(is_top1.sum()).sum()
+                entropy_sum = gather(entropy.sum()).sum()
+                valid = scored.item() > 0
+                self._metrics[mode]["mean_token_accuracy"].append((correct / scored).item() if valid else 0.0)
+                self._metrics[mode]["entropy"].append((entropy_sum / scored).item() if valid else 0.0)
         if return_outputs:
             return loss, {"token_logps": token_logps}
         return loss
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys: list[str] | None = None):
+        if self._stock_path:
+            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
+        inputs = self._prepare_inputs(inputs)
+        with torch.no_grad(), self.compute_loss_context_manager():
+            loss = self.compute_loss(model, inputs)
+            if prediction_loss_only:
+                return loss.detach(), None, None
+            if self.sp_groups is not None:
+                raise ValueError(
+                    "`compute_metrics` / `predict()` need the full logits, which a row split over a ring "
+                    f"(sequence_parallel_size={self.sp_groups.sequence_parallel_size}) does not have; set "
+                    "`prediction_loss_only=True`."
+                )
+            # As TRL: the sparse head builds no logits, so they come from one more (plain) forward.
+            logits = model(**model_inputs(inputs), use_cache=False).logits
+        return loss.detach(), logits, inputs["labels"]
