@@ -162,13 +162,54 @@ def test_completion_mask_trained_by_default(tmp_path, tokenizer):
     assert_same_step(stock, ours)
 
 
-def test_prompt_completion_with_completion_only_loss_false(tmp_path, tokenizer):
-    data = Dataset.from_list([{"prompt": sentence(i, 6), "completion": sentence(i + 3, 3)} for i in range(4)])
-    masked = unpacked_ours(tmp_path, tokenizer, data)
-    full = unpacked_ours(tmp_path, tokenizer, data, completion_only_loss=False)
-    assert full.train_dataset["input_ids"] == masked.train_dataset["input_ids"]
-    assert all(set(m) == {1} for m in full.train_dataset["completion_mask"])
-    assert all(0 in m for m in masked.train_dataset["completion_mask"])
+@pytest.mark.parametrize("completion_only_loss", [None, True, False])
+def test_prompt_completion_as_stock(tmp_path, tokenizer, completion_only_loss):
+    data = Dataset.from_list([{"prompt": sentence(i, 6), "completion": " " + sentence(i + 3, 3)} for i in range(4)])
+    stock, ours = stock_and_ours(tmp_path, tokenizer, data, completion_only_loss=completion_only_loss)
+    assert_same_step(stock, ours)
+    masks = unpacked_ours(tmp_path, tokenizer, data, completion_only_loss=completion_only_loss).train_dataset
+    assert all((0 in m) == (completion_only_loss is not False) for m in masks["completion_mask"])
+
+
+def conversations():
+    return Dataset.from_list(
+        [
+            {
+                "messages": [
+                    {"role": "user", "content": sentence(i, 5 + i)},
+                    {"role": "assistant", "content": sentence(i + 1, 3)},
+                    {"role": "user", "content": sentence(i + 2, 4)},
+                    {"role": "assistant", "content": sentence(i + 3, 2 + i)},
+                ]
+            }
+            for i in range(4)
+        ]
+    )
+
+
+@pytest.mark.parametrize("ours_setting, stock_setting", [(True, True), (False, False), (None, True)])
+def test_conversations_as_stock(tmp_path, tokenizer, ours_setting, stock_setting):
+    """`assistant_only_loss=True` / False as stock; None (our default) trains assistant turns, i.e. stock's True."""
+    data = conversations()
+    stock = SFTTrainer(
+        model=model_for(tokenizer),
+        args=SFTConfig(**cpu_args(tmp_path, max_length=256, assistant_only_loss=stock_setting)),
+        train_dataset=data,
+        processing_class=tokenizer,
+    )
+    # (no row is cut: over `max_length` ours cuts the middle of the prompt, stock the end of the conversation)
+    ours = unpacked_ours(tmp_path, tokenizer, data, max_length=256, assistant_only_loss=ours_setting)
+    assert ours.train_dataset["input_ids"] == stock.train_dataset["input_ids"]
+    assert [stock_labels_of(r) for r in ours.train_dataset] == stock.train_dataset["labels"]
+    packed_stock, packed_ours = stock_and_ours(
+        tmp_path,
+        tokenizer,
+        data,
+        max_length=256,
+        stock_overrides={"assistant_only_loss": stock_setting},
+        ours_overrides={"assistant_only_loss": ours_setting},
+    )
+    assert_same_step(packed_stock, packed_ours)
 
 
 def test_truncation_mode_refused_for_conversations(tmp_path, tokenizer):
@@ -302,7 +343,7 @@ HONOURED = {
     "max_length": "test_text_rows_processed_as_stock, test_pretokenized_rows_as_stock",
     "packing": "test_text_rows_train_as_stock_packed",
     "padding_free": "test_text_rows_train_as_stock_packed (layout only; same loss)",
-    "completion_only_loss": "test_pretokenized_rows_as_stock, test_prompt_completion_with_completion_only_loss_false",
+    "completion_only_loss": "test_pretokenized_rows_as_stock, test_prompt_completion_as_stock",
     "loss_type": "test_dft_loss_as_stock",
     "dataset_text_field": "read by stock preparation, which ours calls for text rows",
     "truncation_mode": "text/pre-tokenized: as stock; conversations: test_truncation_mode_refused_for_conversations",
@@ -318,7 +359,7 @@ HONOURED = {
     "shuffle_dataset": "the prepared dataset is shuffled",
     "pad_to_multiple_of": "passed to our collator",
     "eval_packing": "stock SFTTrainer.__init__ passes it to `_prepare_dataset`",
-    "assistant_only_loss": "conversations train assistant turns; stock's checks run in its __init__",
+    "assistant_only_loss": "test_conversations_as_stock",
     "activation_offloading": "stock SFTTrainer.training_step (not overridden)",
 }
 REFUSED: dict[str, object] = {}  # field -> a non-default value that raises an error naming the field
@@ -330,6 +371,8 @@ def test_every_sft_config_field_is_classified(tmp_path, tokenizer):
     unclassified = added - HONOURED.keys() - REFUSED.keys()
     assert not unclassified, f"SFTConfig fields neither honoured nor refused by LongSFTTrainer: {unclassified}"
     assert not (HONOURED.keys() | REFUSED.keys()) - added  # no stale entry
+    cited = {word.strip(",()") for how in HONOURED.values() for word in how.split() if word.startswith("test_")}
+    assert cited and all(callable(globals().get(name)) for name in cited), cited - set(globals())
     for name, value in REFUSED.items():
         with pytest.raises(ValueError, match=name):
             unpacked_ours(tmp_path, tokenizer, Dataset.from_list(text_rows()), **{name: value})

@@ -11,6 +11,7 @@ from datasets import Dataset, IterableDataset
 from transformers import AutoConfig, TrainingArguments
 from trl import SFTConfig, SFTTrainer
 
+from trl_longrm.data.records import resolve_sft_layout
 from trl_longrm.heads import add_token_logprob_head
 from trl_longrm.packing import SFTCollator
 from trl_longrm.sequence_parallel import SequenceParallelConfig
@@ -60,6 +61,14 @@ class LongSFTConfig(SFTConfig, LongContextDataArguments, SequenceParallelConfig)
             "help": "Train only on completion tokens. Default None: True for prompt/completion rows and for "
             "pre-tokenized rows with a `completion_mask` column (stock TRL trains every token of the latter), "
             "False for `text` rows. False trains on the prompt too."
+        },
+    )
+    assistant_only_loss: bool | None = field(
+        default=None,
+        metadata={
+            "help": "Train only on assistant turns of conversations. Default None: True for conversations "
+            "(`messages`, LongRM's `chat_template`; stock TRL trains every token of `messages` by default). False "
+            "trains every token of a conversation, as stock TRL."
         },
     )
     learning_rate: float = field(default=2e-6, metadata={"help": "Initial AdamW learning rate. Default 2e-6."})
@@ -252,9 +261,16 @@ class LongSFTTrainer(SequenceParallelMixin, SFTTrainer):
         columns = dataset.column_names
         if "num_tokens" in columns:
             return dataset
-        if "input_ids" in columns or (
-            args.dataset_text_field in columns and not {"messages", "prompt", "chat_template"} & set(columns)
+        layout = None
+        if "input_ids" not in columns and not (
+            args.dataset_text_field in columns and not {"messages", "prompt", "chat_template", "golden"} & set(columns)
         ):
+            layout = resolve_sft_layout(columns, prompt_key=args.prompt_key, completion_key=args.chosen_key)
+        if layout is None or (
+            layout.data_format == "trl" and layout.messages_key == "messages" and args.assistant_only_loss is False
+        ):
+            # Language modeling (`text`), pre-tokenized rows, and whole conversations trained on every token: TRL's
+            # own preparation, then our truncation and packing.
             dataset = self._tokenize_as_stock(dataset, processing_class, args, dataset_name)
         else:
             if args.truncation_mode != "keep_start":
@@ -264,7 +280,12 @@ class LongSFTTrainer(SequenceParallelMixin, SFTTrainer):
                     "are cut per `truncation` ('truncate_prompt' keeps the head and tail, or 'drop')."
                 )
             dataset = prepare_sft_dataset(dataset, tokenizer, args, dataset_name, None)
-            if args.completion_only_loss is False and "prompt" in columns:
+            every_token = (
+                args.completion_only_loss is False
+                if layout.messages_key is None
+                else (args.assistant_only_loss is False)
+            )
+            if every_token:
                 dataset = dataset.map(lambda row: {"completion_mask": [1] * len(row["input_ids"])})
         dataset = prepare_sft_dataset(dataset, tokenizer, args, dataset_name, budget)
         if args.shuffle_dataset:
