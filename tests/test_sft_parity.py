@@ -376,3 +376,81 @@ def test_every_sft_config_field_is_classified(tmp_path, tokenizer):
     for name, value in REFUSED.items():
         with pytest.raises(ValueError, match=name):
             unpacked_ours(tmp_path, tokenizer, Dataset.from_list(text_rows()), **{name: value})
+
+
+# ---------------------------------------------------------------- architectures our packed path cannot run
+
+
+def sliding_window_model(tokenizer):
+    return build_tiny_model(
+        "qwen3",
+        "causal-lm",
+        tokenizer,
+        seed=1,
+        use_sliding_window=True,
+        sliding_window=4,
+        layer_types=["sliding_attention", "full_attention"],
+    )
+
+
+def moe_model(tokenizer):
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    config = Qwen3MoeConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_experts=4,
+        num_experts_per_tok=2,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        router_aux_loss_coef=0.5,
+        output_router_logits=True,
+    )
+    torch.manual_seed(1)
+    return AutoModelForCausalLM.from_config(config)
+
+
+def prompt_tuning():
+    from peft import PromptTuningConfig
+
+    return {"peft_config": PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=3)}
+
+
+@pytest.mark.parametrize(
+    "build, extra, reason",
+    [
+        (sliding_window_model, dict, "sliding"),
+        (moe_model, dict, "Mixture-of-Experts"),
+        (model_for, prompt_tuning, "PromptTuningConfig"),
+    ],
+)
+def test_architecture_fallback_to_stock_path(tmp_path, tokenizer, caplog, build, extra, reason):
+    data = Dataset.from_list(text_rows())
+    common = cpu_args(tmp_path, max_length=64)
+    stock = SFTTrainer(
+        model=build(tokenizer), args=SFTConfig(**common), train_dataset=data, processing_class=tokenizer, **extra()
+    )
+    with caplog.at_level(logging.WARNING, logger="trl_longrm.trainers.long_sft"):
+        ours = LongSFTTrainer(
+            model=build(tokenizer),
+            args=LongSFTConfig(**common),
+            train_dataset=data,
+            processing_class=tokenizer,
+            **extra(),
+        )
+    assert ours._stock_path and reason in caplog.text
+    assert_same_step(stock, ours)
+    with pytest.raises(ValueError, match=f"sequence_parallel_size=2.*{reason}"):
+        LongSFTTrainer(
+            model=build(tokenizer),
+            args=LongSFTConfig(**cpu_args(tmp_path, sequence_parallel_size=2)),
+            train_dataset=data,
+            processing_class=tokenizer,
+            **extra(),
+        )

@@ -12,9 +12,10 @@ from transformers import AutoConfig, TrainingArguments
 from trl import SFTConfig, SFTTrainer
 
 from trl_longrm.data.records import resolve_sft_layout
-from trl_longrm.heads import add_token_logprob_head
+from trl_longrm.heads import _logit_transform, add_token_logprob_head
 from trl_longrm.packing import SFTCollator
 from trl_longrm.sequence_parallel import SequenceParallelConfig
+from trl_longrm.sequence_parallel.validation import validate_ring_attention_model
 from trl_longrm.trainers.common import LongContextDataArguments, model_inputs, pad_token_id_of, prepare_sft_dataset
 from trl_longrm.trainers.parallel import SequenceParallelMixin
 
@@ -115,9 +116,30 @@ def _moe_aux_loss_enabled(model, args) -> bool:
     return hasattr(text_config, "output_router_logits") and bool(coef)
 
 
-def stock_path_reasons(model, args, train_dataset, eval_dataset, formatting_func, compute_loss_func) -> list[str]:
-    """What in this setup our packed path cannot serve, each said in words; empty when it serves all of it."""
+def _architecture_reasons(model, args, peft_config) -> list[str]:
+    """What of an instantiated model our sparse head or (padding-free) packed attention cannot run."""
+    if getattr(peft_config, "is_prompt_learning", False):
+        return [f"PEFT {type(peft_config).__name__} adds virtual tokens that our packed rows do not hold"]
+    if isinstance(model, str):  # checked once loaded, with a clear error (see `_init_long_context`)
+        return []
     reasons = []
+    try:
+        _logit_transform(model.config)
+    except ValueError as error:
+        reasons.append(str(error).split(":")[0] + " (logit transforms)")
+    if args.padding_free:
+        try:
+            validate_ring_attention_model(model, args)
+        except (TypeError, NotImplementedError) as error:  # an architecture, not a setting, the packing cannot run
+            reasons.append(str(error))
+    return reasons
+
+
+def stock_path_reasons(
+    model, args, train_dataset, eval_dataset, formatting_func, compute_loss_func, peft_config=None
+) -> list[str]:
+    """What in this setup our packed path cannot serve, each said in words; empty when it serves all of it."""
+    reasons = _architecture_reasons(model, args, peft_config)
     if formatting_func is not None:
         reasons.append("a `formatting_func` is given")
     if compute_loss_func is not None:
@@ -200,7 +222,15 @@ class LongSFTTrainer(SequenceParallelMixin, SFTTrainer):
             values = args.to_dict()
             values["hub_token"] = args.hub_token  # `to_dict` hides it
             args = LongSFTConfig(**values)
-        reasons = stock_path_reasons(model, args, train_dataset, eval_dataset, formatting_func, compute_loss_func)
+        reasons = stock_path_reasons(
+            model,
+            args,
+            train_dataset,
+            eval_dataset,
+            formatting_func,
+            compute_loss_func,
+            kwargs.get("peft_config"),
+        )
         if reasons and args.sequence_parallel_size > 1:
             raise ValueError(
                 f"sequence_parallel_size={args.sequence_parallel_size} needs LongSFTTrainer's packed path, which "
