@@ -454,3 +454,28 @@ def test_architecture_fallback_to_stock_path(tmp_path, tokenizer, caplog, build,
             processing_class=tokenizer,
             **extra(),
         )
+
+
+def test_qwen3_multi_turn_masked_with_training_template(tmp_path, caplog):
+    """Qwen3's template drops past reasoning, so a conversation's rendering is not a prefix of its continuation; as
+    stock SFTTrainer with `assistant_only_loss=True`, TRL's training template masks the assistant turns."""
+    from pathlib import Path
+
+    import trl
+
+    from trl_longrm.testing_utils import build_chat_tokenizer
+
+    qwen3 = build_chat_tokenizer()
+    qwen3.chat_template = (Path(trl.__file__).parent / "chat_templates" / "qwen3.jinja").read_text()
+    data = conversations()
+    stock = SFTTrainer(
+        model=model_for(qwen3),
+        args=SFTConfig(**cpu_args(tmp_path, max_length=256, assistant_only_loss=True)),
+        train_dataset=data,
+        processing_class=qwen3,
+    )
+    with caplog.at_level(logging.WARNING, logger="trl_longrm.trainers.long_sft"):
+        ours = unpacked_ours(tmp_path, qwen3, data, max_length=256)
+    assert "prefix-stable" in caplog.text
+    assert ours.train_dataset["input_ids"] == stock.train_dataset["input_ids"]
+    assert [stock_labels_of(r) for r in ours.train_dataset] == stock.train_dataset["labels"]

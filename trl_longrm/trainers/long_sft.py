@@ -10,7 +10,9 @@ import torch
 from datasets import Dataset, IterableDataset
 from transformers import AutoConfig, TrainingArguments
 from trl import SFTConfig, SFTTrainer
+from trl.chat_template_utils import get_training_chat_template
 
+from trl_longrm.data.errors import DataFormatError
 from trl_longrm.data.records import resolve_sft_layout
 from trl_longrm.heads import _logit_transform, add_token_logprob_head
 from trl_longrm.packing import SFTCollator
@@ -309,7 +311,12 @@ class LongSFTTrainer(SequenceParallelMixin, SFTTrainer):
                     f"{dataset_name} dataset holds conversations or prompt/completion rows, whose over-long prompts "
                     "are cut per `truncation` ('truncate_prompt' keeps the head and tail, or 'drop')."
                 )
-            dataset = prepare_sft_dataset(dataset, tokenizer, args, dataset_name, None)
+            try:
+                dataset = prepare_sft_dataset(dataset, tokenizer, args, dataset_name, None)
+            except DataFormatError as error:
+                if "prefix-stable" not in str(error) or layout.messages_key != "messages":
+                    raise
+                dataset = self._tokenize_with_training_template(dataset, processing_class, args, dataset_name, error)
             every_token = (
                 args.completion_only_loss is False
                 if layout.messages_key is None
@@ -322,12 +329,31 @@ class LongSFTTrainer(SequenceParallelMixin, SFTTrainer):
             dataset = dataset.shuffle(seed=args.seed)
         return dataset
 
-    def _tokenize_as_stock(self, dataset, processing_class, args, dataset_name):
+    def _tokenize_with_training_template(self, dataset, processing_class, args, dataset_name, error):
+        """Conversations whose chat template renders earlier turns differently once continued (Qwen3 drops past
+        reasoning): assistant turns masked with TRL's prefix-preserving training template, as stock SFTTrainer does
+        with `assistant_only_loss=True`."""
+        template = get_training_chat_template(processing_class)  # raises for a template TRL has no version of
+        logger.warning(
+            "%s dataset: %s; its assistant turns are masked with TRL's training chat template instead.",
+            dataset_name,
+            str(error).split(": ", 1)[-1].split(" (")[0],
+        )
+        chat_template = self.chat_template
+        self.chat_template = template
+        try:
+            return self._tokenize_as_stock(dataset, processing_class, args, dataset_name, assistant_only_loss=True)
+        finally:
+            self.chat_template = chat_template
+
+    def _tokenize_as_stock(self, dataset, processing_class, args, dataset_name, **overrides):
         """`text` and pre-tokenized rows: TRL's own preparation (EOS, tokenisation, labels from the masks), then a
         `completion_mask` for our collator and truncation to `max_length`, counted."""
         columns = dataset.column_names
         stock_args = copy.copy(args)
         stock_args.max_length, stock_args.shuffle_dataset = None, False  # we truncate (or drop) and count below
+        for name, value in overrides.items():
+            setattr(stock_args, name, value)
         completion_only_loss = self.completion_only_loss
         if args.completion_only_loss is None and "completion_mask" in columns:
             self.completion_only_loss = True  # documented default of LongSFTConfig
