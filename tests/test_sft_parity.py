@@ -239,7 +239,7 @@ def iterable_text():
     return IterableDataset.from_generator(lambda: iter(text_rows()))
 
 
-@pytest.mark.parametrize("case", ["formatting_func", "iterable", "tools", "chat_template_kwargs"])
+@pytest.mark.parametrize("case", ["formatting_func", "iterable", "tools", "chat_template_kwargs", "data_collator"])
 def test_fallback_to_stock_path(tmp_path, tokenizer, caplog, case):
     kwargs = {}
     if case == "formatting_func":
@@ -247,6 +247,11 @@ def test_fallback_to_stock_path(tmp_path, tokenizer, caplog, case):
         kwargs["formatting_func"] = lambda row: f"Q: {row['question']} A: {row['answer']}"
     elif case == "iterable":
         data = iterable_text
+    elif case == "data_collator":
+        from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
+
+        data = Dataset.from_list(text_rows())
+        kwargs["data_collator"] = DataCollatorForLanguageModeling(pad_token_id=tokenizer.pad_token_id)
     elif case == "tools":
         data = Dataset.from_list(tool_rows())
     else:

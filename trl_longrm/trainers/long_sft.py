@@ -138,10 +138,12 @@ def _architecture_reasons(model, args, peft_config) -> list[str]:
 
 
 def stock_path_reasons(
-    model, args, train_dataset, eval_dataset, formatting_func, compute_loss_func, peft_config=None
+    model, args, train_dataset, eval_dataset, formatting_func, compute_loss_func, peft_config=None, data_collator=None
 ) -> list[str]:
     """What in this setup our packed path cannot serve, each said in words; empty when it serves all of it."""
     reasons = _architecture_reasons(model, args, peft_config)
+    if data_collator is not None and not isinstance(data_collator, SFTCollator):
+        reasons.append(f"a `data_collator` ({type(data_collator).__name__}) is given")
     if formatting_func is not None:
         reasons.append("a `formatting_func` is given")
     if compute_loss_func is not None:
@@ -188,7 +190,7 @@ class LongSFTTrainer(SequenceParallelMixin, SFTTrainer):
     does) and pre-tokenized `input_ids` (with `labels`, `assistant_masks` or `completion_mask`). Packs padding-free
     with the same collator layout as the preference trainers, and computes log-probs only at the trained tokens.
 
-    What the packed path cannot serve (a `formatting_func`, an `IterableDataset`, tool-call rows, per-row
+    What the packed path cannot serve (a `formatting_func` or `data_collator`, an `IterableDataset`, tool-call rows, per-row
     `chat_template_kwargs`, `compute_loss_func`, label smoothing, other packing strategies, a Mixture-of-Experts
     router loss) goes through stock `SFTTrainer` instead, said in one logged line; with `sequence_parallel_size > 1`
     it is an error.
@@ -232,6 +234,7 @@ class LongSFTTrainer(SequenceParallelMixin, SFTTrainer):
             formatting_func,
             compute_loss_func,
             kwargs.get("peft_config"),
+            data_collator,
         )
         if reasons and args.sequence_parallel_size > 1:
             raise ValueError(
