@@ -64,6 +64,8 @@ def assert_same_step(stock, ours):
     loss, grads = whole_batch_loss_and_grads(ours)
     torch.testing.assert_close(loss, stock_loss, atol=1e-5, rtol=0)
     assert_same_grads(grads, stock_grads)
+    for key in ("mean_token_accuracy", "entropy"):  # logged by the training step, as stock
+        assert ours._metrics["train"][key][-1] == pytest.approx(stock._metrics["train"][key][-1], abs=1e-5), key
     return loss
 
 

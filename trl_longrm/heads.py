@@ -75,41 +75,49 @@ def _chunk_logps(hidden: torch.Tensor, labels: torch.Tensor, lm_head: torch.nn.M
     return logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 
 
+def _chunk_logps_and_stats(hidden: torch.Tensor, labels: torch.Tensor, lm_head: torch.nn.Module, stats: list):
+    logits = lm_head(hidden).float()
+    logps = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    if not stats:  # metrics, read off the logits on the first pass only (not in checkpoint's recomputation)
+        with torch.no_grad():
+            all_logps = torch.log_softmax(logits, dim=-1)
+            stats += [logits.argmax(-1) == labels, -(all_logps.exp() * all_logps).sum(-1)]
+    return logps
+
+
 def chunked_token_logprobs(
-    hidden: torch.Tensor, labels: torch.Tensor, lm_head: torch.nn.Module, chunk_elements: int = 2**26
-) -> torch.Tensor:
+    hidden: torch.Tensor,
+    labels: torch.Tensor,
+    lm_head: torch.nn.Module,
+    chunk_elements: int = 2**26,
+    with_stats: bool = False,
+):
     """Log-probs of `labels [N]` under `lm_head(hidden [N, D])`, never holding more than `chunk_elements` logits.
 
-    Under autograd each chunk is checkpointed: its logits are recomputed in backward instead of being kept.
+    Under autograd each chunk is checkpointed: its logits are recomputed in backward instead of being kept. With
+    `with_stats=True`, returns `(logps, is_top1, entropy)` (the last two without gradient), read off the same logits.
     """
     vocab = lm_head.out_features if hasattr(lm_head, "out_features") else lm_head.weight.shape[0]
     chunk = max(1, chunk_elements // vocab)
-    pieces = []
+    pieces, top1, entropy = [], [], []
     for start in range(0, hidden.shape[0], chunk):
         h, y = hidden[start : start + chunk], labels[start : start + chunk]
+        args = (h, y, lm_head) + (([],) if with_stats else ())
+        function = _chunk_logps_and_stats if with_stats else _chunk_logps
         if torch.is_grad_enabled():
-            pieces.append(checkpoint(_chunk_logps, h, y, lm_head, use_reentrant=False))
+            pieces.append(checkpoint(function, *args, use_reentrant=False))
         else:
-            pieces.append(_chunk_logps(h, y, lm_head))
-    return torch.cat(pieces) if pieces else hidden.new_zeros(0, dtype=torch.float32)
-
-
-@torch.no_grad()
-def chunked_token_stats(
-    hidden: torch.Tensor, labels: torch.Tensor, lm_head: torch.nn.Module, chunk_elements: int = 2**26
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Whether each label is the arg-max of `lm_head(hidden)` and the entropy there, both `[N]`, in chunks."""
-    vocab = lm_head.out_features if hasattr(lm_head, "out_features") else lm_head.weight.shape[0]
-    chunk = max(1, chunk_elements // vocab)
-    top1, entropy = [], []
-    for start in range(0, hidden.shape[0], chunk):
-        logits = lm_head(hidden[start : start + chunk]).float()
-        logps = torch.log_softmax(logits, dim=-1)
-        top1.append(logits.argmax(-1) == labels[start : start + chunk])
-        entropy.append(-(logps.exp() * logps).sum(-1))
-    if not top1:
-        return hidden.new_zeros(0, dtype=torch.bool), hidden.new_zeros(0, dtype=torch.float32)
-    return torch.cat(top1), torch.cat(entropy)
+            pieces.append(function(*args))
+        if with_stats:
+            top1.append(args[3][0])
+            entropy.append(args[3][1])
+    empty = hidden.new_zeros(0, dtype=torch.float32)
+    logps = torch.cat(pieces) if pieces else empty
+    if not with_stats:
+        return logps
+    if not pieces:
+        return logps, empty.bool(), empty
+    return logps, torch.cat(top1), torch.cat(entropy)
 
 
 def shift_labels_left(labels: torch.Tensor) -> torch.Tensor:
@@ -137,20 +145,21 @@ def add_token_logprob_head(model, chunk_elements: int = 2**26) -> None:
         mask = shift_labels != -100
         lm_head = self.get_output_embeddings()
         selected = hidden[mask].to(lm_head.weight.device)
-        logps = chunked_token_logprobs(selected, shift_labels[mask].to(selected.device), lm_head, chunk_elements)
+        labels = shift_labels[mask].to(selected.device)
+        if logprob_metrics:
+            logps, is_top1, entropy = chunked_token_logprobs(selected, labels, lm_head, chunk_elements, True)
+        else:
+            logps = chunked_token_logprobs(selected, labels, lm_head, chunk_elements)
         # `masked_scatter` keeps the graph connected even when no position is scored.
-        token_logps = logps.new_zeros(mask.shape).masked_scatter(mask.to(logps.device), logps)
+        device_mask = mask.to(logps.device)
+        token_logps = logps.new_zeros(mask.shape).masked_scatter(device_mask, logps)
         if not logprob_metrics:
             return TokenLogProbOutput(token_logps=token_logps, label_mask=mask)
-        # A second, gradient-free pass over the scored positions: the chunks above are recomputed in backward and
-        # keep no logits to read the arg-max and entropy from.
-        top1, entropy = chunked_token_stats(selected, shift_labels[mask].to(selected.device), lm_head, chunk_elements)
-        device = mask.to(logps.device)
         return TokenLogProbOutput(
             token_logps=token_logps,
             label_mask=mask,
-            is_top1=torch.zeros_like(device).masked_scatter(device, top1),
-            entropy=entropy.new_zeros(mask.shape).masked_scatter(device, entropy),
+            is_top1=torch.zeros_like(device_mask).masked_scatter(device_mask, is_top1),
+            entropy=entropy.new_zeros(mask.shape).masked_scatter(device_mask, entropy),
         )
 
     base.forward = types.MethodType(forward, base)

@@ -366,7 +366,7 @@ class LongSFTTrainer(SequenceParallelMixin, SFTTrainer):
             )
         finally:
             self.completion_only_loss = completion_only_loss
-        if _labels_differ_from_inputs(dataset):
+        if "labels" in columns and _labels_differ_from_inputs(dataset):
             raise ValueError(
                 f"The {dataset_name} dataset's `labels` differ from its `input_ids`; pass it when constructing the "
                 "trainer so that it trains through stock SFTTrainer's path."
