@@ -214,6 +214,23 @@ def test_conversations_as_stock(tmp_path, tokenizer, ours_setting, stock_setting
     assert_same_step(packed_stock, packed_ours)
 
 
+def test_assistant_only_loss_on_longrm_conversations_and_refused_for_text(tmp_path, tokenizer):
+    rows = [
+        {"chat_template": [{"role": "user", "content": sentence(i, 6)}], "golden": sentence(i + 1, 3)}
+        for i in range(4)
+    ]
+    default = unpacked_ours(tmp_path, tokenizer, Dataset.from_list(rows))
+    explicit = unpacked_ours(tmp_path, tokenizer, Dataset.from_list(rows), assistant_only_loss=True)
+    every = unpacked_ours(tmp_path, tokenizer, Dataset.from_list(rows), assistant_only_loss=False)
+    assert explicit.train_dataset["completion_mask"] == default.train_dataset["completion_mask"]
+    assert all(0 in m for m in default.train_dataset["completion_mask"])
+    assert all(set(m) == {1} for m in every.train_dataset["completion_mask"])
+    assert every.train_dataset["input_ids"] == default.train_dataset["input_ids"]
+    for data in (Dataset.from_list(text_rows()), pretokenized_rows(tokenizer, None)):
+        with pytest.raises(ValueError, match="assistant_only_loss=True needs conversations"):
+            unpacked_ours(tmp_path, tokenizer, data, assistant_only_loss=True)
+
+
 def test_truncation_mode_refused_for_conversations(tmp_path, tokenizer):
     data = Dataset.from_list([{"prompt": sentence(i, 6), "completion": sentence(i + 3, 3)} for i in range(4)])
     with pytest.raises(ValueError, match="truncation_mode='keep_end'"):

@@ -251,8 +251,14 @@ class LongSFTTrainer(SequenceParallelMixin, SFTTrainer):
         # SFTTrainer refuses a custom collator in padding-free mode, and refuses padding-free without its own packing
         # because it would not enforce `max_length`; our dataset preparation enforces it, and our collator replaces
         # its collator after `__init__`. So TRL sees `padding_free=False` while it initialises (on the stock path it
-        # keeps TRL's padded batches, which give the same loss).
-        padding_free, args.padding_free = args.padding_free, False
+        # keeps TRL's padded batches, which give the same loss). On our path TRL also need not see
+        # `assistant_only_loss`: it would refuse LongRM's conversations (a `chat_template` column it does not know)
+        # and templates it has no training version of, while our tokenisation masks assistant turns itself.
+        self._assistant_only_loss = args.assistant_only_loss
+        hidden = {"padding_free": False, **({} if self._stock_path else {"assistant_only_loss": None})}
+        saved = {name: getattr(args, name) for name in hidden}
+        for name, value in hidden.items():
+            setattr(args, name, value)
         try:
             super().__init__(
                 model,
@@ -267,7 +273,8 @@ class LongSFTTrainer(SequenceParallelMixin, SFTTrainer):
                 **kwargs,
             )
         finally:
-            args.padding_free = padding_free
+            for name, value in saved.items():
+                setattr(args, name, value)
         self._pad_token_id = pad_token_id_of(self._tokenizer)
         if self._stock_path:
             return
@@ -301,8 +308,14 @@ class LongSFTTrainer(SequenceParallelMixin, SFTTrainer):
             args.dataset_text_field in columns and not {"messages", "prompt", "chat_template", "golden"} & set(columns)
         ):
             layout = resolve_sft_layout(columns, prompt_key=args.prompt_key, completion_key=args.chosen_key)
+        assistant_only_loss = self._assistant_only_loss  # as the user set it (TRL's __init__ sees None)
+        if layout is None and assistant_only_loss:
+            raise ValueError(
+                f"assistant_only_loss=True needs conversations, but the {dataset_name} dataset holds "
+                f"{'pre-tokenized' if 'input_ids' in columns else 'language-modeling text'} rows (as stock SFTTrainer)."
+            )
         if layout is None or (
-            layout.data_format == "trl" and layout.messages_key == "messages" and args.assistant_only_loss is False
+            layout.data_format == "trl" and layout.messages_key == "messages" and assistant_only_loss is False
         ):
             # Language modeling (`text`), pre-tokenized rows, and whole conversations trained on every token: TRL's
             # own preparation, then our truncation and packing.
@@ -321,9 +334,7 @@ class LongSFTTrainer(SequenceParallelMixin, SFTTrainer):
                     raise
                 dataset = self._tokenize_with_training_template(dataset, processing_class, args, dataset_name, error)
             every_token = (
-                args.completion_only_loss is False
-                if layout.messages_key is None
-                else (args.assistant_only_loss is False)
+                args.completion_only_loss is False if layout.messages_key is None else (assistant_only_loss is False)
             )
             if every_token:
                 dataset = dataset.map(lambda row: {"completion_mask": [1] * len(row["input_ids"])})
