@@ -299,6 +299,29 @@ def test_fallback_to_stock_path(tmp_path, tokenizer, caplog, case):
     assert_same_step(stock, ours)
 
 
+def test_stock_path_reasons_name_what_our_path_cannot_serve(tmp_path):
+    from trl_longrm.trainers.long_sft import stock_path_reasons
+
+    args = LongSFTConfig(**cpu_args(tmp_path))
+    plain = Dataset.from_list(tool_rows()).remove_columns("tools")
+    assert stock_path_reasons(None, args, plain, None, None, None) == []
+    calls = [
+        {
+            "messages": [
+                {"role": "user", "content": "add 1 and 2"},
+                {"role": "assistant", "tool_calls": [{"type": "function", "function": {"name": "add"}}]},
+            ]
+        }
+    ]
+    assert "tool_calls" in " ".join(stock_path_reasons(None, args, Dataset.from_list(calls), None, None, None))
+    reasons = stock_path_reasons(None, args, plain, {"held_out": iterable_text()}, None, None)
+    assert len(reasons) == 1 and "eval 'held_out'" in reasons[0] and "IterableDataset" in reasons[0]
+    relabelled = Dataset.from_list([{"input_ids": [5, 6, 7], "labels": [-100, 9, 7]}])
+    assert "labels" in " ".join(stock_path_reasons(None, args, relabelled, None, None, None))
+    args.label_smoothing_factor = 0.1
+    assert "label_smoothing_factor" in " ".join(stock_path_reasons(None, args, plain, None, None, None))
+
+
 def test_fallback_cases_refused_with_sequence_parallelism(tmp_path, tokenizer):
     with pytest.raises(ValueError, match="sequence_parallel_size=2.*formatting_func"):
         LongSFTTrainer(

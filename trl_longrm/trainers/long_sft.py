@@ -122,7 +122,7 @@ def _architecture_reasons(model, args, peft_config) -> list[str]:
     """What of an instantiated model our sparse head or (padding-free) packed attention cannot run."""
     if getattr(peft_config, "is_prompt_learning", False):
         return [f"PEFT {type(peft_config).__name__} adds virtual tokens that our packed rows do not hold"]
-    if isinstance(model, str):  # checked once loaded, with a clear error (see `_init_long_context`)
+    if model is None or isinstance(model, str):  # checked once loaded, with a clear error (`_init_long_context`)
         return []
     reasons = []
     try:
