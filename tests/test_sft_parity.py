@@ -378,6 +378,11 @@ def test_evaluate_predict_and_metrics_as_stock(tmp_path, tokenizer):
     prediction, stock_prediction = ours.predict(ours.eval_dataset), stock.predict(stock.eval_dataset)
     assert prediction.predictions.shape[-1] == stock_prediction.predictions.shape[-1]  # logits over the vocabulary
     assert prediction.metrics["test_loss"] == pytest.approx(stock_prediction.metrics["test_loss"], abs=1e-5)
+    # A raw dataset given to `evaluate()` is prepared as at construction; one our path cannot serve is refused.
+    held_out = Dataset.from_list(text_rows(3))
+    assert ours.evaluate(held_out)["eval_loss"] == pytest.approx(stock.evaluate(held_out)["eval_loss"], abs=1e-5)
+    with pytest.raises(ValueError, match="column\\(s\\) \\['tools'\\]"):
+        ours.evaluate(Dataset.from_list(tool_rows()))
     # `metric_for_best_model` reads the logged accuracy
     ours.args.metric_for_best_model = "eval_mean_token_accuracy"
     assert "eval_mean_token_accuracy" in ours.evaluate()

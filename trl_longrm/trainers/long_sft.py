@@ -137,6 +137,24 @@ def _architecture_reasons(model, args, peft_config) -> list[str]:
     return reasons
 
 
+def dataset_reasons(name: str, dataset) -> list[str]:
+    """What of one dataset our packed path cannot serve (see [`stock_path_reasons`])."""
+    if isinstance(dataset, IterableDataset):
+        return [f"the {name} dataset is an `IterableDataset` (packing needs the whole dataset)"]
+    if not isinstance(dataset, Dataset) or "num_tokens" in dataset.column_names:  # None, or already packed by us
+        return []
+    columns = dataset.column_names
+    reasons = []
+    stock_only = [c for c in STOCK_ONLY_COLUMNS if c in columns]
+    if stock_only:
+        reasons.append(f"the {name} dataset has the column(s) {stock_only}")
+    if "input_ids" not in columns and _has_feature(dataset.features, "tool_calls"):
+        reasons.append(f"the {name} dataset has assistant `tool_calls`")
+    if "input_ids" in columns and "labels" in columns and _labels_differ_from_inputs(dataset):
+        reasons.append(f"the {name} dataset's `labels` differ from its `input_ids`")
+    return reasons
+
+
 def stock_path_reasons(
     model, args, train_dataset, eval_dataset, formatting_func, compute_loss_func, peft_config=None, data_collator=None
 ) -> list[str]:
@@ -162,23 +180,7 @@ def stock_path_reasons(
     elif eval_dataset is not None:
         datasets["eval"] = eval_dataset
     for name, dataset in datasets.items():
-        if dataset is None:
-            continue
-        if isinstance(dataset, IterableDataset):
-            reasons.append(f"the {name} dataset is an `IterableDataset` (packing needs the whole dataset)")
-            continue
-        if not isinstance(dataset, Dataset):
-            continue
-        columns = dataset.column_names
-        if "num_tokens" in columns:  # already packed by us
-            continue
-        stock_only = [c for c in STOCK_ONLY_COLUMNS if c in columns]
-        if stock_only:
-            reasons.append(f"the {name} dataset has the column(s) {stock_only}")
-        if "input_ids" not in columns and _has_feature(dataset.features, "tool_calls"):
-            reasons.append(f"the {name} dataset has assistant `tool_calls`")
-        if "input_ids" in columns and "labels" in columns and _labels_differ_from_inputs(dataset):
-            reasons.append(f"the {name} dataset's `labels` differ from its `input_ids`")
+        reasons += dataset_reasons(name, dataset)
     return reasons
 
 
@@ -255,6 +257,8 @@ class LongSFTTrainer(SequenceParallelMixin, SFTTrainer):
         # `assistant_only_loss`: it would refuse LongRM's conversations (a `chat_template` column it does not know)
         # and templates it has no training version of, while our tokenisation masks assistant turns itself.
         self._assistant_only_loss = args.assistant_only_loss
+        evals = eval_dataset.values() if isinstance(eval_dataset, dict) else [eval_dataset]
+        self._checked_datasets = {id(d) for d in (train_dataset, *evals) if d is not None}
         hidden = {"padding_free": False, **({} if self._stock_path else {"assistant_only_loss": None})}
         saved = {name: getattr(args, name) for name in hidden}
         for name, value in hidden.items():
@@ -291,13 +295,15 @@ class LongSFTTrainer(SequenceParallelMixin, SFTTrainer):
     def _prepare_dataset(self, dataset, processing_class, args, packing, formatting_func, dataset_name):
         if self._stock_path:
             return super()._prepare_dataset(dataset, processing_class, args, packing, formatting_func, dataset_name)
-        if formatting_func is not None or isinstance(dataset, IterableDataset):
-            what = "a `formatting_func`" if formatting_func is not None else "an `IterableDataset`"
-            raise ValueError(
-                f"The {dataset_name} dataset comes with {what}, which LongSFTTrainer's packed path (chosen at "
-                "construction from the train and eval datasets) cannot serve; pass it when constructing the trainer, "
-                "so that it trains through stock SFTTrainer's path."
-            )
+        if id(dataset) not in self._checked_datasets:  # e.g. passed to `evaluate()` after construction
+            reasons = dataset_reasons(dataset_name, dataset)
+            reasons += ["a `formatting_func` is given"] if formatting_func is not None else []
+            if reasons:
+                raise ValueError(
+                    f"LongSFTTrainer's packed path (chosen at construction from the train and eval datasets) cannot "
+                    f"serve this: {'; '.join(reasons)}. Pass the dataset when constructing the trainer, so that it "
+                    "trains through stock SFTTrainer's path."
+                )
         tokenizer = getattr(processing_class, "tokenizer", processing_class)
         budget = (args.max_tokens_per_row or args.max_length) if packing else args.max_tokens_per_row
         columns = dataset.column_names
@@ -377,11 +383,6 @@ class LongSFTTrainer(SequenceParallelMixin, SFTTrainer):
             )
         finally:
             self.completion_only_loss = completion_only_loss
-        if "labels" in columns and _labels_differ_from_inputs(dataset):
-            raise ValueError(
-                f"The {dataset_name} dataset's `labels` differ from its `input_ids`; pass it when constructing the "
-                "trainer so that it trains through stock SFTTrainer's path."
-            )
         dataset = dataset.map(
             lambda row: {"completion_mask": [int(label != -100) for label in row["labels"]]},
             remove_columns=["labels"],
