@@ -221,11 +221,12 @@ def test_assistant_only_loss_on_longrm_conversations_and_refused_for_text(tmp_pa
     ]
     default = unpacked_ours(tmp_path, tokenizer, Dataset.from_list(rows))
     explicit = unpacked_ours(tmp_path, tokenizer, Dataset.from_list(rows), assistant_only_loss=True)
-    every = unpacked_ours(tmp_path, tokenizer, Dataset.from_list(rows), assistant_only_loss=False)
     assert explicit.train_dataset["completion_mask"] == default.train_dataset["completion_mask"]
     assert all(0 in m for m in default.train_dataset["completion_mask"])
-    assert all(set(m) == {1} for m in every.train_dataset["completion_mask"])
-    assert every.train_dataset["input_ids"] == default.train_dataset["input_ids"]
+    for setting in ("assistant_only_loss", "completion_only_loss"):  # LongRM rows are a prompt and a completion
+        every = unpacked_ours(tmp_path, tokenizer, Dataset.from_list(rows), **{setting: False})
+        assert all(set(m) == {1} for m in every.train_dataset["completion_mask"]), setting
+        assert every.train_dataset["input_ids"] == default.train_dataset["input_ids"]
     for data in (Dataset.from_list(text_rows()), pretokenized_rows(tokenizer, None)):
         with pytest.raises(ValueError, match="assistant_only_loss=True needs conversations"):
             unpacked_ours(tmp_path, tokenizer, data, assistant_only_loss=True)

@@ -63,7 +63,7 @@ class LongSFTConfig(SFTConfig, LongContextDataArguments, SequenceParallelConfig)
         metadata={
             "help": "Train only on completion tokens. Default None: True for prompt/completion rows and for "
             "pre-tokenized rows with a `completion_mask` column (stock TRL trains every token of the latter), "
-            "False for `text` rows. False trains on the prompt too."
+            "False for `text` rows. False trains on the prompt too (for LongRM rows as well)."
         },
     )
     assistant_only_loss: bool | None = field(
@@ -339,9 +339,12 @@ class LongSFTTrainer(SequenceParallelMixin, SFTTrainer):
                 if "prefix-stable" not in str(error) or layout.messages_key != "messages":
                     raise
                 dataset = self._tokenize_with_training_template(dataset, processing_class, args, dataset_name, error)
-            every_token = (
-                args.completion_only_loss is False if layout.messages_key is None else (assistant_only_loss is False)
-            )
+            if layout.messages_key is None:  # prompt/completion
+                every_token = args.completion_only_loss is False
+            elif layout.data_format == "longrm":  # a prompt (`chat_template`) and a completion (`golden`)
+                every_token = assistant_only_loss is False or args.completion_only_loss is False
+            else:  # TRL `messages`: stock has no completion there, only assistant turns
+                every_token = assistant_only_loss is False
             if every_token:
                 dataset = dataset.map(lambda row: {"completion_mask": [1] * len(row["input_ids"])})
         dataset = prepare_sft_dataset(dataset, tokenizer, args, dataset_name, budget)
