@@ -300,7 +300,7 @@ def test_fallback_to_stock_path(tmp_path, tokenizer, caplog, case):
     assert_same_step(stock, ours)
 
 
-def test_stock_path_reasons_name_what_our_path_cannot_serve(tmp_path):
+def test_stock_path_reasons_name_what_our_path_cannot_serve(tmp_path, tokenizer):
     from trl_longrm.trainers.long_sft import stock_path_reasons
 
     args = LongSFTConfig(**cpu_args(tmp_path))
@@ -319,6 +319,8 @@ def test_stock_path_reasons_name_what_our_path_cannot_serve(tmp_path):
     assert len(reasons) == 1 and "eval 'held_out'" in reasons[0] and "IterableDataset" in reasons[0]
     relabelled = Dataset.from_list([{"input_ids": [5, 6, 7], "labels": [-100, 9, 7]}])
     assert "labels" in " ".join(stock_path_reasons(None, args, relabelled, None, None, None))
+    # (stock SFTTrainer itself fails on this tiny T5 without decoder inputs; ours routes it there all the same)
+    assert "encoder-decoder" in " ".join(stock_path_reasons(t5_model(tokenizer), args, plain, None, None, None))
     args.label_smoothing_factor = 0.1
     assert "label_smoothing_factor" in " ".join(stock_path_reasons(None, args, plain, None, None, None))
 
@@ -467,6 +469,24 @@ def moe_model(tokenizer):
     )
     torch.manual_seed(1)
     return AutoModelForCausalLM.from_config(config)
+
+
+def t5_model(tokenizer):
+    from transformers import AutoModelForSeq2SeqLM, T5Config
+
+    config = T5Config(
+        vocab_size=len(tokenizer),
+        d_model=32,
+        d_ff=64,
+        d_kv=16,
+        num_layers=1,
+        num_heads=2,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        decoder_start_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(1)
+    return AutoModelForSeq2SeqLM.from_config(config)
 
 
 def prompt_tuning():

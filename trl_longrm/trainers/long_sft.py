@@ -124,6 +124,8 @@ def _architecture_reasons(model, args, peft_config) -> list[str]:
         return [f"PEFT {type(peft_config).__name__} adds virtual tokens that our packed rows do not hold"]
     if model is None or isinstance(model, str):  # checked once loaded, with a clear error (`_init_long_context`)
         return []
+    if getattr(model.config, "is_encoder_decoder", False):
+        return [f"{type(model).__name__} is an encoder-decoder model (our sparse head reads a decoder-only backbone)"]
     reasons = []
     try:
         _logit_transform(model.config)
