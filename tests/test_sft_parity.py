@@ -321,6 +321,8 @@ def test_stock_path_reasons_name_what_our_path_cannot_serve(tmp_path, tokenizer)
     assert "labels" in " ".join(stock_path_reasons(None, args, relabelled, None, None, None))
     # (stock SFTTrainer itself fails on this tiny T5 without decoder inputs; ours routes it there all the same)
     assert "encoder-decoder" in " ".join(stock_path_reasons(t5_model(tokenizer), args, plain, None, None, None))
+    scaled = build_tiny_model("qwen3", "causal-lm", tokenizer, seed=1, logit_scale=0.5)  # as Cohere's
+    assert "logit_scale" in " ".join(stock_path_reasons(scaled, args, plain, None, None, None))
     args.label_smoothing_factor = 0.1
     assert "label_smoothing_factor" in " ".join(stock_path_reasons(None, args, plain, None, None, None))
 

@@ -81,12 +81,6 @@ class LongSFTConfig(SFTConfig, LongContextDataArguments, SequenceParallelConfig)
         SequenceParallelConfig.__post_init__(self)
 
 
-def _columns(dataset) -> list[str]:
-    if isinstance(dataset, IterableDataset):
-        return list(dataset.column_names or next(iter(dataset)).keys())
-    return list(dataset.column_names)
-
-
 def _has_feature(feature, name: str) -> bool:
     """Whether a (nested) `datasets` feature holds a field called `name`, e.g. messages with `tool_calls`."""
     if isinstance(feature, dict):
@@ -175,7 +169,10 @@ def stock_path_reasons(
     if (args.dataset_kwargs or {}).get("skip_prepare_dataset"):
         reasons.append("`dataset_kwargs={'skip_prepare_dataset': True}`")
     if model is not None and _moe_aux_loss_enabled(model, args):
-        reasons.append("the model's Mixture-of-Experts router loss (`router_aux_loss_coef`) needs its own forward")
+        reasons.append(
+            "the model's Mixture-of-Experts router loss needs the model's own forward (`router_aux_loss_coef=0.0` "
+            "trains without it)"
+        )
     datasets = {"train": train_dataset}
     if isinstance(eval_dataset, dict):
         datasets.update({f"eval {key!r}": value for key, value in eval_dataset.items()})
