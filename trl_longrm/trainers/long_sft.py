@@ -257,7 +257,7 @@ class LongSFTTrainer(SequenceParallelMixin, SFTTrainer):
         # and templates it has no training version of, while our tokenisation masks assistant turns itself.
         self._assistant_only_loss = args.assistant_only_loss
         evals = eval_dataset.values() if isinstance(eval_dataset, dict) else [eval_dataset]
-        self._checked_datasets = {id(d) for d in (train_dataset, *evals) if d is not None}
+        self._checked_datasets = [d for d in (train_dataset, *evals) if d is not None]  # by identity
         hidden = {"padding_free": False, **({} if self._stock_path else {"assistant_only_loss": None})}
         saved = {name: getattr(args, name) for name in hidden}
         for name, value in hidden.items():
@@ -294,7 +294,7 @@ class LongSFTTrainer(SequenceParallelMixin, SFTTrainer):
     def _prepare_dataset(self, dataset, processing_class, args, packing, formatting_func, dataset_name):
         if self._stock_path:
             return super()._prepare_dataset(dataset, processing_class, args, packing, formatting_func, dataset_name)
-        if id(dataset) not in self._checked_datasets:  # e.g. passed to `evaluate()` after construction
+        if not any(dataset is d for d in self._checked_datasets):  # e.g. given to `evaluate()` after construction
             reasons = dataset_reasons(dataset_name, dataset)
             reasons += ["a `formatting_func` is given"] if formatting_func is not None else []
             if reasons:
