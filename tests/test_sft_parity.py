@@ -104,6 +104,31 @@ def test_text_rows_train_as_stock_packed(tmp_path, tokenizer):
     assert_same_step(stock, ours)
 
 
+def test_text_rows_with_lora_and_gradient_checkpointing_as_stock(tmp_path, tokenizer):
+    from peft import LoraConfig
+
+    data = Dataset.from_list(text_rows())
+    common = cpu_args(tmp_path, max_length=64, gradient_checkpointing=True)
+    lora = dict(task_type="CAUSAL_LM", r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    stock = SFTTrainer(
+        model=model_for(tokenizer),
+        args=SFTConfig(**common),
+        train_dataset=data,
+        processing_class=tokenizer,
+        peft_config=LoraConfig(**lora),
+    )
+    ours = LongSFTTrainer(
+        model=model_for(tokenizer),
+        args=LongSFTConfig(**common, packing=True),
+        train_dataset=data,
+        processing_class=tokenizer,
+        peft_config=LoraConfig(**lora),
+    )
+    assert not ours._stock_path
+    assert_same_step(stock, ours)
+    assert all("lora_" in name for name in grads_of(ours.model))
+
+
 def test_dft_loss_as_stock(tmp_path, tokenizer):
     stock, ours = stock_and_ours(
         tmp_path, tokenizer, Dataset.from_list(text_rows()), loss_type="dft", ours_overrides={"padding_free": True}
