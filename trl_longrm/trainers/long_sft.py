@@ -93,9 +93,10 @@ def _has_feature(feature, name: str) -> bool:
 
 def _labels_differ_from_inputs(dataset: Dataset) -> bool:
     """Whether some `labels` are neither the input token nor -100 (our collator derives labels from a mask)."""
-    for ids, labels in zip(dataset["input_ids"], dataset["labels"]):
-        if len(ids) != len(labels) or any(label != -100 and label != tok for tok, label in zip(ids, labels)):
-            return True
+    for batch in dataset.select_columns(["input_ids", "labels"]).iter(batch_size=256):  # bounded memory
+        for ids, labels in zip(batch["input_ids"], batch["labels"]):
+            if len(ids) != len(labels) or any(label != -100 and label != tok for tok, label in zip(ids, labels)):
+                return True
     return False
 
 
@@ -396,7 +397,12 @@ class LongSFTTrainer(SequenceParallelMixin, SFTTrainer):
         if args.max_length is None:
             return dataset
         limit = args.max_length
-        long_rows = sum(len(ids) > limit for ids in dataset["input_ids"])
+        lengths = dataset.map(
+            lambda batch: {"length": [len(ids) for ids in batch["input_ids"]]},
+            batched=True,
+            remove_columns=dataset.column_names,
+        )["length"]
+        long_rows = sum(length > limit for length in lengths)
         if args.truncation == "drop":
             dataset = dataset.filter(lambda row: len(row["input_ids"]) <= limit)
         elif long_rows:
