@@ -6,7 +6,9 @@ Headline ratios, each at the longest prompt length that both ours and stock trai
 `disrm_peak_mem_ratio` (ours / stock, lower is better); and `sp4_vs_sp1_rank_mem_ratio`, the largest per-rank peak
 memory growth at ring size 4 over that at ring size 1 (first trainer of the SP run), taken from the ZeRO-3 SP run
 (`sp_scaling_zero3.json`) when there is one, else from the gloo (DDP) run. `summary.json` also has, for each SP
-launcher, that ratio and the same ratio of the row-dependent part (peak - floor).
+launcher, that ratio and the same ratio of the row-dependent part (peak - floor). With `shared_prefix.json` (from
+`shared_prefix.py`: ours with `shared_prefix=True` over ours with it off), `prefix_k4_groups_per_s_ratio`,
+`prefix_k4_peak_mem_ratio` and `prefix_k1_groups_per_s_ratio` at its longest prompt length, the worse of GRM and DisRM.
 
     python bench/report.py --results bench/results
 """
@@ -25,6 +27,9 @@ TARGETS = {
     "grm_peak_mem_ratio": ("<=", 0.5),
     "disrm_peak_mem_ratio": ("<=", 0.5),
     "sp4_vs_sp1_rank_mem_ratio": ("<=", 0.35),
+    "prefix_k4_groups_per_s_ratio": (">=", 3.5),
+    "prefix_k4_peak_mem_ratio": ("<=", 0.35),
+    "prefix_k1_groups_per_s_ratio": (">=", 1.7),
 }
 
 
@@ -36,7 +41,29 @@ def load(results: Path):
             sp += json.loads((results / name).read_text())
     meta_path = results / "meta.json"
     meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
+    prefix_path = results / "shared_prefix.json"
+    meta["shared_prefix"] = json.loads(prefix_path.read_text()) if prefix_path.exists() else None
     return runs, sp, meta
+
+
+def prefix_table(prefix: dict) -> list[str]:
+    """Shared-prefix section: every run, then the ratios."""
+    lines = ["| trainer | k | prompt | layout | row tokens | groups/s | peak GiB | floor GiB | cpu/wall |",
+             "|---|---:|---:|---|---:|---:|---:|---:|---:|"]
+    for r in prefix["records"]:
+        if r["status"] != "ok":
+            lines.append(f"| {r['trainer']} | {r['k']} | {r['prompt_length']} | "
+                         f"{'shared' if r['shared_prefix'] else 'unshared'} | {r_status(r)} | | | | |")
+            continue
+        lines.append(f"| {r['trainer']} | {r['k']} | {r['prompt_length']} | "
+                     f"{'shared' if r['shared_prefix'] else 'unshared'} | {r['row_tokens'][0]} | "
+                     f"{r['groups_per_s']:.4f} | {r['peak_mem_bytes'] / GIB:.2f} | {r['floor_mem_bytes'] / GIB:.2f} | "
+                     f"{r['cpu_per_wall']:.2f} |")
+    lines += ["", "| trainer | k | prompt | groups/s shared / unshared | peak mem | peak - floor |", "|---|---:|---:|---:|---:|---:|"]
+    for t in prefix["summary"]["prefix_ratios"]:
+        lines.append(f"| {t['trainer']} | {t['k']} | {t['prompt_length']} | {t['groups_per_s_ratio']} | "
+                     f"{t['peak_mem_ratio']} | {t['activation_mem_ratio']} |")
+    return lines
 
 
 def pairs(runs: list[dict], trainer: str) -> dict[int, dict[str, dict]]:
@@ -222,6 +249,12 @@ def write_markdown(path: Path, runs, sp, meta, summary) -> None:
             "oversubscription, not scaling.",
             "",
         ]
+    prefix = meta.get("_prefix")
+    if prefix:
+        out += ["## Shared prefix: ours with `shared_prefix=True` vs ours with it off (`shared_prefix.py`)", "",
+                *prefix_table(prefix), "",
+                "One group (prompt + 1 chosen + k rejected responses, lengths as in the run's command) per optimizer step; groups/s "
+                "over the timed steps; row tokens = tokens placed in the timed row; peak/floor as below.", ""]
     out += [
         "Columns: tokens are real tokens (prompt once per response plus responses, no padding); tok/s over the "
         "timed steps (all but the short warm-up step); peak = growth of the peak RSS over the RSS after the model "
@@ -318,11 +351,15 @@ def main() -> None:
     cli = parser.parse_args()
     runs, sp, meta = load(cli.results)
     summary = headline(runs, sp)
+    prefix = meta.pop("shared_prefix", None)
+    if prefix:
+        summary.update({k: v for k, v in prefix["summary"].items()})
+    meta["_prefix"] = prefix
     write_markdown(cli.results / "results.md", runs, sp, meta, summary)
     plot(cli.results / "bench.png", runs, sp, meta)
     (cli.results / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     keys = [k for k in TARGETS]
-    print(json.dumps({k: summary[k] for k in keys}), flush=True)
+    print(json.dumps({k: summary.get(k) for k in keys}), flush=True)
 
 
 if __name__ == "__main__":

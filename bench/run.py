@@ -4,7 +4,9 @@
 2. `sp_scaling.py`: per-rank peak memory and step time of the GRM trainer at ring sizes 1, 2, 4 with gloo processes
    (DDP, `sp_scaling.json`), then at ring sizes 1 and 4 under DeepSpeed ZeRO-3 on a 4x longer row
    (`sp_scaling_zero3.json`: the headline `sp4_vs_sp1_rank_mem_ratio`, see bench/results/README.md).
-3. `report.py`: `results.md`, `bench.png`, `summary.json` in the output directory, and the JSON line.
+3. `shared_prefix.py`: ours with `shared_prefix=True` vs ours with it off, GRM and DisRM, k = 1 and 4, groups/s and
+   peak memory (`shared_prefix.json`).
+4. `report.py`: `results.md`, `bench.png`, `summary.json` in the output directory, and the JSON line.
 
 The GPU section (`gpu_longest_row.py`) is not part of it: it needs a CUDA device.
 
@@ -38,10 +40,12 @@ PRESETS = {
     # whose ring-4 run stays under ~5 minutes here) and DeepSpeed buffers of 2**24 elements (see sp_scaling.py).
     "full": dict(grm_lengths=[1024, 2048, 4096, 8192], disrm_lengths=[1024, 2048, 4096, 8192, 16384], steps=3,
                  sp_prompt_length=4096, sp_rings=[1, 2, 4], sp_steps=4,
-                 sp_zero3_prompt_length=16384, sp_zero3_rings=[1, 4], sp_zero3_bucket_elements=2**24),
+                 sp_zero3_prompt_length=16384, sp_zero3_rings=[1, 4], sp_zero3_bucket_elements=2**24,
+                 prefix_lengths=[4096, 16384], prefix_ks=[1, 4], prefix_responses=[64, 256]),
     "quick": dict(grm_lengths=[256, 512], disrm_lengths=[256, 512], steps=2, sp_prompt_length=256,
                   sp_rings=[1, 2, 4], sp_steps=3,
-                  sp_zero3_prompt_length=None, sp_zero3_rings=[1, 4], sp_zero3_bucket_elements=2**24),
+                  sp_zero3_prompt_length=None, sp_zero3_rings=[1, 4], sp_zero3_bucket_elements=2**24,
+                  prefix_lengths=[256, 512], prefix_ks=[1, 4], prefix_responses=[16, 64]),
 }
 
 
@@ -66,6 +70,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True, help="Directory for the results (files overwritten).")
     parser.add_argument("--mem-cap-gib", type=float, default=14.0, help="Kill a single-process run past this RSS.")
     parser.add_argument("--skip-sp", action="store_true", help="Leave out the sequence-parallel sections.")
+    parser.add_argument("--skip-prefix", action="store_true", help="Leave out the shared-prefix section.")
     parser.add_argument("--skip-throughput", action="store_true",
                         help="Re-run only the sequence-parallel sections: keep throughput_memory.jsonl and its run's "
                         "meta.json entries, and rebuild the report.")
@@ -127,6 +132,13 @@ def main() -> None:
                  "--prompt-length", str(preset["sp_zero3_prompt_length"]),
                  "--ring-sizes", *map(str, preset["sp_zero3_rings"]), "--steps", str(preset["sp_steps"]),
                  "--timeout", "590", "--out", str(zero3_path)])
+    prefix_path = cli.out / "shared_prefix.json"
+    if cli.skip_prefix:
+        prefix_path.unlink(missing_ok=True)
+    elif not cli.skip_throughput:
+        run([python, str(HERE / "shared_prefix.py"), "--prompt-lengths", *map(str, preset["prefix_lengths"]),
+             "--ks", *map(str, preset["prefix_ks"]), "--response-range", *map(str, preset["prefix_responses"]),
+             "--mem-cap-gib", str(cli.mem_cap_gib), "--out", str(prefix_path)])
     finished = dict(finished=now(), wall_minutes=round((time.monotonic() - started) / 60, 1),
                     loadavg_end=round(os.getloadavg()[0], 2))
     (meta["sp_run"] if cli.skip_throughput else meta).update(finished)

@@ -123,13 +123,17 @@ def one_step(trainer) -> dict:
         metrics = {k: v[-1] for k, v in trainer._metrics["train"].items()}
     loss.backward()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-    return {
+    result = {
         "loss": loss.detach(),
         "grads": grads,
         "input_ids": batch["input_ids"].clone(),
         "position_ids": batch["position_ids"].clone(),
         "metrics": metrics,
     }
+    for key in ("segment_lengths", "segment_parents"):  # shared-prefix rows
+        if key in batch:
+            result[key] = batch[key].clone()
+    return result
 
 
 def world_average(grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -163,6 +167,36 @@ def run_step_task(out_dir: Path, world_size: int, tokenizer) -> None:
         result["grads"] = world_average(result["grads"])
         if dist.get_rank() == 0:
             torch.save(result, out_dir / f"step_{kind}_world{world_size}.pt")
+
+
+# Data of the shared-prefix one-step checks: in its first row of 3 groups (113 tokens in the shared layout) documents
+# cross the slice boundaries of rings of 2 and 4, and some response lies wholly on another rank than its prompt.
+SHARED_STEP_SEED = 3
+
+
+def shared_step_trainer(kind, output_dir, tokenizer, **overrides):
+    return build_trainer(
+        kind,
+        output_dir,
+        tokenizer,
+        STEP_GROUPS,
+        SHARED_STEP_SEED,
+        per_device_train_batch_size=STEP_BATCH,
+        train_sampling_strategy="sequential",
+        **overrides,
+    )
+
+
+def run_shared_step_task(out_dir: Path, world_size: int, tokenizer) -> None:
+    """One step of the GRM and DisRM trainers in the shared-prefix layout on a ring of the whole world."""
+    for kind in ("grm", "disrm"):
+        trainer = shared_step_trainer(
+            kind, out_dir / f"shared_{kind}", tokenizer, sequence_parallel_size=world_size, shared_prefix=True
+        )
+        result = one_step(trainer)
+        result["grads"] = world_average(result["grads"])
+        if dist.get_rank() == 0:
+            torch.save(result, out_dir / f"shared_step_{kind}_world{world_size}.pt")
 
 
 def run_bad_config_task(out_dir: Path, world_size: int, tokenizer) -> None:
@@ -207,6 +241,8 @@ def gloo_worker(rank: int, world_size: int, out_dir: str, tasks: list[str]) -> N
     for task in tasks:
         if task == "step":
             run_step_task(out, world_size, tokenizer)
+        elif task == "shared_step":
+            run_shared_step_task(out, world_size, tokenizer)
         elif task == "bad_configs":
             run_bad_config_task(out, world_size, tokenizer)
         elif task.startswith("train"):  # "train" or "train:grm,sft"

@@ -81,10 +81,14 @@ def test_errors_from_files_name_the_path_row_and_key(tmp_path):
     rows = longrm_rows(4)
     rows[3]["rejects"] = []
     path = write_jsonl(tmp_path / "bad.jsonl", rows)
+    # A blank line holds no row: row 3 (0-based) is then on line 5 of the file, which is what the message names.
+    lines = path.read_text().splitlines(keepends=True)
+    path.write_text("".join(lines[:2] + ["\n"] + lines[2:]))
     with pytest.raises(DataFormatError) as info:
         load_preference_dataset(path)
-    assert (info.value.source, info.value.index, info.value.key) == (str(path), 3, "rejects")
-    assert str(info.value).startswith(f"{path}, row 3, key 'rejects':")
+    assert (info.value.source, info.value.index, info.value.key, info.value.line) == (str(path), 3, "rejects", 5)
+    assert str(info.value).startswith(f"{path}, line 5, key 'rejects':")
+    assert path.read_text().splitlines()[4] == json.dumps(rows[3])
 
     rows = longrm_rows(3)
     rows[1]["chat_template"][0]["role"] = "oracle"
@@ -114,6 +118,40 @@ def test_unreadable_sources(tmp_path):
         load_raw_dataset(42)
     with pytest.raises(DataFormatError, match="no rows"):
         load_preference_dataset([], source_name="empty")
+
+
+def test_empty_files_say_why(tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(DataFormatError, match=rf"^{empty}: the file is empty$"):
+        load_preference_dataset(empty)
+    blank = tmp_path / "blank.jsonl"
+    blank.write_text("\n  \n")
+    with pytest.raises(DataFormatError, match=rf"^{blank}: the file holds only blank lines$"):
+        load_preference_dataset(blank)
+
+
+@pytest.mark.parametrize("split", ["test", "validation"])
+def test_a_split_other_than_train_cannot_apply_to_a_single_file(tmp_path, split):
+    path = write_jsonl(tmp_path / "prefs.jsonl", longrm_rows(3))
+    with pytest.raises(DataFormatError, match=rf"^{path}: split '{split}' cannot apply: a single .jsonl file"):
+        load_raw_dataset(path, split=split)
+    assert len(load_raw_dataset(path, split="train")) == len(load_raw_dataset(path)) == 3
+
+
+def test_missing_relative_paths_are_missing_paths_not_hub_names(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data").mkdir()
+    for name in ("data/nope", "runs/a/nope", "./nope", "nope.jsonl"):
+        with pytest.raises(DataFormatError) as info:
+            load_raw_dataset(name)
+        assert str(info.value) == f"{name}: no such file or folder (resolved against {tmp_path})", name
+    missing = tmp_path / "abs" / "nope"
+    with pytest.raises(DataFormatError, match=rf"^{missing}: no such file or folder$"):
+        load_raw_dataset(str(missing))
+    # `owner/name` with no local `owner/` folder may be a Hub id; offline, both readings are reported.
+    with pytest.raises(DataFormatError, match=r"^someone/nope: no such file or folder \(resolved against .*Hub"):
+        load_raw_dataset("someone/nope")
 
 
 def test_trl_formats_from_jsonl(tmp_path):

@@ -362,3 +362,30 @@ def test_shared_sample_drop_policy_reports_16(shared_sample_path, tokenizer, cap
         )
     assert len(tokenized) == 0 and (report.num_dropped, report.num_kept) == (16, 0)
     assert sum("16 dropped as too long" in r.getMessage() for r in caplog.records) == 1
+
+
+@pytest.mark.parametrize("kind", ["preference", "sft"])
+def test_the_last_truncation_round_is_measured_too(tokenizer, monkeypatch, kind):
+    """A prompt that fits only after the 4th (last allowed) cut is kept, not dropped as unsettled."""
+    import trl_longrm.data.tokenization as tokenization
+
+    real = tokenization.truncate_middle_to_fit
+    # Each cut lands above the first target by this many tokens, whatever it is asked: only the 4th one fits.
+    slack = [30, 20, 10, -5]
+    calls = []
+
+    def slow_cut(prompt, tokenizer, count_tokens, max_tokens, **kwargs):
+        calls.append(max_tokens)
+        return real(prompt, tokenizer, count_tokens, max_tokens=calls[0] + slack[len(calls) - 1], **kwargs)
+
+    monkeypatch.setattr(tokenization, "truncate_middle_to_fit", slow_cut)
+    prompt = [SYSTEM, {"role": "user", "content": long_context(400)}]
+    if kind == "preference":
+        out = tokenize_preference_record(group(prompt=prompt), tokenizer, max_length=120, truncation="truncate_prompt")
+        length = len(out["prompt_ids"]) + max(map(len, [out["chosen_completion_ids"], *out["rejected_completion_ids"]]))
+    else:
+        record = {"messages": [*prompt, {"role": "assistant", "content": "[Analysis] fine. [Score: 7]"}]}
+        out = tokenize_sft_record(record, tokenizer, max_length=120, truncation="truncate_prompt")
+        length = len(out["input_ids"])
+    assert len(calls) == tokenization.MAX_TRUNCATION_ROUNDS == 4
+    assert length <= 120

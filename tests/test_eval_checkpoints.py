@@ -54,13 +54,17 @@ def _requests(bench, n, formats=("PairWise", "BestOfN")):
     ]
 
 
+@pytest.mark.parametrize("shared_prefix", [True, False])
 @pytest.mark.parametrize("variant", ["distinct_pad", "pad_is_eos", "no_pad", "eot_id"])
-def test_disrm_is_scored_at_the_token_training_scores(bench, variant):
+def test_disrm_is_scored_at_the_token_training_scores(bench, variant, shared_prefix):
     tokenizer = _tokenizer(variant)
     model = build_tiny_model("llama", "seq-cls", tokenizer).eval()
     model.config.pad_token_id = tokenizer.pad_token_id
     requests = _requests(bench, 6)
-    outputs = DiscriminativeJudge(model, tokenizer, batch_size=4).judge(requests)  # padded batches of mixed lengths
+    # Padded batches of mixed lengths, or packed rows of a shared prompt and its candidates.
+    judge = DiscriminativeJudge(model, tokenizer, batch_size=4, shared_prefix=shared_prefix)
+    assert judge.shared_prefix == shared_prefix
+    outputs = judge.judge(requests)
     stock_differs = []
     for request, output in zip(requests, outputs):
         for ids, score in zip(scoring_ids(tokenizer, request.prompt_messages, request.responses), output.scores):

@@ -169,6 +169,34 @@ def test_disrm_scores_match_single_sequence_forward(paths):
             assert abs(score - after_eos) > 1e-4  # the token after the EOS would give another score
 
 
+@pytest.mark.parametrize("max_length", [131072, 200])
+def test_disrm_shared_prefix_scores_equal_unshared(paths, max_length):
+    """A record's 2-4 candidates scored in one row with their common prefix once give the scores of scoring each
+    candidate on its own; also when truncation cuts each candidate's sequence differently (max_length=200)."""
+    tokenizer = AutoTokenizer.from_pretrained(paths["disrm"])
+    model = AutoModelForSequenceClassification.from_pretrained(paths["disrm"])
+    records = load_benchmark(paths["bench"], list(TASKS), ["PairWise"])[:5]
+    others = [c for r in records for c in r.candidates]
+    # 2, 3 and 4 candidates, one of them twice in the last record (a candidate that is all common prefix).
+    candidates = [r.candidates + others[-i - 1 : -1] for i, r in enumerate(records[:3])]
+    candidates += [records[3].candidates, records[4].candidates + records[4].candidates[:1]]
+    requests = [
+        JudgeRequest(r.id, r.prompt_messages, r.task_prompt, c, ranking=False) for r, c in zip(records, candidates)
+    ]
+    assert [len(r.responses) for r in requests] == [2, 3, 4, 2, 3]
+    unshared = DiscriminativeJudge(model, tokenizer, max_length=max_length, batch_size=2, shared_prefix=False)
+    shared = DiscriminativeJudge(model, tokenizer, max_length=max_length, batch_size=2, shared_prefix=True)
+    assert shared.shared_prefix
+    want, got = unshared.judge(requests), shared.judge(requests)
+    assert model.config._attn_implementation == unshared.model.config._attn_implementation  # switched back
+    for a, b in zip(got, want):
+        assert a.truncated == b.truncated
+        assert a.scores == pytest.approx(b.scores, abs=1e-5)
+    assert len({round(s, 4) for out in want for s in out.scores}) > len(requests)  # scores differ between candidates
+    if max_length == 200:
+        assert any(out.truncated for out in want)
+
+
 def test_disrm_end_to_end_through_the_cli(paths, capsys):
     root = paths["root"]
     common = [

@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from trl_longrm.losses import bradley_terry_loss, center_rewards_penalty, group_values, simpo_loss
+from trl_longrm.losses import bradley_terry_loss, center_rewards_penalty, cpo_loss, group_values, simpo_loss
 
 
 def logsig(x):
@@ -30,10 +30,33 @@ def test_simpo_loss_hand_computed():
         z = beta * (c - r) - gamma
         assert losses[g].item() == pytest.approx(-logsig(z) * (1 - ls) - logsig(-z) * ls, rel=1e-6)
         assert cr[g].item() == pytest.approx(beta * c) and rr[g].item() == pytest.approx(beta * r)
-    hinge, _, _ = simpo_loss(chosen, rejected, mask, beta=beta, gamma=gamma, loss_type="hinge")
-    assert hinge[0].item() == pytest.approx(max(0.0, 1 - (beta * (-0.5 + 1.5) - gamma)))
+
+
+
+def test_cpo_loss_types_hand_computed():
+    chosen = torch.tensor([-0.5, -1.0])
+    rejected = torch.tensor([[-1.0, -2.0, 0.0], [-0.2, 0.0, 0.0]])
+    mask = torch.tensor([[True, True, False], [True, False, False]])
+    beta, gamma, alpha = 0.8, 0.5, 0.3
+    pairs = [(-0.5, [-1.0, -2.0]), (-1.0, [-0.2])]
+    for loss_type, expected in {
+        "sigmoid": lambda d: -logsig(beta * d),
+        "hinge": lambda d: max(0.0, 1 - beta * d),
+        "ipo": lambda d: (d - 1 / (2 * beta)) ** 2,
+        "simpo": lambda d: -logsig(beta * d - gamma),
+    }.items():
+        losses, _, _ = cpo_loss(chosen, rejected, mask, loss_type, beta=beta, gamma=gamma)
+        for g, (c, rs) in enumerate(pairs):
+            assert losses[g].item() == pytest.approx(expected(c - sum(rs) / len(rs)), rel=1e-6), loss_type
+    # AlphaPO: rewards (1 - p ** -alpha) / alpha with p = exp(logp), the rejected ones averaged.
+    losses, cr, rr = cpo_loss(chosen, rejected, mask, "sigmoid", beta=beta, alpha=alpha)
+    for g, (c, rs) in enumerate(pairs):
+        r_c = (1 - math.exp(c) ** -alpha) / alpha
+        r_r = sum((1 - math.exp(r) ** -alpha) / alpha for r in rs) / len(rs)
+        assert losses[g].item() == pytest.approx(-logsig(beta * (r_c - r_r)), rel=1e-6)
+        assert cr[g].item() == pytest.approx(beta * r_c, rel=1e-5) and rr[g].item() == pytest.approx(beta * r_r, rel=1e-5)
     with pytest.raises(ValueError, match="loss_type"):
-        simpo_loss(chosen, rejected, mask, loss_type="ipo")
+        cpo_loss(chosen, rejected, mask, "kto")
 
 
 def test_bradley_terry_mean_pairwise_margin_and_centering():

@@ -1,5 +1,6 @@
 """Recipes and the launch path: the paper's values, `--dry_run`, and tiny recipes through `accelerate launch`."""
 
+import json
 import os
 import subprocess
 import sys
@@ -34,6 +35,8 @@ def test_recipe_dry_run_matches_the_paper(name, capsys):
     assert args.num_train_epochs == 1 and args.max_grad_norm == 1.0 and args.bf16
     assert args.per_device_train_batch_size == 1 and plan["global_batch_size"] == 32
     assert args.gradient_checkpointing
+    # Preference stages place a group's prompt once (the shared-prefix default); SFT has no groups.
+    assert plan["shared_prefix"] == (not name.startswith("sft"))
     if name in PAPER:
         assert args.max_length == 131072 and args.sequence_parallel_size == 8 and args.ring_head_stride == 4
         assert script.accelerate_config == "zero2.yaml" and plan["world_size"] == 8
@@ -77,6 +80,10 @@ def test_stage_help_lists_every_option():
     for option in ("--nll_loss_weight", "--sequence_parallel_size", "--ring_head_stride", "--lora_r", "--dry_run"):
         assert option in out
     assert "Weight of the token-mean NLL" in out
+    # Resuming is documented where a user looks, not as TrainingArguments' "Not directly used by Trainer".
+    resume_help = " ".join(out.split("--resume_from_checkpoint RESUME_FROM_CHECKPOINT,")[1].split("\n  --")[0].split())
+    assert "newest complete one in `output_dir`" in resume_help and "Not directly used" not in resume_help
+    assert "--overwrite_output_dir" in out
 
 
 # ---------------------------------------------------------------- tiny recipes through accelerate (slow)
@@ -159,14 +166,14 @@ def test_trl_longrm_train_launches_one_process(tiny_assets, tmp_path):
     "accelerate_config,recipe,extra",
     [
         ("cpu_ddp.yaml", "simpo_grm.yaml", ["--sequence_parallel_size", "1"]),  # 2 processes, DDP
-        ("cpu_ddp.yaml", "simpo_disrm.yaml", []),  # 2 processes, one ring of 2
+        ("cpu_ddp.yaml", "simpo_disrm.yaml", ["--max_length", "96"]),  # 2 processes, one ring of 2; rows truncated
         ("cpu_zero2.yaml", "simpo_grm.yaml", ["--sequence_parallel_size", "1"]),  # DeepSpeed ZeRO-2
     ],
 )
 def test_tiny_recipes_multi_process(tiny_assets, tmp_path, accelerate_config, recipe, extra):
     model = tiny_assets["cls"] if "disrm" in recipe else tiny_assets["lm"]
     out = tmp_path / "run"
-    launch(
+    result = launch(
         accelerate_config,
         recipe,
         "--model_name_or_path",
@@ -181,6 +188,10 @@ def test_tiny_recipes_multi_process(tiny_assets, tmp_path, accelerate_config, re
     )
     trained = weights(out)
     assert all(torch.isfinite(t.float()).all() for t in trained.values())
+    if "--max_length" in extra:
+        # Every rank prepares the data; the truncation report is printed once, by rank 0.
+        reports = [line for line in result.stderr.splitlines() if "truncated (middle of the prompt" in line]
+        assert len(reports) == 1 and f"{tiny_assets['pref']}: tokenised 8 rows" in reports[0], result.stderr[-3000:]
 
 
 @pytest.mark.slow
@@ -219,45 +230,167 @@ def test_tiny_qlora_recipes(tiny_assets, tmp_path, recipe):
     assert weights(out / "merged")
 
 
-@pytest.mark.slow
-def test_killed_run_resumes_to_the_same_weights(tiny_assets, tmp_path):
-    common = [
-        "--model_name_or_path",
-        tiny_assets["lm"],
-        "--dataset_name",
-        tiny_assets["sft"],
-        "--max_steps",
-        "6",
-        "--per_device_train_batch_size",
-        "2",
-        "--save_strategy",
-        "steps",
-        "--save_steps",
-        "2",
-    ]
-    launch("cpu_single.yaml", "sft.yaml", "--output_dir", str(tmp_path / "full"), *common)
+RESUME_RUN = [
+    "--max_steps",
+    "6",
+    "--per_device_train_batch_size",
+    "2",
+    "--save_strategy",
+    "steps",
+    "--save_steps",
+    "2",
+]
 
-    # The same run, killed (no clean-up at all) right after checkpoint-4 is written.
+
+@pytest.fixture(scope="module")
+def uninterrupted_run(tiny_assets, tmp_path_factory):
+    out = tmp_path_factory.mktemp("full")
+    data = ["--model_name_or_path", tiny_assets["lm"], "--dataset_name", tiny_assets["sft"]]
+    launch("cpu_single.yaml", "sft.yaml", "--output_dir", str(out), *data, *RESUME_RUN)
+    return weights(out)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "signal_name,kill_step",
+    [
+        ("SIGKILL", 4),  # mid-run, no clean-up at all; the newest checkpoint is then damaged
+        ("SIGINT", 6),  # after the last checkpoint, before the final model: resuming must not train a 7th step
+    ],
+)
+def test_killed_run_resumes_with_the_same_command(tiny_assets, uninterrupted_run, tmp_path, signal_name, kill_step):
     killed = tmp_path / "killed"
+    args = [
+        "--output_dir", str(killed), "--model_name_or_path", tiny_assets["lm"], "--dataset_name", tiny_assets["sft"],
+        *RESUME_RUN,
+    ]  # fmt: skip
     kill_after_save = (
-        "import os, sys, transformers\n"
+        "import os, signal, sys, transformers\n"
         "save = transformers.Trainer._save_checkpoint\n"
         "def save_then_die(self, model, trial):\n"
         "    save(self, model, trial)\n"
-        "    if self.state.global_step == 4:\n"
-        "        os._exit(137)\n"
+        f"    if self.state.global_step == {kill_step}:\n"
+        f"        os.kill(os.getpid(), signal.{signal_name})\n"
         "transformers.Trainer._save_checkpoint = save_then_die\n"
         "from trl_longrm.train import main\n"
         "sys.exit(main(sys.argv[1:]))\n"
     )
-    args = [str(RECIPES / "tiny" / "sft.yaml"), "--output_dir", str(killed), *common]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run([sys.executable, "-c", kill_after_save, *args], cwd=ROOT, env=env, capture_output=True)
-    assert result.returncode == 137, result.stderr[-3000:]
-    assert (killed / "checkpoint-4").is_dir() and not (killed / "checkpoint-6").exists()
+    command = [sys.executable, "-c", kill_after_save, str(RECIPES / "tiny" / "sft.yaml"), *args]
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
+    assert result.returncode != 0, result.stderr[-3000:]
+    assert (killed / f"checkpoint-{kill_step}").is_dir() and not (killed / "trainer_state.json").exists()
+    newest = killed / f"checkpoint-{kill_step}"
+    if signal_name == "SIGKILL":
+        data = (newest / "model.safetensors").read_bytes()
+        (newest / "model.safetensors").write_bytes(data[: len(data) // 2])
 
-    launch("cpu_single.yaml", "sft.yaml", "--output_dir", str(killed), "--resume_from_checkpoint", "last", *common)
-    full, resumed = weights(tmp_path / "full"), weights(killed)
-    assert full.keys() == resumed.keys()
-    for name in full:
-        torch.testing.assert_close(resumed[name], full[name], atol=1e-5, rtol=0, msg=name)
+    # The same command again: it resumes from the newest complete checkpoint and says so.
+    resumed = launch("cpu_single.yaml", "sft.yaml", *args)
+    if signal_name == "SIGKILL":
+        assert f"Skipping damaged checkpoint {newest}: model.safetensors is unreadable" in resumed.stderr
+        assert f"Resuming from {killed / 'checkpoint-2'} at step 2." in resumed.stdout
+    else:
+        assert f"Resuming from {newest} at step 6." in resumed.stdout
+    final = weights(killed)
+    assert final.keys() == uninterrupted_run.keys()
+    for name in final:
+        torch.testing.assert_close(final[name], uninterrupted_run[name], atol=1e-5, rtol=0, msg=name)
+    assert json.loads((killed / "trainer_state.json").read_text())["global_step"] == 6
+
+    # Once more, with and without `--resume_from_checkpoint last`: a finished run is not trained again.
+    mtime = (killed / "model.safetensors").stat().st_mtime_ns
+    for extra in ([], ["--resume_from_checkpoint", "last"]):
+        again = launch("cpu_single.yaml", "sft.yaml", *args, *extra)
+        assert f"{killed} already holds the final model of a finished run (step 6 of 6)" in again.stdout
+    assert (killed / "model.safetensors").stat().st_mtime_ns == mtime
+
+
+def trl_longrm_train(recipe, *args, env=None, **popen):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRL_EXPERIMENTAL_SILENCE": "1", "HF_HUB_OFFLINE": "1", **(env or {})}
+    command = [str(Path(sys.executable).parent / "trl-longrm"), "train", str(RECIPES / "tiny" / recipe), *args]
+    return subprocess.Popen(
+        command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen
+    )
+
+
+# Imported by every Python process of a launch (PYTHONPATH): the training process pauses after its checkpoint-2, so
+# that a signal sent then lands mid-run whatever the machine's speed.
+PAUSE_AFTER_CHECKPOINT = """
+import os, time
+if os.environ.get("PAUSE_AFTER_CHECKPOINT"):
+    import transformers
+    save = transformers.Trainer._save_checkpoint
+    def save_then_pause(self, model, trial):
+        save(self, model, trial)
+        if self.state.global_step == int(os.environ["PAUSE_AFTER_CHECKPOINT"]):
+            time.sleep(300)
+    transformers.Trainer._save_checkpoint = save_then_pause
+"""
+
+
+@pytest.mark.slow
+def test_a_bad_row_on_two_processes_is_one_message(tiny_assets, tmp_path):
+    data = tmp_path / "pref.jsonl"
+    lines = Path(tiny_assets["pref"]).read_text().splitlines()
+    bad = json.loads(lines[5])
+    bad["rejects"] = []
+    data.write_text("\n".join([*lines[:5], json.dumps(bad), *lines[6:]]) + "\n")
+    process = trl_longrm_train(
+        "simpo_disrm.yaml",  # cpu_ddp.yaml: 2 processes, one ring of 2
+        *(
+            "--model_name_or_path",
+            tiny_assets["cls"],
+            "--dataset_name",
+            str(data),
+            "--output_dir",
+            str(tmp_path / "o"),
+        ),
+    )
+    out, err = process.communicate(timeout=600)
+    assert process.returncode == 1, err[-3000:]
+    errors = [line for line in err.splitlines() if "error" in line.lower()]
+    assert errors == [f"trl-longrm: error: {data}, line 6, key 'rejects': must hold at least one rejected response, "
+                      "got an empty list"], err[-3000:]  # fmt: skip
+    assert "Traceback" not in err and "ChildFailedError" not in err
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_without_a_traceback_and_the_same_command_resumes(tiny_assets, uninterrupted_run, tmp_path):
+    import signal
+    import time
+
+    out_dir = tmp_path / "run"
+    args = [
+        "--output_dir",
+        str(out_dir),
+        "--model_name_or_path",
+        tiny_assets["lm"],
+        "--dataset_name",
+        tiny_assets["sft"],
+    ]
+    args += RESUME_RUN
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(PAUSE_AFTER_CHECKPOINT)
+    env = {"PYTHONPATH": os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")]), "PAUSE_AFTER_CHECKPOINT": "2"}
+    # Its own process group, as a terminal's foreground job: the SIGINT reaches it as a Ctrl-C does.
+    process = trl_longrm_train("sft.yaml", *args, env=env, start_new_session=True)
+    deadline = time.monotonic() + 300
+    while not (out_dir / "checkpoint-2" / "trainer_state.json").exists():
+        assert process.poll() is None and time.monotonic() < deadline, process.communicate()[1][-3000:]
+        time.sleep(0.2)
+    os.killpg(process.pid, signal.SIGINT)
+    out, err = process.communicate(timeout=300)
+    assert process.returncode == 130, err[-3000:]
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
+    assert f"Interrupted. The same command resumes from the newest complete checkpoint in {out_dir}." in out
+    assert not (out_dir / "trainer_state.json").exists()
+
+    resumed = trl_longrm_train("sft.yaml", *args)
+    out, err = resumed.communicate(timeout=600)
+    assert resumed.returncode == 0, err[-3000:]
+    assert "Resuming from" in out
+    final = weights(out_dir)
+    for name in final:
+        torch.testing.assert_close(final[name], uninterrupted_run[name], atol=1e-5, rtol=0, msg=name)

@@ -269,6 +269,32 @@ def test_cli_writes_the_same_suite_as_the_api(tmp_path, suite):
         assert (tmp_path / path.relative_to(suite.root)).read_bytes() == path.read_bytes(), path
 
 
+def test_rerun_with_other_settings_replaces_the_earlier_suite(tmp_path, capsys):
+    first = generate_synthetic_suite(tmp_path, seed=3, **SMALL)
+    tasks = sorted(p.stem for p in first.benchmark.glob("*.jsonl"))
+    assert len(tasks) > 1
+    second = generate_synthetic_suite(tmp_path, seed=4, **{**SMALL, "tasks": tasks[:1]})
+    counts = json.loads(second.manifest.read_text())["counts"]
+    # Exactly the files the new manifest lists are there, each with the number of rows it says.
+    files = {second.root / (f"{key}.jsonl" if key.startswith("bench/") else f"{key}/train.jsonl"): n
+             for key, n in counts.items()}  # fmt: skip
+    assert set(all_files(second)) == set(files) | {second.manifest}
+    assert {path: len(read_jsonl(path)) for path in files} == files
+    assert sorted(p.stem for p in second.benchmark.glob("*.jsonl")) == tasks[:1]
+
+
+def test_suite_files_without_a_manifest_are_not_overwritten(tmp_path, capsys):
+    stray = tmp_path / "bench" / "LongQA.jsonl"
+    stray.parent.mkdir()
+    stray.write_text('{"mine": true}\n')
+    with pytest.raises(FileExistsError, match=rf"{tmp_path} already holds suite files \({stray}\) but no readable"):
+        generate_synthetic_suite(tmp_path, seed=3, **SMALL)
+    assert cli_main(["--output-dir", str(tmp_path), "--num-train", "21"]) == 1
+    assert "error: " in capsys.readouterr().err and stray.read_text() == '{"mine": true}\n'
+    suite = generate_synthetic_suite(tmp_path, seed=3, overwrite=True, **{**SMALL, "tasks": ["Cite"]})
+    assert sorted(p.name for p in suite.benchmark.iterdir()) == ["Cite.jsonl"]
+
+
 @pytest.mark.parametrize(
     "overrides, message",
     [

@@ -44,8 +44,21 @@ def assert_same_grads(a, b, atol=1e-5):
 # ---------------------------------------------------------------- stock TRL equivalence (k = 1, padded)
 
 
-@pytest.mark.parametrize("padding_free", [False, True])
-def test_grm_matches_stock_cpo_simpo(tmp_path, tokenizer, padding_free):
+@pytest.mark.parametrize(
+    "padding_free, cpo",
+    [
+        (False, dict(loss_type="simpo", cpo_alpha=0.0)),
+        (True, dict(loss_type="simpo", cpo_alpha=0.0)),
+        (True, dict(loss_type="sigmoid", cpo_alpha=0.0)),
+        (True, dict(loss_type="hinge", cpo_alpha=0.0)),
+        (True, dict(loss_type="ipo", cpo_alpha=0.0)),
+        (True, dict(loss_type="simpo", cpo_alpha=0.0, alpha=0.25)),  # AlphaPO rewards
+        (True, dict(loss_type="alphapo", alpha=0.25)),
+        (True, dict(loss_type="sigmoid", cpo_alpha=1.0, label_smoothing=0.1)),  # TRL's CPO defaults: NLL weight 1
+        (True, dict(loss_type="simpo", cpo_alpha=0.3)),
+    ],
+)
+def test_grm_matches_stock_cpo(tmp_path, tokenizer, padding_free, cpo):
     words = "the city river number name year color animal planet capital".split()
     rows = [
         {
@@ -59,7 +72,7 @@ def test_grm_matches_stock_cpo_simpo(tmp_path, tokenizer, padding_free):
     common = cpu_args(tmp_path, max_length=256, beta=2.0, simpo_gamma=0.3)
     stock = CPOTrainer(
         model=model,
-        args=CPOConfig(loss_type="simpo", cpo_alpha=0.0, **common),
+        args=CPOConfig(**cpo, **common),
         train_dataset=Dataset.from_list(rows),
         processing_class=tokenizer,
     )
@@ -77,20 +90,22 @@ def test_grm_matches_stock_cpo_simpo(tmp_path, tokenizer, padding_free):
                 "rejected_completion_ids": [row["rejected_input_ids"][n:]],
             }
         )
+    # The same fields as for the stock config, only the class changes (TRL's names: cpo_alpha, not nll_loss_weight).
     ours = SimPOGRMTrainer(
         model=model,
-        args=SimPOGRMConfig(nll_loss_weight=0.0, padding_free=padding_free, **common),
+        args=SimPOGRMConfig(padding_free=padding_free, **cpo, **common),
         train_dataset=Dataset.from_list(groups),
         processing_class=tokenizer,
     )
+    assert ours.args.nll_loss_weight == stock.args.cpo_alpha and ours.args.loss_type == stock.args.loss_type
     loss, metrics = ours.get_batch_loss_metrics(ours.model, first_batch(ours))
-    torch.testing.assert_close(loss, stock_loss, atol=1e-5, rtol=0)
+    torch.testing.assert_close(loss, stock_loss, atol=1e-5, rtol=1e-5)
     for key in ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies"):
-        assert metrics[key] == pytest.approx(stock_metrics[key], abs=1e-5), key
+        assert metrics[key] == pytest.approx(stock_metrics[key], abs=1e-5, rel=1e-5), key
 
 
-@pytest.mark.parametrize("padding_free", [False, True])
-def test_disrm_matches_stock_reward_trainer(tmp_path, tokenizer, padding_free):
+@pytest.mark.parametrize("padding_free, stock_format", [(False, False), (True, False), (True, True)])
+def test_disrm_matches_stock_reward_trainer(tmp_path, tokenizer, padding_free, stock_format):
     groups = random_groups(tokenizer, 4, 1, seed=2)
     stock_rows = [
         {
@@ -109,10 +124,11 @@ def test_disrm_matches_stock_reward_trainer(tmp_path, tokenizer, padding_free):
         processing_class=tokenizer,
     )
     stock_loss, stock_grads = loss_and_grads(stock)
+    # Our tokenised groups, or (stock_format) the very rows the stock trainer got: pre-tokenised chosen_ids/rejected_ids.
     ours = SimPODisRMTrainer(
         model=model,
         args=SimPODisRMConfig(padding_free=padding_free, **common),
-        train_dataset=groups.add_column("margin", [0.1 * i for i in range(4)]),
+        train_dataset=Dataset.from_list(stock_rows) if stock_format else groups.add_column("margin", [0.1 * i for i in range(4)]),
         processing_class=tokenizer,
     )
     loss, grads = loss_and_grads(ours)
@@ -229,3 +245,106 @@ def test_sft_loss_matches_hand_reference(tmp_path, tokenizer):
         total, count = total - s, count + n
     loss = trainer.compute_loss(trainer.model, first_batch(trainer))
     torch.testing.assert_close(loss, total / count, atol=1e-5, rtol=0)
+
+
+def test_nll_weight_has_one_value_under_either_name(tmp_path):
+    common = cpu_args(tmp_path)
+    assert SimPOGRMConfig(**common).nll_loss_weight == 0.05  # LongRM's default when neither name is set
+    assert SimPOGRMConfig(cpo_alpha=0.0, **common).nll_loss_weight == 0.0  # TRL's pure SimPO is honoured
+    assert SimPOGRMConfig(nll_loss_weight=0.2, **common).cpo_alpha == 0.2
+    with pytest.raises(ValueError, match="nll_loss_weight=0.2 and cpo_alpha=0.0"):
+        SimPOGRMConfig(nll_loss_weight=0.2, cpo_alpha=0.0, **common)
+    with pytest.raises(ValueError, match="alphapo"):
+        SimPOGRMConfig(loss_type="alphapo", nll_loss_weight=0.1, **common)
+
+
+def test_pre_tokenized_sequences_become_groups(caplog):
+    from trl_longrm.trainers.common import groups_from_sequences
+
+    rows = Dataset.from_list(
+        [
+            {"chosen_ids": [1, 2, 3, 4], "rejected_ids": [1, 2, 5], "margin": 0.5},
+            {"chosen_ids": [7, 8], "rejected_ids": [7, 8, 9]},  # the chosen sequence is a prefix of the rejected one
+            {"chosen_ids": list(range(10)), "rejected_ids": [1]},  # over max_length: dropped, as RewardTrainer does
+        ]
+    )
+    with caplog.at_level("WARNING"):
+        groups = groups_from_sequences(rows, max_length=6, dataset_name="train").to_list()
+    assert [(g["prompt_ids"], g["chosen_completion_ids"], g["rejected_completion_ids"]) for g in groups] == [
+        ([1, 2], [3, 4], [[5]]),
+        ([7], [8], [[8, 9]]),
+    ]
+    assert groups[0]["margin"] == 0.5
+    assert "dropped 1 of 3" in caplog.text
+    with pytest.raises(ValueError, match="every row is longer than max_length=1"):
+        groups_from_sequences(rows, max_length=1, dataset_name="train")
+
+
+# Every field TRL's CPOConfig / RewardConfig add over TrainingArguments, as our configs treat it: honoured (as stock,
+# tests above and in test_trainers_training.py) or refused by name when set away from its default. A field a future
+# TRL adds fails this test until it is classified.
+CPO_FIELDS = {
+    "honoured": {
+        "max_length", "beta", "label_smoothing", "loss_type", "disable_dropout", "cpo_alpha", "simpo_gamma", "alpha",
+        "model_init_kwargs", "trust_remote_code", "dataset_num_proc",
+    },
+    "refused": {"max_completion_length": 64, "generate_during_eval": True, "is_encoder_decoder": True},
+}
+REWARD_FIELDS = {
+    "honoured": {
+        "model_init_kwargs", "trust_remote_code", "chat_template_path", "disable_dropout", "dataset_num_proc",
+        "eos_token", "max_length", "pad_to_multiple_of", "center_rewards_coefficient", "activation_offloading",
+        "pad_token",
+    },
+    "refused": {},
+}
+
+
+@pytest.mark.parametrize(
+    "stock, ours, classified",
+    [(CPOConfig, SimPOGRMConfig, CPO_FIELDS), (RewardConfig, SimPODisRMConfig, REWARD_FIELDS)],
+)
+def test_every_stock_config_field_is_honoured_or_refused(tmp_path, stock, ours, classified):
+    import dataclasses
+
+    from transformers import TrainingArguments
+
+    base = {f.name for f in dataclasses.fields(TrainingArguments)}
+    added = {f.name for f in dataclasses.fields(stock)} - base
+    assert added == classified["honoured"] | set(classified["refused"]), "classify TRL's new config fields"
+    for name, value in classified["refused"].items():
+        with pytest.raises(ValueError, match=f"`{name}"):
+            ours(**cpu_args(tmp_path), **{name: value})
+
+
+def test_reward_tokenizer_fields_are_applied_as_stock(tmp_path, tokenizer):
+    """`chat_template_path` and `eos_token` change the sequences exactly as they change RewardTrainer's."""
+    template = tmp_path / "template.jinja"
+    template.write_text(
+        "{% for m in messages %}{% if m['role'] == 'assistant' %}<|im_start|>{{ m['content'] }}<|im_end|>"
+        "{% else %}[{{ m['role'] }}] {{ m['content'] }}<|im_end|>{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>{% endif %}"
+    )
+    rows = [
+        {
+            "prompt": [{"role": "user", "content": f"question {i} about the river"}],
+            "chosen": [{"role": "assistant", "content": f"the answer is {i}"}],
+            "rejected": [{"role": "assistant", "content": "no idea"}],
+        }
+        for i in range(3)
+    ]
+    common = cpu_args(tmp_path, chat_template_path=str(template), eos_token="<|im_end|>", max_length=512)
+    model = build_tiny_model("qwen3", "seq-cls", tokenizer, seed=1)
+    stock = RewardTrainer(
+        model=model, args=RewardConfig(**common), train_dataset=Dataset.from_list(rows), processing_class=tokenizer
+    )
+    ours = SimPODisRMTrainer(
+        model=model,
+        args=SimPODisRMConfig(**common),
+        train_dataset=Dataset.from_list(rows),
+        processing_class=tokenizer,
+    )
+    for s, o in zip(stock.train_dataset, ours.train_dataset):
+        assert o["prompt_ids"] + o["chosen_completion_ids"] == s["chosen_ids"]
+        assert o["prompt_ids"] + o["rejected_completion_ids"][0] == s["rejected_ids"]
+    assert ours.processing_class.decode(ours.train_dataset[0]["prompt_ids"]).startswith("[user] question 0")

@@ -108,3 +108,63 @@ def test_ddp_keeps_gradients_in_its_buckets(tmp_path, tokenizer, model_paths, ki
     # buckets rather than a second model-sized copy on every rank.
     trainer = make_trainer(kind, model_paths[KINDS[kind][2]], tmp_path, tokenizer, max_steps=1)
     assert trainer.accelerator.ddp_handler.to_kwargs().get("gradient_as_bucket_view") is True
+
+
+@pytest.mark.parametrize("kind", ["grm", "disrm", "sft"])
+def test_a_packed_dataset_passed_again_is_not_packed_twice(tmp_path, tokenizer, model_paths, kind):
+    """A trainer's prepared (packed) train and eval sets, passed to a new trainer, train the same as the raw data."""
+    path = model_paths[KINDS[kind][2]]
+    packing = {"max_tokens_per_row": 400} if kind != "sft" else {"max_tokens_per_row": 400, "packing": True}
+    settings = dict(per_device_train_batch_size=1, max_steps=3, eval_strategy="no", **packing)
+    first = make_trainer(kind, path, tmp_path / "a", tokenizer, **settings)
+    packed = first.train_dataset
+    assert "num_tokens" in packed.column_names and len(packed) < len(dataset_for(kind, tokenizer))
+    trainer_cls, config_cls, _, _ = KINDS[kind]
+    args = config_cls(**cpu_args(tmp_path / "b", learning_rate=3e-3, lr_scheduler_type="constant", logging_steps=1, **settings))
+    second = trainer_cls(model=path, args=args, train_dataset=packed, eval_dataset=packed, processing_class=tokenizer)
+    assert second.train_dataset.to_list() == packed.to_list() and second.eval_dataset.to_list() == packed.to_list()
+    first.train()
+    second.train()
+    for (name, a), b in zip(first.model.named_parameters(), second.model.parameters()):
+        torch.testing.assert_close(a, b, msg=name)
+
+
+@pytest.mark.parametrize("kind", ["grm", "disrm"])
+def test_eval_dataset_dict_and_compute_metrics(tmp_path, tokenizer, model_paths, kind):
+    """A dict of eval sets is evaluated set by set, and `compute_metrics` / `predict()` get per-group predictions."""
+    from datasets import DatasetDict
+
+    data = dataset_for(kind, tokenizer)
+    evals = DatasetDict({"first": data.select(range(3)), "second": data.select(range(3, 8))})
+    seen = {}
+
+    def compute_metrics(prediction):
+        seen["shape"] = tuple(prediction.predictions.shape)
+        return {"groups": float(prediction.predictions.shape[0])}
+
+    trainer_cls, config_cls, task, _ = KINDS[kind]
+    # One eval batch per set: logged eval metrics are means over batches, as in TRL.
+    args = config_cls(**cpu_args(tmp_path, max_steps=1, eval_strategy="steps", eval_steps=1, per_device_eval_batch_size=8))
+    trainer = trainer_cls(
+        model=model_paths[task],
+        args=args,
+        train_dataset=data,
+        eval_dataset=evals,
+        processing_class=tokenizer,
+        compute_metrics=compute_metrics,
+    )
+    trainer.train()
+    logged = {k for h in trainer.state.log_history for k in h}
+    assert {"eval_first_loss", "eval_second_loss", "eval_first_groups", "eval_second_groups"} <= logged
+    output = trainer.predict(evals["second"])
+    assert output.metrics["test_groups"] == 5.0 and output.predictions.shape[0] == 5
+    # Predictions are each group's (chosen, mean rejected) reward or score: they give the logged metrics.
+    metrics = trainer.evaluate(evals["second"])
+    assert seen["shape"] == (5, 2)
+    chosen, rejected = output.predictions[:, 0], output.predictions[:, 1]
+    if kind == "grm":
+        assert metrics["eval_rewards/chosen"] == pytest.approx(float(chosen.mean()), rel=1e-5)
+        assert metrics["eval_rewards/rejected"] == pytest.approx(float(rejected.mean()), rel=1e-5)
+    else:
+        assert metrics["eval_accuracy"] == pytest.approx(float((chosen > rejected).mean()), rel=1e-5)
+        assert metrics["eval_margin"] == pytest.approx(float((chosen - rejected).mean()), rel=1e-5)

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 from trl_longrm.evaluation.cli import add_eval_arguments, run_eval
@@ -59,7 +61,8 @@ def launch_command(recipe: str, overrides: list[str]) -> list[str]:
     settings = read_recipe(["--config", recipe])
     accelerate_config = _flag_value(overrides, "--accelerate_config") or settings.get("accelerate_config")
     num_processes = _flag_value(overrides, "--num_processes") or settings.get("num_processes")
-    command = [sys.executable, "-m", "accelerate.commands.launch"]
+    # `--quiet`: a run that failed has printed why; accelerate's own traceback of the launch would only bury it.
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--quiet"]
     if accelerate_config:
         command += ["--config_file", find_accelerate_config(str(accelerate_config))]
     if num_processes:
@@ -76,9 +79,60 @@ def run_train(args: argparse.Namespace, overrides: list[str]) -> int:
         from trl_longrm.train import main as train_main
 
         return train_main([args.recipe, *overrides])
+    from trl_longrm.train import preflight
+
+    # Paths, splits and a finished run are checked here, once, before any process (or model) starts.
+    code = preflight([args.recipe, *overrides])
+    if code is not None:
+        return code
     command = launch_command(args.recipe, overrides)
     print("Launching:", " ".join(command), flush=True)
-    return subprocess.call(command, env=os.environ.copy())
+    return run_launch(command)
+
+
+# What `trl_longrm.train.main` prints (rank 0 only) for a user's mistake.
+ERROR_MARK = b"trl-longrm: error:"
+
+
+def run_launch(command: list[str]) -> int:
+    """Run `accelerate launch`, passing its stderr through until a process has reported a user error or the user
+    pressed Ctrl-C: what comes after is the launchers' account of the same stop (accelerate's and torchrun's
+    tracebacks, one per process), which would bury the one line that says what happened.
+
+    The launch runs in its own process group and this process forwards SIGINT, SIGTERM and SIGHUP to it, so that it
+    mutes the launchers' stderr *before* they see the signal; a second Ctrl-C kills the group."""
+    process = subprocess.Popen(command, env=os.environ.copy(), stderr=subprocess.PIPE, start_new_session=True)
+    muted = threading.Event()
+    interrupts = []
+
+    def forward_output():
+        for chunk in iter(lambda: os.read(process.stderr.fileno(), 1 << 16), b""):
+            if muted.is_set():
+                continue
+            if ERROR_MARK in chunk:
+                muted.set()  # this chunk carries the message itself: pass it on, not what follows
+            sys.stderr.buffer.write(chunk)
+            sys.stderr.buffer.flush()
+
+    def forward_signal(signum, frame):
+        muted.set()
+        interrupts.append(signum)
+        try:
+            os.killpg(process.pid, signal.SIGKILL if len(interrupts) > 1 else signum)
+        except ProcessLookupError:  # already gone
+            pass
+
+    handled = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    previous = {signum: signal.signal(signum, forward_signal) for signum in handled}
+    thread = threading.Thread(target=forward_output, daemon=True)
+    thread.start()
+    try:
+        code = process.wait()
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    thread.join(timeout=10)
+    return 128 + interrupts[0] if interrupts else code
 
 
 def main(argv: list[str] | None = None) -> int:

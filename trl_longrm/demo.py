@@ -203,7 +203,8 @@ class Demo:
             logger.info("Synthetic suite already in %s.", suite.root)
             return suite
         settings = dict(DEMO_DATA, seed=self.config.seed, num_train=self.config.num_train)
-        return generate_synthetic_suite(suite.root, tokenizer=demo_tokenizer(), **settings)
+        # The demo owns this folder: files of an interrupted generation (no manifest yet) are overwritten.
+        return generate_synthetic_suite(suite.root, tokenizer=demo_tokenizer(), overwrite=True, **settings)
 
     def base_models(self):
         """The DisRM's base model, from random initialisation (the judge's comes from the trained DisRM)."""

@@ -127,23 +127,40 @@ def shift_labels_left(labels: torch.Tensor) -> torch.Tensor:
 
 def add_token_logprob_head(model, chunk_elements: int = 2**26) -> None:
     """Let `model(..., logprob_labels=labels)` (or pre-shifted `logprob_shift_labels=`) return a
-    [`TokenLogProbOutput`] computed only at the positions whose label is not -100. Idempotent."""
+    [`TokenLogProbOutput`] computed only at the positions whose label is not -100. Idempotent.
+
+    `model(..., logprob_positions=idx, logprob_targets=tokens)` instead returns `token_logps [P]`: the log-prob of
+    `tokens[p]` at the flat position `idx[p]` of `[B * L]` (a position may appear several times, as a shared prompt's
+    last token predicting the first token of each response), and `label_mask=None`."""
     base = _unwrap(model)
     if getattr(base, "_longrm_token_logprob_head", False):
         return
     _logit_transform(base.config)
     original_forward = base.forward
 
-    def forward(self, *args, logprob_labels=None, logprob_shift_labels=None, logprob_metrics=False, **kwargs):
-        if logprob_labels is None and logprob_shift_labels is None:
+    def forward(
+        self,
+        *args,
+        logprob_labels=None,
+        logprob_shift_labels=None,
+        logprob_positions=None,
+        logprob_targets=None,
+        logprob_metrics=False,
+        **kwargs,
+    ):
+        if logprob_labels is None and logprob_shift_labels is None and logprob_positions is None:
             return original_forward(*args, **kwargs)
         for key in _NOT_FOR_BACKBONE:
             kwargs.pop(key, None)
         kwargs["use_cache"] = False  # packed rows stay separate only without a cache (transformers 5)
         hidden = self.base_model(*args, **kwargs).last_hidden_state
+        lm_head = self.get_output_embeddings()
+        if logprob_positions is not None:
+            selected = hidden.reshape(-1, hidden.shape[-1])[logprob_positions].to(lm_head.weight.device)
+            logps = chunked_token_logprobs(selected, logprob_targets.to(selected.device), lm_head, chunk_elements)
+            return TokenLogProbOutput(token_logps=logps, label_mask=None)
         shift_labels = shift_labels_left(logprob_labels) if logprob_shift_labels is None else logprob_shift_labels
         mask = shift_labels != -100
-        lm_head = self.get_output_embeddings()
         selected = hidden[mask].to(lm_head.weight.device)
         labels = shift_labels[mask].to(selected.device)
         if logprob_metrics:

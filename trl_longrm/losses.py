@@ -25,6 +25,53 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int = -1) -> torc
     return (values * mask).sum(dim) / mask.sum(dim).clamp(min=1)
 
 
+# CPO loss types whose sequence log-probs are length-normalised (TRL's `average_log_prob`); the others sum them.
+AVERAGED_LOSS_TYPES = ("simpo", "ipo")
+CPO_LOSS_TYPES = ("simpo", "sigmoid", "hinge", "ipo")
+
+
+def cpo_loss(
+    chosen_logps: torch.Tensor,
+    rejected_logps: torch.Tensor,
+    rejected_mask: torch.Tensor,
+    loss_type: str = "simpo",
+    beta: float = 2.5,
+    gamma: float = 0.5,
+    label_smoothing: float = 0.0,
+    alpha: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """TRL's `CPOTrainer.cpo_loss` with k >= 1 rejected responses per group, compared through their mean reward.
+
+    Rewards are the log-probs (`alpha == 0`) or AlphaPO's `(1 - p ** -alpha) / alpha` with `p = exp(logp)`; with
+    `d = reward_chosen - mean_k reward_rejected_k` (one rejected response: TRL's exactly):
+    - `"simpo"`: `-logsigmoid(beta * d - gamma) * (1 - ls) - logsigmoid(-(beta * d - gamma)) * ls` (LongRM: the mean
+      of the rejected length-normalised log-probs; `gamma` is absolute, as TRL's `simpo_gamma`);
+    - `"sigmoid"`: the same without `gamma`;
+    - `"hinge"`: `relu(1 - beta * d)`;
+    - `"ipo"`: `(d - 1 / (2 * beta)) ** 2`.
+    The log-probs are length-normalised for `simpo` and `ipo` and summed for the others (`AVERAGED_LOSS_TYPES`): the
+    caller passes them so. Returns `(losses [G], chosen_rewards [G], rejected_rewards [G])`, rewards being `beta *`
+    reward (the rejected one averaged over the k responses), detached, as TRL reports them.
+    """
+    if loss_type not in CPO_LOSS_TYPES:
+        raise ValueError(f"Unknown loss_type {loss_type!r}; expected one of {list(CPO_LOSS_TYPES)}.")
+
+    def reward(logps):
+        return logps if alpha == 0 else (1 - torch.exp(logps).pow(-alpha)) / alpha
+
+    chosen_reward = reward(chosen_logps)
+    rejected_reward = masked_mean(reward(rejected_logps), rejected_mask)
+    d = chosen_reward - rejected_reward
+    if loss_type in ("simpo", "sigmoid"):
+        logits = beta * d - (gamma if loss_type == "simpo" else 0.0)
+        losses = -F.logsigmoid(logits) * (1 - label_smoothing) - F.logsigmoid(-logits) * label_smoothing
+    elif loss_type == "hinge":
+        losses = torch.relu(1 - beta * d)
+    else:
+        losses = (d - 1 / (2 * beta)) ** 2
+    return losses, beta * chosen_reward.detach(), beta * rejected_reward.detach()
+
+
 def simpo_loss(
     chosen_logps: torch.Tensor,
     rejected_logps: torch.Tensor,
@@ -32,27 +79,11 @@ def simpo_loss(
     beta: float = 2.5,
     gamma: float = 0.5,
     label_smoothing: float = 0.0,
-    loss_type: str = "sigmoid",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """SimPO on length-normalised log-probs, against the mean of the rejected log-probs (as LongRM does).
-
-    `logits = beta * (logp_chosen - mean_k logp_rejected_k) - gamma`, then
-    - `"sigmoid"`: `-logsigmoid(logits) * (1 - label_smoothing) - logsigmoid(-logits) * label_smoothing`;
-    - `"hinge"`: `relu(1 - logits)`.
-
-    `gamma` is the absolute target margin, as TRL's `simpo_gamma` (TRL divides it by beta and multiplies back).
-    Returns `(losses [G], chosen_rewards [G], rejected_rewards [G])`, rewards being `beta * logp` (the rejected one
-    averaged over the k responses), detached, as TRL's `CPOTrainer` reports them.
-    """
-    rejected_mean = masked_mean(rejected_logps, rejected_mask)
-    logits = beta * (chosen_logps - rejected_mean) - gamma
-    if loss_type == "sigmoid":
-        losses = -F.logsigmoid(logits) * (1 - label_smoothing) - F.logsigmoid(-logits) * label_smoothing
-    elif loss_type == "hinge":
-        losses = torch.relu(1 - logits)
-    else:
-        raise ValueError(f"Unknown SimPO loss_type {loss_type!r}; expected 'sigmoid' or 'hinge'.")
-    return losses, beta * chosen_logps.detach(), beta * rejected_mean.detach()
+    """SimPO on length-normalised log-probs against the mean of the rejected ones (LongRM): `cpo_loss(...,
+    loss_type="simpo")`, i.e. `-logsigmoid(beta * (logp_chosen - mean_k logp_rejected_k) - gamma)` with label
+    smoothing."""
+    return cpo_loss(chosen_logps, rejected_logps, rejected_mask, "simpo", beta, gamma, label_smoothing)
 
 
 def bradley_terry_loss(

@@ -11,9 +11,14 @@ A tokenised preference group (see `trl_longrm.data`) is `prompt_ids`, `chosen_co
 - a padded batch `[S, L_max]` with an `attention_mask` (`padding_free=False`).
 
 Either way the batch also carries `sequence_lengths [S]`, `group_index [S]` and `response_index [S]` (0 = chosen,
-1..k = rejected) so the loss can regroup per-sequence values, and `score_positions [S]`, the flat index of each
-sequence's last token. The first token of each sequence is never a label, so a shifted label never crosses into the
+1..k = rejected) so the loss can regroup per-sequence values, `group_row [G]` (the dataset row, i.e. the example or
+pack, each group came from: metrics are reduced per row, the unit accelerate gathers), and `score_positions [S]`, the
+flat index of each sequence's last token. The first token of each sequence is never a label, so a shifted label never crosses into the
 previous sequence of a packed row.
+
+With `shared_prefix=True` (padding-free only) a group is laid out as its prompt once followed by each completion,
+the completions' positions continuing from the prompt's length; the row's documents and the log-probs to compute then
+travel as explicit metadata (see `PreferenceCollator`), and every per-sequence value equals the unshared layout's.
 
 `pack_groups` bins whole groups (a group's sequences always stay together) into packs of at most
 `max_tokens_per_row` tokens, best-fit decreasing; each pack is one dataset row, so with
@@ -65,10 +70,20 @@ def _groups_of(examples: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return groups
 
 
-def group_num_tokens(example: dict[str, Any]) -> int:
-    """Tokens a group occupies once collated: (k + 1) copies of the prompt plus every completion."""
+def _group_rows(examples: list[dict[str, Any]]) -> torch.Tensor:
+    """For each group of `_groups_of(examples)`, the index of the example (dataset row) it came from."""
+    rows = []
+    for row, example in enumerate(examples):
+        rows += [row] * (len(example["prompt_ids"]) if _is_pack(example) else 1)
+    return torch.tensor(rows, dtype=torch.long)
+
+
+def group_num_tokens(example: dict[str, Any], shared_prefix: bool = False) -> int:
+    """Tokens a group occupies once collated: (k + 1) copies of the prompt plus every completion, or the prompt
+    once plus every completion in the shared-prefix layout."""
     completions = [example["chosen_completion_ids"], *example["rejected_completion_ids"]]
-    return len(example["prompt_ids"]) * len(completions) + sum(len(c) for c in completions)
+    copies = 1 if shared_prefix and len(example["prompt_ids"]) > 0 else len(completions)
+    return len(example["prompt_ids"]) * copies + sum(len(c) for c in completions)
 
 
 def _pad(sequences: list[list[int]], value: int, multiple: int | None) -> torch.Tensor:
@@ -109,6 +124,79 @@ def collate_sequences(
     return batch
 
 
+SHARED_ROW_KEYS = ("segment_lengths", "segment_parents", "logprob_positions", "logprob_targets", "logprob_sequence")
+"""Keys that mark a batch in the shared-prefix layout (see `PreferenceCollator`)."""
+
+
+def is_shared_prefix_batch(batch: dict[str, Any]) -> bool:
+    """Whether a collated batch is in the shared-prefix layout: its documents are in `segment_lengths` /
+    `segment_parents`, not in its `position_ids`, so it must reach the model with attention metadata."""
+    return "segment_parents" in batch
+
+
+def _shared_row(groups: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+    """One row in the shared-prefix layout; the per-sequence values equal those of the unshared layout."""
+    input_ids, position_ids, segment_lengths, segment_parents = [], [], [], []
+    positions, targets, owners, score_positions, lengths, group_index, response_index = [], [], [], [], [], [], []
+
+    def add_segment(tokens: list[int], first_position: int, parent: int) -> int:
+        start = len(input_ids)
+        input_ids.extend(tokens)
+        position_ids.extend(range(first_position, first_position + len(tokens)))
+        segment_lengths.append(len(tokens))
+        segment_parents.append(parent)
+        return start
+
+    for g, group in enumerate(groups):
+        prompt = list(group["prompt_ids"])
+        completions = [list(group["chosen_completion_ids"]), *(list(r) for r in group["rejected_completion_ids"])]
+        if len(completions) < 2:
+            raise ValueError(f"Preference group {g} of the batch has no rejected completion.")
+        shared = len(prompt) > 0
+        if shared:
+            prefix_segment, prefix_start = len(segment_lengths), add_segment(prompt, 0, -1)
+        for r, completion in enumerate(completions):
+            s = len(lengths)
+            sequence = prompt + completion
+            if not sequence:
+                raise ValueError(f"Preference group {g} of the batch has an empty prompt and an empty completion.")
+            if shared:
+                start = add_segment(completion, len(prompt), prefix_segment) if completion else len(input_ids)
+                # Row index of token i of `prompt + completion`: the prompt's tokens sit in the shared prefix.
+                flat = [prefix_start + i for i in range(len(prompt))] + [start + i for i in range(len(completion))]
+            else:
+                start = add_segment(sequence, 0, -1)
+                flat = [start + i for i in range(len(sequence))]
+            # The unshared labels (see `PreferenceCollator`): token i + 1 is predicted at token i; a response's first
+            # token is predicted at the prompt's last token, which the shared prefix holds once for all responses.
+            first_label = max(len(prompt), 1)
+            for i in range(first_label - 1, len(sequence) - 1):
+                positions.append(flat[i])
+                targets.append(sequence[i + 1])
+                owners.append(s)
+            score_positions.append(flat[-1])
+            lengths.append(len(sequence))
+            group_index.append(g)
+            response_index.append(r)
+
+    def tensor(values):
+        return torch.tensor(values, dtype=torch.long)
+
+    return {
+        "input_ids": tensor(input_ids).unsqueeze(0),
+        "position_ids": tensor(position_ids).unsqueeze(0),
+        "segment_lengths": tensor(segment_lengths),
+        "segment_parents": tensor(segment_parents),
+        "logprob_positions": tensor(positions),
+        "logprob_targets": tensor(targets),
+        "logprob_sequence": tensor(owners),
+        "sequence_lengths": tensor(lengths),
+        "score_positions": tensor(score_positions),
+        "group_index": tensor(group_index),
+        "response_index": tensor(response_index),
+    }
+
+
 @dataclass
 class PreferenceCollator:
     """Collate tokenised preference groups (or packs of them) into one batch; see the module docstring.
@@ -117,14 +205,42 @@ class PreferenceCollator:
         pad_token_id: token used to pad (padded mode only).
         padding_free: one row with restarting `position_ids` (default) or a padded batch.
         pad_to_multiple_of: pad the padded batch's length to a multiple of this.
+        shared_prefix: lay each group out as its prompt once followed by each completion (padding-free only), the
+            completions' `position_ids` continuing from the prompt's length. The row's documents are then given by
+            `segment_lengths [N]` and `segment_parents [N]` (the document a completion continues, -1 for none), and
+            the log-probs to compute by `logprob_positions [P]` (row index of the predicting token),
+            `logprob_targets [P]` and `logprob_sequence [P]` (the sequence each belongs to): a prompt's last token
+            predicts the first token of every completion. There are no `labels`. Only the `"longrm_ring"` attention
+            given the metadata of `shared_row_metadata` / `shard_packed_row` attends such a row correctly.
+
+    Example (shared prefix):
+    ```python
+    >>> collator = PreferenceCollator(pad_token_id=0, shared_prefix=True)
+    >>> batch = collator([{"prompt_ids": [5, 6], "chosen_completion_ids": [7, 2], "rejected_completion_ids": [[8, 2]]}])
+    >>> batch["input_ids"].tolist(), batch["position_ids"].tolist(), batch["segment_parents"].tolist()
+    ([[5, 6, 7, 2, 8, 2]], [[0, 1, 2, 3, 2, 3]], [-1, 0, 0])
+    ```
     """
 
     pad_token_id: int
     padding_free: bool = True
     pad_to_multiple_of: int | None = None
+    shared_prefix: bool = False
+
+    def __post_init__(self):
+        if self.shared_prefix and not self.padding_free:
+            raise ValueError(
+                "PreferenceCollator(shared_prefix=True) lays groups out in one row: it needs padding_free."
+            )
 
     def __call__(self, examples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         groups = _groups_of(examples)
+        if self.shared_prefix:
+            batch = _shared_row(groups)
+            if all("margin" in g and g["margin"] is not None for g in groups):
+                batch["margin"] = torch.tensor([float(g["margin"]) for g in groups], dtype=torch.float)
+            batch["group_row"] = _group_rows(examples)
+            return batch
         sequences, labels, group_index, response_index = [], [], [], []
         for g, group in enumerate(groups):
             prompt = list(group["prompt_ids"])
@@ -141,6 +257,7 @@ class PreferenceCollator:
         batch = collate_sequences(sequences, labels, self.pad_token_id, self.padding_free, self.pad_to_multiple_of)
         batch["group_index"] = torch.tensor(group_index, dtype=torch.long)
         batch["response_index"] = torch.tensor(response_index, dtype=torch.long)
+        batch["group_row"] = _group_rows(examples)
         if all("margin" in g and g["margin"] is not None for g in groups):
             batch["margin"] = torch.tensor([float(g["margin"]) for g in groups], dtype=torch.float)
         return batch
@@ -212,9 +329,10 @@ def pack_examples(dataset: Dataset, sizes: list[int], max_tokens_per_row: int, c
     return Dataset.from_dict(packs)
 
 
-def pack_groups(dataset: Dataset, max_tokens_per_row: int) -> Dataset:
-    """Bin whole tokenised preference groups into packs; see the module docstring."""
-    sizes = [group_num_tokens(row) for row in dataset]
+def pack_groups(dataset: Dataset, max_tokens_per_row: int, shared_prefix: bool = False) -> Dataset:
+    """Bin whole tokenised preference groups into packs of at most `max_tokens_per_row` tokens as they will be
+    placed in the row (the prompt once per group with `shared_prefix`); see the module docstring."""
+    sizes = [group_num_tokens(row, shared_prefix) for row in dataset]
     return pack_examples(dataset, sizes, max_tokens_per_row, (*GROUP_COLUMNS, "margin"))
 
 

@@ -24,6 +24,8 @@ from pathlib import Path
 import yaml
 from trl import ModelConfig, ScriptArguments, TrlParser
 
+from trl_longrm.data.errors import DataFormatError
+
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +68,14 @@ class LongRMScriptArguments(ScriptArguments):
     num_processes: int | None = field(
         default=None,
         metadata={"help": "Processes `trl-longrm train` launches. Default None: the accelerate config's number."},
+    )
+    overwrite_output_dir: bool = field(
+        default=False,
+        metadata={
+            "help": "Start afresh even where `output_dir` holds checkpoints or the final model of an earlier run: "
+            "its `checkpoint-N` folders and trainer state are deleted first. Default False: the same command resumes "
+            "from the newest complete checkpoint, and a finished run is not trained again."
+        },
     )
     save_merged_model: bool = field(
         default=False,
@@ -117,14 +127,27 @@ def stage_classes(stage: str):
     return getattr(trl_longrm, trainer_name), getattr(trl_longrm, config_name), head
 
 
+RESUME_HELP = (
+    "Checkpoint to resume from: a `checkpoint-N` folder, or `last`/`true` for the newest complete one in `output_dir` "
+    "(a damaged one is skipped). Default None: the same, so re-running a command resumes it; `false` refuses to mix "
+    "a new run with an earlier run's checkpoints (use --overwrite_output_dir)."
+)
+
+
 def build_parser(stage: str | None) -> TrlParser:
     if stage is None:
         return TrlParser((LongRMScriptArguments, ModelConfig))
-    return TrlParser((LongRMScriptArguments, stage_classes(stage)[1], ModelConfig))
+    parser = TrlParser((LongRMScriptArguments, stage_classes(stage)[1], ModelConfig))
+    for action in parser._actions:
+        if action.dest == "resume_from_checkpoint":
+            # TrainingArguments says the Trainer ignores it; here it is what `run` resumes from.
+            action.help = RESUME_HELP
+    return parser
 
 
-def parse_args(argv: list[str] | None = None):
-    """`(script_args, training_args, model_args)` of a recipe plus command-line overrides."""
+def parse_args(argv: list[str] | None = None, check_only: bool = False):
+    """`(script_args, training_args, model_args)` of a recipe plus command-line overrides. `check_only` (as
+    `--dry_run`) validates the arguments as for a CPU where no GPU is present (the launcher's machine may have none)."""
     argv = positional_recipe_to_config(sys.argv[1:] if argv is None else argv)
     stage = resolve_stage(argv)
     parser = build_parser(stage)
@@ -132,7 +155,7 @@ def parse_args(argv: list[str] | None = None):
         if "-h" in argv or "--help" in argv:
             parser.parse_args_and_config(argv)  # prints the shared options and exits
         parser.error(f"No `stage` given: set `stage:` in the recipe or pass --stage, one of {sorted(STAGES)}.")
-    if _wants_dry_run(argv) and _flag_value(argv, "--use_cpu") is None and not _has_accelerator():
+    if (check_only or _wants_dry_run(argv)) and _flag_value(argv, "--use_cpu") is None and not _has_accelerator():
         # TrainingArguments refuses bf16 without a GPU; a dry run only validates and prints, so validate as CPU.
         argv = [*argv, "--use_cpu", "true"]
     return parser.parse_args_and_config(argv)
@@ -179,11 +202,177 @@ def training_plan(script_args, training_args, model_args, world_size: int | None
         "max_tokens_per_row": row_tokens,
         "max_tokens_per_optimizer_step": (row_tokens * per_device * accumulation * dp) if row_tokens else None,
         "tokens_per_rank_per_row": (row_tokens // sp) if row_tokens else None,
+        # Preference stages: whether a group's prompt is placed once for all its responses (tokens per row then
+        # count it once; see `shared_prefix`).
+        "shared_prefix": bool(getattr(training_args, "shared_prefix", False)) and bool(training_args.padding_free),
         "use_peft": model_args.use_peft,
         "quantization": "4bit" if model_args.load_in_4bit else ("8bit" if model_args.load_in_8bit else None),
         "output_dir": training_args.output_dir,
+        "start": _describe_start(script_args, training_args),
     }
     return plan
+
+
+def _describe_start(script_args, training_args) -> str:
+    try:
+        return start_plan(script_args, training_args).describe()
+    except ValueError as error:  # reported among the problems of `check_paths`
+        return f"cannot start: {error}"
+
+
+class RunConfigError(ValueError):
+    """A mistake in a run's configuration or data: `main` prints it once, as one message, without a traceback."""
+
+
+def _model_problems(model: str, problems: list[str], notes: list[str]) -> None:
+    from trl_longrm.data.sources import looks_local, missing_path_message
+
+    path = Path(model).expanduser()
+    if not path.exists():
+        if looks_local(model):
+            problems.append(f"model_name_or_path={model!r}: {missing_path_message(model)}")
+        else:
+            notes.append(f"model_name_or_path={model!r} is no local folder (in {Path.cwd()}): read from the Hub")
+        return
+    if not path.is_dir():
+        problems.append(f"model_name_or_path={model!r}: a file, not a folder saved with `save_pretrained`")
+        return
+    adapter = path / "adapter_config.json"
+    if adapter.is_file():
+        try:
+            base = json.loads(adapter.read_text()).get("base_model_name_or_path")
+        except ValueError as error:
+            problems.append(f"{adapter}: unreadable ({error})")
+            return
+        if base and not Path(base).expanduser().exists() and looks_local(base):
+            # PEFT reads a relative base from the working directory, not from the adapter's folder.
+            beside = path / base
+            hint = (
+                f"; it exists relative to the adapter ({beside.resolve()}): write that absolute path in {adapter}"
+                if beside.exists()
+                else ""
+            )
+            problems.append(
+                f"model_name_or_path={model!r} is a LoRA adapter whose base_model_name_or_path {base!r}: "
+                f"{missing_path_message(base)}{hint}"
+            )
+        return
+    if not (path / "config.json").is_file():
+        problems.append(f"model_name_or_path={model!r}: the folder holds no config.json (not a saved model)")
+
+
+def _dataset_problems(script_args, problems: list[str], notes: list[str]) -> None:
+    from trl_longrm.data.sources import empty_file_reason, file_split_problem, looks_local, missing_path_message
+
+    data = script_args.dataset_name
+    path = Path(data).expanduser()
+    if path.is_file():
+        for option in ("dataset_train_split", "dataset_test_split"):
+            split = getattr(script_args, option)
+            problem = file_split_problem(path, split) if split is not None else None
+            if problem:
+                problems.append(f"{option}={split!r}: {data}: {problem}")
+        reason = empty_file_reason(path)
+        if reason:
+            problems.append(f"dataset_name={data!r}: {reason}")
+    elif not path.exists():
+        if looks_local(data):
+            problems.append(f"dataset_name={data!r}: {missing_path_message(data)}")
+        else:
+            notes.append(f"dataset_name={data!r} is no local file or folder (in {Path.cwd()}): read from the Hub")
+
+
+def check_paths(script_args, training_args, model_args) -> tuple[list[str], list[str]]:
+    """Every problem with the paths a run reads (model, adapter base, dataset and its splits, accelerate config,
+    checkpoint to resume from), found without loading anything; and notes on names that will be read from the Hub.
+
+    Example:
+    ```python
+    >>> problems, notes = check_paths(*parse_args(["recipes/tiny/sft.yaml", "--dataset_name", "nope.jsonl"]))
+    >>> problems[-1]
+    "dataset_name='nope.jsonl': no such file or folder (resolved against /home/me/project)"
+    ```
+    """
+    from trl_longrm.cli import find_accelerate_config
+
+    problems, notes = [], []
+    if model_args.model_name_or_path is None:
+        problems.append("model_name_or_path is not set")
+    else:
+        _model_problems(model_args.model_name_or_path, problems, notes)
+    if script_args.dataset_name is None:
+        problems.append("dataset_name is not set")
+    else:
+        _dataset_problems(script_args, problems, notes)
+    if script_args.accelerate_config:
+        try:
+            find_accelerate_config(str(script_args.accelerate_config))
+        except FileNotFoundError as error:
+            problems.append(f"accelerate_config: {error}")
+    try:
+        start_plan(script_args, training_args)
+    except ValueError as error:
+        problems.append(str(error))
+    return problems, notes
+
+
+def problems_message(problems: list[str]) -> str:
+    return "the run cannot start:\n  - " + "\n  - ".join(problems)
+
+
+def all_dropped_message(report) -> str:
+    """Why no row of a dataset is left, with the counts per reason and the option to change."""
+    reasons = "; ".join(f"{count} {reason}" for reason, count in report.dropped_by_reason.items())
+    advice = (
+        "Raise --max_length, or pass --truncation truncate_prompt to cut the middle of long prompts instead."
+        if report.truncation == "drop"
+        else "Raise --max_length: it must hold the longest response plus part of the prompt."
+    )
+    return (
+        f"{report.source}: every row was dropped, none is left to train on: of {report.num_rows} rows, {reasons} "
+        f"(max_length={report.max_length} tokens). {advice}"
+    )
+
+
+def prepare_data(stage: str, source: str, split: str | None, tokenizer, training_args):
+    """Read, normalise and tokenise one split of `source` as the stage's trainer would, so that data errors come
+    before the model loads and name the file and line. Raises `RunConfigError` where no row is left."""
+    from trl_longrm.data import (
+        load_preference_dataset,
+        load_sft_dataset,
+        tokenize_preference_dataset,
+        tokenize_sft_dataset,
+    )
+    from trl_longrm.data.sources import locate_error
+
+    args = training_args
+    name = source if Path(source).is_file() else f"{source} [split={split}]"
+    try:
+        if stage == "sft":
+            rows = load_sft_dataset(source, split=split, prompt_key=args.prompt_key, completion_key=args.chosen_key)
+            tokenize = tokenize_sft_dataset
+        else:
+            rows = load_preference_dataset(
+                source,
+                split=split,
+                prompt_key=args.prompt_key,
+                chosen_key=args.chosen_key,
+                rejected_key=args.rejected_key,
+            )
+            tokenize = tokenize_preference_dataset
+        dataset, report = tokenize(
+            rows,
+            tokenizer,
+            max_length=args.max_length,
+            truncation=args.truncation,
+            num_proc=args.dataset_num_proc,
+            source_name=name,
+        )
+    except DataFormatError as error:
+        raise locate_error(error, source) from None
+    if report.num_kept == 0:
+        raise RunConfigError(all_dropped_message(report))
+    return dataset
 
 
 def load_model(stage: str, model_args: ModelConfig, training_args):
@@ -224,25 +413,45 @@ def peft_config_for(stage: str, model_args: ModelConfig):
     return get_peft_config(model_args)
 
 
-def resolve_resume(training_args):
-    """`resume_from_checkpoint`: a checkpoint path, or `last`/`true` for the newest checkpoint in `output_dir`
-    (none yet: start from scratch, so the same command both starts and resumes a run)."""
-    from transformers.trainer_utils import get_last_checkpoint
+def start_plan(script_args, training_args):
+    """How this run starts (afresh, resumed from a checkpoint, or not at all: finished); see `trl_longrm.resume`."""
+    from trl_longrm.resume import plan_start
 
-    resume = training_args.resume_from_checkpoint
-    if isinstance(resume, str) and resume.lower() in ("last", "true"):
-        output_dir = Path(training_args.output_dir)
-        resume = get_last_checkpoint(str(output_dir)) if output_dir.is_dir() else None
-        logger.warning("Resuming from %s.", resume or "scratch (no checkpoint in output_dir yet)")
-    return resume
+    return plan_start(
+        training_args.output_dir,
+        training_args.resume_from_checkpoint,
+        script_args.overwrite_output_dir,
+        max_steps=training_args.max_steps,
+        num_train_epochs=training_args.num_train_epochs,
+    )
 
 
-def run(script_args, training_args, model_args):
-    """Load the model and data, train (resuming when asked), save the model (and the merged model if asked)."""
+def is_main_process() -> bool:
+    # Before accelerate starts: the launcher's global rank (multi-node too), 0 for a single process.
+    return os.environ.get("RANK", "0") == "0"
+
+
+class _ReachedMaxSteps(Exception):
+    """Raised by `_StopAtMaxSteps` where a resumed checkpoint is already the end of training."""
+
+
+def _stop_at_max_steps_callback():
+    from transformers import TrainerCallback
+
+    class _StopAtMaxSteps(TrainerCallback):
+        # The Trainer resumed at `global_step == max_steps` still runs one more optimizer step before it checks.
+        def on_train_begin(self, args, state, control, **kwargs):
+            if state.max_steps > 0 and state.global_step >= state.max_steps:
+                raise _ReachedMaxSteps
+
+    return _StopAtMaxSteps()
+
+
+def run(script_args, training_args, model_args, start=None):
+    """Load the model and data, train (resuming as `start` says), save the model (and the merged model if asked)."""
     from transformers import AutoTokenizer
 
-    from trl_longrm.data import load_raw_dataset
-
+    start = start or start_plan(script_args, training_args)
     stage = script_args.stage
     trainer_cls, _, _ = stage_classes(stage)
     tokenizer = AutoTokenizer.from_pretrained(
@@ -250,11 +459,13 @@ def run(script_args, training_args, model_args):
         revision=model_args.model_revision,
         trust_remote_code=training_args.trust_remote_code,
     )
-    model = load_model(stage, model_args, training_args)
-    train_dataset = load_raw_dataset(script_args.dataset_name, split=script_args.dataset_train_split)
+    # The data first: its errors (and an empty result) are found in seconds, not after the model has loaded.
+    source = script_args.dataset_name
+    train_dataset = prepare_data(stage, source, script_args.dataset_train_split, tokenizer, training_args)
     eval_dataset = None
     if script_args.dataset_test_split:
-        eval_dataset = load_raw_dataset(script_args.dataset_name, split=script_args.dataset_test_split)
+        eval_dataset = prepare_data(stage, source, script_args.dataset_test_split, tokenizer, training_args)
+    model = load_model(stage, model_args, training_args)
     trainer = trainer_cls(
         model=model,
         args=training_args,
@@ -263,7 +474,12 @@ def run(script_args, training_args, model_args):
         processing_class=tokenizer,
         peft_config=peft_config_for(stage, model_args),
     )
-    trainer.train(resume_from_checkpoint=resolve_resume(training_args))
+    if start.checkpoint is not None:
+        trainer.add_callback(_stop_at_max_steps_callback())
+    try:
+        trainer.train(resume_from_checkpoint=start.checkpoint)
+    except _ReachedMaxSteps:
+        pass  # the checkpoint's weights and state are loaded: they are the final model, saved below
     trainer.save_model(training_args.output_dir)
     trainer.save_state()  # trainer_state.json (log history, steps) beside the final model
     if trainer.accelerator.is_main_process:
@@ -277,13 +493,93 @@ def run(script_args, training_args, model_args):
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run (or with `--dry_run` check and plan) one stage; a user's mistake is printed once, without a traceback,
+    and gives exit code 1."""
+    argv = sys.argv[1:] if argv is None else argv
     script_args, training_args, model_args = parse_args(argv)
+    if not is_main_process():
+        # Every rank prepares the same data: its reports and progress bars are shown once, by rank 0.
+        import datasets
+
+        logging.getLogger("trl_longrm").setLevel(logging.ERROR)
+        datasets.disable_progress_bars()
+    try:
+        return _main(script_args, training_args, model_args, report_to_notes(argv, training_args))
+    except (RunConfigError, DataFormatError) as error:
+        if is_main_process():
+            print(f"trl-longrm: error: {error}", file=sys.stderr, flush=True)
+        return 1
+    except KeyboardInterrupt:
+        if is_main_process():
+            print(
+                f"Interrupted. The same command resumes from the newest complete checkpoint in "
+                f"{training_args.output_dir}.",
+                flush=True,
+            )
+        return 130
+
+
+def preflight(argv: list[str]) -> int | None:
+    """What `trl-longrm train` checks before it starts any process: the arguments, the paths, and whether the run
+    already finished. Returns the exit code where there is nothing to launch (problems printed once), else None."""
+    try:
+        script_args, training_args, model_args = parse_args(argv, check_only=True)
+    except ValueError as error:  # an unknown key, a bad value: TrlParser/TrainingArguments say which
+        print(f"trl-longrm: error: {error}", file=sys.stderr, flush=True)
+        return 1
+    problems, _ = check_paths(script_args, training_args, model_args)
+    if problems:
+        print(f"trl-longrm: error: {problems_message(problems)}", file=sys.stderr, flush=True)
+        return 1
+    start = start_plan(script_args, training_args)
+    if start.action == "finished" and not script_args.overwrite_output_dir:
+        print(start.describe(), flush=True)
+        return 0
+    return None
+
+
+def report_to_notes(argv: list[str], training_args) -> list[str]:
+    """A note where `report_to: all` finds no tracker installed (TrainingArguments then reports to none, silently)."""
+    argv = positional_recipe_to_config(argv)
+    requested = _flag_value(argv, "--report_to") or read_recipe(argv).get("report_to")
+    if requested in ("all", ["all"]) and not training_args.report_to:
+        return [
+            "report_to=all: no tracker is installed (tensorboard, wandb, trackio, mlflow, ...), so metrics go only to "
+            "the log and to trainer_state.json; install one, or name one in report_to"
+        ]
+    return []
+
+
+def _main(script_args, training_args, model_args, notes: list[str] = ()) -> int:
+    problems, path_notes = check_paths(script_args, training_args, model_args)
+    notes = [*notes, *path_notes]
+    if is_main_process():
+        for note in notes:
+            print(f"note: {note}", file=sys.stderr, flush=True)
     if script_args.dry_run:
         plan = training_plan(script_args, training_args, model_args)
         print(json.dumps({"plan": plan}, indent=2, default=str))
         print(json.dumps({"training_args": training_args.to_dict()}, indent=2, default=str))
+        if problems:
+            print(f"trl-longrm: error: {problems_message(problems)}", file=sys.stderr, flush=True)
+            return 1
         return 0
-    trainer = run(script_args, training_args, model_args)
+    if problems:
+        raise RunConfigError(problems_message(problems))
+    start = start_plan(script_args, training_args)
+    if is_main_process():
+        for checkpoint, problem in start.skipped:
+            logger.warning("Skipping damaged checkpoint %s: %s.", checkpoint, problem)
+        if script_args.overwrite_output_dir:
+            from trl_longrm.resume import clear_previous_run
+
+            removed = clear_previous_run(training_args.output_dir)
+            if removed:
+                print(f"--overwrite_output_dir: removed the earlier run's {', '.join(removed)}.", flush=True)
+        print(start.describe(), flush=True)
+    if start.action == "finished":
+        return 0
+    trainer = run(script_args, training_args, model_args, start)
     # Tear the process group down before the interpreter exits: a gloo group left to static destructors can abort a
     # rank at exit ("terminate called without an active exception", exit -6) after a run that finished and saved.
     trainer.accelerator.wait_for_everyone()

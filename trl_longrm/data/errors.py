@@ -16,12 +16,23 @@ class DataFormatError(ValueError):
     ```
     """
 
-    def __init__(self, message: str, *, source: str | None = None, index: int | None = None, key: str | None = None):
+    def __init__(
+        self,
+        message: str,
+        *,
+        source: str | None = None,
+        index: int | None = None,
+        key: str | None = None,
+        line: int | None = None,
+    ):
         self.reason = message
         self.source = source
         self.index = index
         self.key = key
-        where = [part for part in (source, None if index is None else f"row {index}") if part is not None]
+        self.line = line
+        # A file's 1-based line is what a user can open; the 0-based row index is what code has.
+        position = f"line {line}" if line is not None else (None if index is None else f"row {index}")
+        where = [part for part in (source, position) if part is not None]
         if key is not None:
             where.append(f"key {key!r}")
         super().__init__(f"{', '.join(where)}: {message}" if where else message)
@@ -29,8 +40,12 @@ class DataFormatError(ValueError):
     def __reduce__(self):
         # Keyword-only fields do not survive the default exception pickling, which `datasets.map(num_proc=...)`
         # relies on to send a worker's error back to the main process.
-        return (_rebuild, (self.reason, self.source, self.index, self.key))
+        return (_rebuild, (self.reason, self.source, self.index, self.key, self.line))
+
+    def at_line(self, line: int) -> DataFormatError:
+        """The same error, located at `line` (1-based) of its source file."""
+        return DataFormatError(self.reason, source=self.source, index=self.index, key=self.key, line=line)
 
 
-def _rebuild(message, source, index, key):
-    return DataFormatError(message, source=source, index=index, key=key)
+def _rebuild(message, source, index, key, line=None):
+    return DataFormatError(message, source=source, index=index, key=key, line=line)

@@ -36,6 +36,68 @@ def _pick_split(dataset_dict: DatasetDict, split: str | None, source: str) -> tu
     return dataset_dict[split], f"{source} [split={split}]"
 
 
+def looks_local(text: str) -> bool:
+    """Whether a name that does not exist is meant as a local path rather than a Hub id (`name` or `owner/name`):
+    it starts with `.`, `/` or `~`, has a data file's extension, has more than one `/`, or its first part is a local
+    folder (`data/nope` where `data/` exists)."""
+    first = text.split("/", 1)[0]
+    return (
+        text.startswith((".", "/", "~"))
+        or Path(text).suffix.lower() in FILE_BUILDERS
+        or text.count("/") > 1
+        or ("/" in text and Path(first).is_dir())
+    )
+
+
+def missing_path_message(text: str) -> str:
+    """'no such file or folder', with the folder a relative path was resolved against."""
+    path = Path(text).expanduser()
+    where = "" if path.is_absolute() else f" (resolved against {Path.cwd()})"
+    return f"no such file or folder{where}"
+
+
+def line_of_row(path: str | os.PathLike, index: int) -> int | None:
+    """The 1-based line of row `index` (0-based) of a JSON Lines file, whose blank lines hold no row; None past
+    its end."""
+    row = -1
+    with open(path, "rb") as handle:
+        for number, line in enumerate(handle, 1):
+            if line.strip():
+                row += 1
+                if row == index:
+                    return number
+    return None
+
+
+def locate_error(error: DataFormatError, path: str | os.PathLike | None) -> DataFormatError:
+    """`error` located at its line where its row comes from a `.jsonl` file `path`, else `error` itself."""
+    if error.index is None or error.line is not None or path is None or not os.fspath(path).endswith(".jsonl"):
+        return error
+    if not Path(path).is_file():
+        return error
+    line = line_of_row(path, error.index)
+    return error if line is None else error.at_line(line)
+
+
+def file_split_problem(path: str | os.PathLike, split: str | None) -> str | None:
+    """Why `split` cannot be read from the single data file `path` (a file holds one split, `train`), else None."""
+    if split in (None, "train"):
+        return None
+    return (
+        f"split {split!r} cannot apply: a single {Path(path).suffix} file holds one split, 'train' (for other "
+        "splits give a folder saved with `DatasetDict.save_to_disk`)"
+    )
+
+
+def empty_file_reason(path: Path) -> str | None:
+    if path.stat().st_size == 0:
+        return "the file is empty"
+    with open(path, "rb") as handle:
+        if not any(line.strip() for line in handle):
+            return "the file holds only blank lines"
+    return None
+
+
 def _read_only(path: Path) -> bool:
     # Root passes `os.access` everywhere, so the permission bits are checked too: a folder marked read-only (like a
     # shared data folder) must not receive `datasets` cache files.
@@ -109,15 +171,25 @@ def read_source(
             raise DataFormatError(
                 f"unsupported file extension {path.suffix!r}; expected one of {sorted(FILE_BUILDERS)}", source=name
             )
+        problem = file_split_problem(path, split) or empty_file_reason(path)
+        if problem:
+            raise DataFormatError(problem, source=name)
         try:
             loaded = datasets.load_dataset(builder, data_files=str(path), split="train", keep_in_memory=keep_in_memory)
             return loaded, name
         except Exception as error:  # malformed JSON/parquet, or rows whose types Arrow cannot unify
-            raise DataFormatError(f"cannot read the file as {builder}: {error}", source=name) from error
-    if text.startswith((".", "/", "~")) or path.suffix.lower() in FILE_BUILDERS:
-        raise DataFormatError("no such file or folder", source=name)
+            reason = str(error) or type(error).__name__
+            raise DataFormatError(f"cannot read the file as {builder}: {reason}", source=name) from error
+    if looks_local(text):
+        raise DataFormatError(missing_path_message(text), source=name)
     # Anything else is a Hub dataset name; `load_dataset` reports unknown names itself.
-    loaded = datasets.load_dataset(text, split=split or "train", keep_in_memory=keep_in_memory)
+    try:
+        loaded = datasets.load_dataset(text, split=split or "train", keep_in_memory=keep_in_memory)
+    except Exception as error:
+        # A relative path that is not there reads like `owner/name`: say both, the local path first.
+        raise DataFormatError(
+            f"{missing_path_message(text)}, and not a readable Hub dataset either ({error})", source=name
+        ) from error
     return loaded, f"{name} [split={split or 'train'}]"
 
 
@@ -133,6 +205,13 @@ def _normalize_all(
     rows, name = read_source(source, split, source_name, keep_in_memory)
     if len(rows) == 0:
         raise DataFormatError("the data source has no rows", source=name)
+    try:
+        return _normalize_rows(rows, name, resolve, normalize, num_proc)
+    except DataFormatError as error:
+        raise locate_error(error, source if isinstance(source, (str, os.PathLike)) else None) from None
+
+
+def _normalize_rows(rows, name, resolve, normalize, num_proc) -> Dataset:
     if isinstance(rows, list):
         first = rows[0]
         columns = first.keys() if isinstance(first, dict) else []

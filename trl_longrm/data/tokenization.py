@@ -27,7 +27,7 @@ from transformers import PreTrainedTokenizerBase
 
 from .errors import DataFormatError
 from .records import DEFAULT_SOURCE
-from .truncation import truncate_middle_to_fit
+from .truncation import precut_middle, truncate_middle_to_fit
 
 
 logger = logging.getLogger(__name__)
@@ -35,8 +35,15 @@ logger = logging.getLogger(__name__)
 TRUNCATION_POLICIES = ("drop", "truncate_prompt")
 _STATUS = "__tokenization_status"
 KEPT, TRUNCATED, DROPPED = "kept", "truncated", "dropped"
+# Why a row was dropped (each status starts with DROPPED), as the report counts it.
+DROPPED_NO_ROOM, DROPPED_UNSETTLED = "dropped: no room", "dropped: unsettled"
 # Cut-and-re-measure rounds before giving up on a row; re-rendering usually settles in one or two.
 MAX_TRUNCATION_ROUNDS = 4
+DROP_REASONS = {
+    DROPPED: "longer than max_length with truncation='drop'",
+    DROPPED_NO_ROOM: "responses alone fill max_length (only the prompt is ever cut)",
+    DROPPED_UNSETTLED: f"still over max_length after {MAX_TRUNCATION_ROUNDS} rounds of cutting the prompt",
+}
 
 
 @dataclass
@@ -58,6 +65,9 @@ class TokenizationReport:
     num_truncated: int = field(metadata={"help": "Rows kept after cutting the middle of their prompt."})
     max_length: int | None = field(metadata={"help": "Token budget per row; None means no limit."})
     truncation: str = field(metadata={"help": "Policy for over-long rows: 'drop' or 'truncate_prompt'."})
+    dropped_by_reason: dict[str, int] = field(
+        default_factory=dict, metadata={"help": "Dropped rows per reason (a sentence), e.g. for an error message."}
+    )
 
     def log(self) -> None:
         """Log the counts once: a warning when rows were dropped or truncated, an info line otherwise."""
@@ -193,11 +203,14 @@ def _require(record: dict, keys: tuple[str, ...], index, source) -> None:
             )
 
 
-def _tokenize_preference(record, tokenizer, max_length, truncation, index, source, chat_template_kwargs):
+def _tokenize_preference(record, tokenizer, max_length, truncation, index, source, chat_template_kwargs, precut=True):
     _check_policy(max_length, truncation)
     _require(record, ("prompt", "chosen", "rejected"), index, source)
     encoder = _Encoder(tokenizer, index, source, chat_template_kwargs)
     prompt = record["prompt"]
+    if max_length is not None and precut:
+        # Cut a huge prompt by characters first: tokenising it whole would cost time and memory of its raw size.
+        prompt = precut_middle(prompt, tokenizer, max_length)
     responses = [record["chosen"], *record["rejected"]]
     prompt_ids = encoder.prompt_ids(prompt)
     completions = None
@@ -207,13 +220,16 @@ def _tokenize_preference(record, tokenizer, max_length, truncation, index, sourc
         return None, DROPPED
 
     status = KEPT
-    for _ in range(MAX_TRUNCATION_ROUNDS):
+    # Every cut is measured, the last one too: MAX_TRUNCATION_ROUNDS cuts, then one final check.
+    for cuts in range(MAX_TRUNCATION_ROUNDS + 1):
         if completions is not None:
             longest = max(len(c) for c in completions)
             if max_length is None or len(prompt_ids) + longest <= max_length:
                 break
             if truncation == "drop":
                 return None, DROPPED
+            if cuts == MAX_TRUNCATION_ROUNDS:
+                return None, DROPPED_UNSETTLED
         else:
             # The response's own tokens plus EOS: what a completion usually is. A wrong guess costs one more round.
             longest = 1 + max(len(tokenizer(r, add_special_tokens=False)["input_ids"]) for r in responses)
@@ -225,12 +241,10 @@ def _tokenize_preference(record, tokenizer, max_length, truncation, index, sourc
             num_tokens=len(prompt_ids),
         )
         if prompt is None:  # the completions alone (nearly) fill max_length
-            return None, DROPPED
+            return None, DROPPED_NO_ROOM
         prompt_ids = encoder.prompt_ids(prompt)
         completions = encoder.completions(prompt, prompt_ids, responses)
         status = TRUNCATED
-    else:
-        return None, DROPPED
 
     out = {
         "prompt_ids": prompt_ids,
@@ -242,17 +256,21 @@ def _tokenize_preference(record, tokenizer, max_length, truncation, index, sourc
     return out, status
 
 
-def _tokenize_sft(record, tokenizer, max_length, truncation, index, source, chat_template_kwargs):
+def _tokenize_sft(record, tokenizer, max_length, truncation, index, source, chat_template_kwargs, precut=True):
     _check_policy(max_length, truncation)
     encoder = _Encoder(tokenizer, index, source, chat_template_kwargs)
     if "messages" in record:
         prompt, encode = record["messages"], encoder.conversation
+        if max_length is not None and precut:  # as for preference prompts
+            prompt = precut_middle(prompt, tokenizer, max_length)
 
         def count(messages):  # one rendering; the turn-by-turn encoding renders the conversation once per turn
             return len(encoder.render(messages, False, "messages"))
     else:
         _require(record, ("prompt", "completion"), index, source)
         prompt, completion = record["prompt"], record["completion"]
+        if max_length is not None and precut:
+            prompt = precut_middle(prompt, tokenizer, max_length)
 
         def encode(p):
             return encoder.prompt_completion(p, completion)
@@ -269,20 +287,20 @@ def _tokenize_sft(record, tokenizer, max_length, truncation, index, source, chat
         input_ids, mask = encode(prompt)
 
     status = KEPT
-    for _ in range(MAX_TRUNCATION_ROUNDS):
+    for cuts in range(MAX_TRUNCATION_ROUNDS + 1):
         if input_ids is not None:
             if max_length is None or len(input_ids) <= max_length:
                 break
             if truncation == "drop":
                 return None, DROPPED
+            if cuts == MAX_TRUNCATION_ROUNDS:
+                return None, DROPPED_UNSETTLED
             budget -= len(input_ids) - max_length  # an EOS appended by the encoding is not in `count`
         prompt = truncate_middle_to_fit(prompt, tokenizer, count, max_tokens=budget)
         if prompt is None:
-            return None, DROPPED
+            return None, DROPPED_NO_ROOM
         input_ids, mask = encode(prompt)
         status = TRUNCATED
-    else:
-        return None, DROPPED
     return {"input_ids": input_ids, "completion_mask": mask}, status
 
 
@@ -395,7 +413,12 @@ def _tokenize_dataset(dataset, tokenize, features, tokenizer, max_length, trunca
         desc=f"Tokenising {source}",
     )
     statuses = list(mapped[_STATUS])
-    kept = [i for i, status in enumerate(statuses) if status != DROPPED]
+    kept = [i for i, status in enumerate(statuses) if not status.startswith(DROPPED)]
+    dropped_by_reason = {}
+    for status in statuses:
+        if status.startswith(DROPPED):
+            reason = DROP_REASONS[status]
+            dropped_by_reason[reason] = dropped_by_reason.get(reason, 0) + 1
     if len(kept) < len(mapped):
         mapped = mapped.select(kept)
     mapped = mapped.remove_columns(_STATUS)
@@ -403,10 +426,11 @@ def _tokenize_dataset(dataset, tokenize, features, tokenizer, max_length, trunca
         source=source,
         num_rows=len(statuses),
         num_kept=len(kept),
-        num_dropped=statuses.count(DROPPED),
+        num_dropped=len(statuses) - len(kept),
         num_truncated=statuses.count(TRUNCATED),
         max_length=max_length,
         truncation=truncation,
+        dropped_by_reason=dropped_by_reason,
     )
     report.log()
     return mapped, report

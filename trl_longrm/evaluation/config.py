@@ -79,6 +79,15 @@ class EvalConfig:
             "Results do not depend on it."
         },
     )
+    shared_prefix: bool = field(
+        default=True,
+        metadata={
+            "help": "For a DisRM, score a record's candidates in one packed row that holds their common token prefix "
+            "(the long prompt) once, each candidate attending to it and to itself only (the training layout of "
+            "`shared_prefix`): the same scores as scoring each candidate on its own, with the prompt encoded once. "
+            "`--no-shared-prefix` scores right-padded candidate sequences. Ignored for a generative RM. Default True."
+        },
+    )
     max_length: int = field(
         default=131072,
         metadata={

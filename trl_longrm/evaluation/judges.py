@@ -439,9 +439,12 @@ class DiscriminativeJudge:
     token: the stock classification head pools the last token that is not the pad id, which is the token *before* the
     EOS when pad == EOS (a common setting for models without a pad token).
 
-    Sequences are right-padded (natural position ids, as in reward-model training) and scored `batch_size` at a time.
-    With `evaluation_protocol="longrm"` a sequence of at least `max_length` tokens is cut (LongRM's rule), else only
-    a longer one.
+    With `shared_prefix` (default), the candidates of a record are laid out as their longest common token prefix (the
+    prompt) once, then each candidate's remaining tokens, in one packed row of `batch_size` records attended by the
+    `"longrm_ring"` attention (each candidate sees the prefix and itself only, positions continuing the prefix): the
+    scores of scoring each candidate alone, the prompt encoded once. Otherwise sequences are right-padded (natural
+    position ids, as in reward-model training) and scored `batch_size` at a time. With `evaluation_protocol="longrm"`
+    a sequence of at least `max_length` tokens is cut (LongRM's rule), else only a longer one.
 
     Example:
     ```python
@@ -458,6 +461,7 @@ class DiscriminativeJudge:
         tokenizer,
         max_length: int = 131072,
         batch_size: int = 1,
+        shared_prefix: bool = True,
         evaluation_protocol: str = "default",
     ):
         if model.config.num_labels != 1:
@@ -472,6 +476,16 @@ class DiscriminativeJudge:
         self.max_length = max_length
         self.batch_size = batch_size
         self.at_limit = evaluation_protocol == "longrm"
+        self.shared_prefix = shared_prefix
+        if shared_prefix:
+            from trl_longrm.sequence_parallel import validate_ring_attention_model
+
+            try:
+                validate_ring_attention_model(self.model)
+            except (TypeError, NotImplementedError, ValueError) as error:
+                # Same scores either way: only the cost differs, so say why and score unshared.
+                logger.warning("Scoring candidates without a shared prefix: %s", error)
+                self.shared_prefix = False
         self.pad_id = _pad_token_id(tokenizer)
 
     @classmethod
@@ -481,17 +495,53 @@ class DiscriminativeJudge:
         model = _load_checked(AutoModelForSequenceClassification, model_path, dtype, "seq-cls")
         return cls(model.to(_resolve_device(device)), tokenizer, **kwargs)
 
+    def _shared_scores(self, records: list[list[list[int]]]) -> list[float]:
+        """Scores of the candidate sequences of `records` (one list of sequences per record), `batch_size` records per
+        shared-prefix row."""
+        from trl_longrm.sequence_parallel import RING_META_KWARG, register_ring_attention
+        from trl_longrm.sequence_parallel.sharding import shared_row_metadata
+
+        base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+        original = base.config._attn_implementation
+        scores = []
+        try:
+            # Only our attention reads the row's documents from the metadata; switched back afterwards so that the
+            # caller's model is left as it was.
+            base.set_attn_implementation(register_ring_attention())
+            for start in range(0, len(records), self.batch_size):
+                row = _shared_prefix_row(records[start : start + self.batch_size])
+                meta = shared_row_metadata(row["segment_lengths"], row["segment_parents"])
+                output = self.model(
+                    input_ids=row["input_ids"].to(self.model.device),
+                    position_ids=row["position_ids"].to(self.model.device),
+                    score_positions=row["score_positions"].to(self.model.device),
+                    use_cache=False,
+                    **{RING_META_KWARG: meta},
+                )
+                scores.extend(output.scores.float().cpu().tolist())
+        finally:
+            base.set_attn_implementation(original)
+        return scores
+
     @torch.no_grad()
     def judge(self, requests: Sequence[JudgeRequest]) -> list[JudgeOutput]:
         sequences, owners, truncated = [], [], [False] * len(requests)
+        records: list[list[list[int]]] = []
         for i, request in enumerate(requests):
+            records.append([])
             # The sequences the DisRM trainers score (prompt, response, EOS), not the whole rendered chat: a template
             # that writes a newline after the EOS would move the scored token to one never trained.
             for full in scoring_ids(self.tokenizer, request.prompt_messages, request.responses):
                 ids, cut = truncate_head_tail(full, self.max_length, at_limit=self.at_limit)
                 sequences.append(ids)
+                records[-1].append(ids)
                 owners.append(i)
                 truncated[i] = truncated[i] or cut
+        outputs = [JudgeOutput(scores=[], truncated=cut) for cut in truncated]
+        if self.shared_prefix:
+            for owner, score in zip(owners, self._shared_scores(records)):
+                outputs[owner].scores.append(score)
+            return outputs
         scores = []
         for start in range(0, len(sequences), self.batch_size):
             rows = sequences[start : start + self.batch_size]
@@ -505,10 +555,52 @@ class DiscriminativeJudge:
                 score_positions=last.to(device),
             )
             scores.extend(out.scores.float().cpu().tolist())
-        outputs = [JudgeOutput(scores=[], truncated=cut) for cut in truncated]
         for owner, score in zip(owners, scores):
             outputs[owner].scores.append(score)
         return outputs
+
+
+def _common_prefix_length(sequences: list[list[int]]) -> int:
+    shortest = min(len(s) for s in sequences)
+    for i in range(shortest):
+        token = sequences[0][i]
+        if any(s[i] != token for s in sequences[1:]):
+            return i
+    return shortest
+
+
+def _shared_prefix_row(records: list[list[list[int]]]) -> dict[str, torch.Tensor]:
+    """One packed row: each record's longest common token prefix once, then each candidate's remaining tokens
+    (positions continuing the prefix's), with the segments, their prefixes and each candidate's last-token index."""
+    input_ids, position_ids, lengths, parents, score_positions = [], [], [], [], []
+    for sequences in records:
+        shared = _common_prefix_length(sequences) if len(sequences) > 1 else 0
+        prefix_segment, prefix_end = -1, len(input_ids)
+        if shared:
+            prefix_segment = len(lengths)
+            input_ids.extend(sequences[0][:shared])
+            position_ids.extend(range(shared))
+            lengths.append(shared)
+            parents.append(-1)
+            prefix_end = len(input_ids)
+        for sequence in sequences:
+            rest = sequence[shared:]
+            if rest:
+                input_ids.extend(rest)
+                position_ids.extend(range(shared, len(sequence)))
+                lengths.append(len(rest))
+                parents.append(prefix_segment)
+                score_positions.append(len(input_ids) - 1)
+            else:  # the candidate is the common prefix itself: its last token is the prefix's
+                score_positions.append(prefix_end - 1)
+    as_tensor = lambda values: torch.tensor(values, dtype=torch.long)  # noqa: E731
+    return {
+        "input_ids": as_tensor(input_ids).unsqueeze(0),
+        "position_ids": as_tensor(position_ids).unsqueeze(0),
+        "segment_lengths": as_tensor(lengths),
+        "segment_parents": as_tensor(parents),
+        "score_positions": as_tensor(score_positions),
+    }
 
 
 def load_judge(
@@ -521,6 +613,7 @@ def load_judge(
     dtype: str = "auto",
     verdict_probs: bool = True,
     judge_protocol: str = "pairwise",
+    shared_prefix: bool = True,
     protocol: str = "default",
     template: PromptTemplate | None = None,
 ) -> Judge:
@@ -539,6 +632,7 @@ def load_judge(
             dtype=dtype,
             max_length=max_length,
             batch_size=batch_size,
+            shared_prefix=shared_prefix,
             evaluation_protocol=protocol,
         )
     return GenerativeJudge.from_pretrained(

@@ -321,6 +321,7 @@ def evaluate_reward_model(config: EvalConfig, judge: Judge | None = None) -> dic
             judge_protocol=config.judge_protocol,
             protocol=config.protocol,
             template=template,
+            shared_prefix=config.shared_prefix,
         )
 
     # With several processes, the main process's bar shows its own share of the records.

@@ -18,7 +18,12 @@ Typical use in a trainer:
 from .attention import RING_ATTENTION_NAME, apply_ring_attention, register_ring_attention, ring_attention_forward
 from .collectives import all_gather_autograd, gather_sequence
 from .config import RING_ATTENTION_BACKENDS, SequenceParallelConfig
-from .groups import SequenceParallelGroups, check_sequence_parallel_size, init_sequence_parallel_groups
+from .groups import (
+    SequenceParallelGroups,
+    check_rings_within_nodes,
+    check_sequence_parallel_size,
+    init_sequence_parallel_groups,
+)
 from .kernels import is_flash_attn_available
 from .sharding import (
     IGNORE_INDEX,
@@ -52,6 +57,7 @@ __all__ = [
     "apply_ring_attention",
     "check_ring_attention_backend",
     "check_ring_head_stride",
+    "check_rings_within_nodes",
     "check_sequence_parallel_size",
     "cu_seqlens_from_position_ids",
     "document_starts",

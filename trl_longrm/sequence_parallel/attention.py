@@ -9,10 +9,14 @@ document boundaries of the global row and this rank's offset in it (from `RingAt
 Without metadata (`ring_attn_meta=None`) the same kernels attend a packed single-process batch document-causally, the
 documents being read from `position_ids`: trainers get one attention path for packed rows. With nothing to gather on
 one process, the pure PyTorch kernel then runs under plain autograd (no recompute in backward).
+
+A shared-prefix row (a group's prompt once, then each response attending to it) cannot be read from `position_ids`;
+it always comes with metadata carrying `segment_parents`, and only the pure PyTorch kernel attends it.
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import TYPE_CHECKING
 
 import torch
@@ -121,6 +125,24 @@ def _check_call(module, query, key, attention_mask, dropout, kwargs):
         raise ValueError(f"{where}: {query.shape[1]} query heads are not a multiple of {key.shape[1]} KV heads.")
 
 
+def _shared_prefix_kernel(meta: RingAttentionMetadata, kernel) -> TorchBlockKernel:
+    # The varlen kernels take one contiguous key range per document; a response of a shared-prefix row needs its
+    # prefix's keys too. Until a log-sum-exp merge of the two is written for them, such rows take the pure PyTorch
+    # kernel (exact, SDPA blocks on any device), and an explicit request for flash-attn is refused, not ignored.
+    if meta.backend == "flash_attn":
+        raise NotImplementedError(
+            f"{RING_ATTENTION_NAME} attention: ring_attn_backend='flash_attn' cannot attend a shared-prefix row "
+            "(responses attending to their group's prompt); set shared_prefix=False, or ring_attn_backend='auto' "
+            "or 'torch' to use the pure PyTorch kernel for such rows."
+        )
+    warnings.warn(
+        f"Shared-prefix rows are attended by the pure PyTorch kernel, not by {kernel.name!r} (no varlen support for "
+        "shared prefixes yet); set shared_prefix=False to use it.",
+        stacklevel=3,
+    )
+    return TorchBlockKernel()
+
+
 def ring_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -164,6 +186,8 @@ def ring_attention_forward(
     for b, meta in enumerate(metas):
         check_ring_head_stride(meta.ring_head_stride, key.shape[1])
         kernel = resolve_kernel(meta.backend, query.device, query.dtype)
+        if meta.has_shared_prefixes and not isinstance(kernel, TorchBlockKernel):
+            kernel = _shared_prefix_kernel(meta, kernel)
         q, k, v = (t[b].transpose(0, 1) for t in (query, key, value))
         if meta.group is None and isinstance(kernel, TorchBlockKernel):
             # One process: nothing to gather, so `_RingAttention` (whose backward recomputes each head chunk's

@@ -83,6 +83,36 @@ def all_gather_autograd(tensor: torch.Tensor, group: dist.ProcessGroup | None, d
     return gathered.movedim(0, dim)
 
 
+class _AllReduceSum(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, group):
+        ctx.group = group
+        out = tensor.clone()
+        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        grad = grad_output.contiguous().clone()
+        dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=ctx.group)
+        return grad, None
+
+
+def all_reduce_autograd(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Sum equally shaped tensors over the ranks of `group`; the backward sums the gradients too, the convention of
+    `all_gather_autograd` (every rank computing the same loss from the sum: the world average of the parameter
+    gradients is the loss's gradient). For values that each rank computes for its own entries, zeros elsewhere.
+
+    Example:
+    ```python
+    >>> logps = all_reduce_autograd(local_logps_or_zeros, shard.attention_meta.group)  # [P], same on every rank
+    ```
+    """
+    if group is None or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        return tensor
+    return _AllReduceSum.apply(tensor, group)
+
+
 def gather_sequence(local: torch.Tensor, meta, dim: int = 1, trim_padding: bool = True) -> torch.Tensor:
     """Gather a per-token tensor of this rank's slice (e.g. per-token log-probs `[1, local_length]`) into the whole row.
 

@@ -2,11 +2,15 @@
 
 The world is split into rings of `sequence_parallel_size` contiguous ranks ([0..sp-1], [sp..2sp-1], ...). The ranks of
 one ring hold the same packed row, each a contiguous slice of it. Ranks with the same position in their ring form a
-data-parallel group (they see different rows).
+data-parallel group (they see different rows). A ring never spans machines: every attention layer passes keys and
+values around it, which the link between machines is far too slow for. Launchers number ranks machine by machine,
+so rings stay on one machine when their size divides the processes per machine; this is checked, not assumed.
 """
 
 from __future__ import annotations
 
+import os
+import socket
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -29,6 +33,41 @@ def check_sequence_parallel_size(sequence_parallel_size: int, world_size: int) -
             f"world is split into rings of sequence_parallel_size contiguous ranks, so the number of processes must "
             f"be a multiple of it (for example {sequence_parallel_size * max(1, world_size // sequence_parallel_size)})."
         )
+
+
+def check_rings_within_nodes(sequence_parallel_size: int, processes_per_node: int) -> None:
+    """Raise a clear error unless rings of `sequence_parallel_size` contiguous ranks fit within machines of
+    `processes_per_node` processes (torchrun's `LOCAL_WORLD_SIZE`), i.e. unless the ring size divides it.
+
+    Example:
+    ```python
+    >>> check_rings_within_nodes(8, 8)  # fine: one ring per 8-GPU machine
+    >>> check_rings_within_nodes(16, 8)  # raises ValueError: a ring would span two machines
+    ```
+    """
+    if processes_per_node % sequence_parallel_size:
+        raise ValueError(
+            f"sequence_parallel_size={sequence_parallel_size} does not divide the {processes_per_node} processes per "
+            "machine: a ring would span machines, and ring attention passes keys and values around the ring in "
+            f"every layer, which is only fast within a machine. Use a ring of a divisor of {processes_per_node}."
+        )
+
+
+def _check_ring_nodes(world_size: int, sequence_parallel_size: int) -> None:
+    # Each rank says which machine it runs on (host name and torchrun's node rank, so that simulated nodes on one
+    # host count as different machines); every ring must find one machine only.
+    node = (socket.gethostname(), os.environ.get("GROUP_RANK", "0"))
+    nodes = [None] * world_size
+    dist.all_gather_object(nodes, node)
+    for start in range(0, world_size, sequence_parallel_size):
+        ring = range(start, start + sequence_parallel_size)
+        found = sorted({nodes[r] for r in ring})
+        if len(found) > 1:
+            raise RuntimeError(
+                f"the ring of ranks {list(ring)} spans machines {found}: the launcher numbered ranks across machines "
+                "(not machine by machine), so contiguous rings are not local. Launch with torchrun/accelerate's "
+                "default rank assignment."
+            )
 
 
 @dataclass(frozen=True)
@@ -90,6 +129,8 @@ def init_sequence_parallel_groups(sequence_parallel_size: int) -> SequenceParall
             data_parallel_rank=rank,
             data_parallel_size=world_size,
         )
+    check_rings_within_nodes(sequence_parallel_size, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
+    _check_ring_nodes(world_size, sequence_parallel_size)
     dp_size = world_size // sequence_parallel_size
     ring_group = data_parallel_group = None
     ring_ranks: tuple[int, ...] = ()

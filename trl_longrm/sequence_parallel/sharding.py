@@ -89,6 +89,10 @@ class RingAttentionMetadata:
     """Key/value heads gathered at once; None for all of them."""
     backend: str = "auto"
     query_chunk_size: int = 1024
+    segment_parents: tuple[int, ...] | None = None
+    """Shared-prefix rows only: for each document (span of `cu_seqlens`), the index of the document it continues
+    (its shared prefix), or -1. A document with a parent attends to the whole parent (and the parent's ancestors)
+    and causally to itself; None means every document stands alone (the ordinary packed row)."""
     _cache: dict = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self):
@@ -102,15 +106,58 @@ class RingAttentionMetadata:
                 f"total_length={self.total_length} is not group_size={self.group_size} x "
                 f"local_length={self.local_length}: the row must be padded to a multiple of the ring size."
             )
+        if self.segment_parents is not None:
+            self.segment_parents = tuple(int(x) for x in self.segment_parents)
+            if len(self.segment_parents) != len(self.cu_seqlens) - 1:
+                raise ValueError(
+                    f"segment_parents has {len(self.segment_parents)} entries for {len(self.cu_seqlens) - 1} documents."
+                )
+            for index, parent in enumerate(self.segment_parents):
+                if not -1 <= parent < index:
+                    raise ValueError(
+                        f"segment_parents[{index}] = {parent}: a document's prefix must be an earlier document or -1."
+                    )
+            if all(parent == -1 for parent in self.segment_parents):
+                self.segment_parents = None
+
+    @property
+    def has_shared_prefixes(self) -> bool:
+        """Whether some document continues a shared prefix (only the pure PyTorch kernel attends such rows)."""
+        return self.segment_parents is not None
+
+    def ancestors(self, document: int) -> list[int]:
+        """Documents that `document` attends to in full, earliest first (its prefix, the prefix's prefix, ...)."""
+        chain = []
+        parent = self.segment_parents[document] if self.segment_parents is not None else -1
+        while parent != -1:
+            chain.append(parent)
+            parent = self.segment_parents[parent]
+        return chain[::-1]
 
     @property
     def local_end(self) -> int:
         return self.local_start + self.local_length
 
+    def local_documents(self) -> range:
+        """Indices of the documents that have tokens on this rank."""
+        first = bisect.bisect_right(self.cu_seqlens, self.local_start) - 1
+        last = bisect.bisect_left(self.cu_seqlens, self.local_end) - 1
+        return range(first, last + 1)
+
     @property
     def kv_start(self) -> int:
-        """Start of the document holding this rank's first token: no local query looks at keys before it."""
-        return self.cu_seqlens[bisect.bisect_right(self.cu_seqlens, self.local_start) - 1]
+        """Start of the document holding this rank's first token (or of the earliest shared prefix that a local
+        document continues): no local query looks at keys before it."""
+        if "kv_start" not in self._cache:
+            documents = self.local_documents()
+            start = self.cu_seqlens[documents[0]]
+            if self.segment_parents is not None:
+                for doc in documents:
+                    ancestors = self.ancestors(doc)
+                    if ancestors:
+                        start = min(start, self.cu_seqlens[ancestors[0]])
+            self._cache["kv_start"] = start
+        return self._cache["kv_start"]
 
     @property
     def num_padding(self) -> int:
@@ -140,6 +187,10 @@ class RingAttentionMetadata:
         """`(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)` for a varlen kernel with bottom-right causal
         alignment: the local queries of each document against the keys `[document start, last local query]`, the
         keys being the global row's `[kv_start, local_end)`."""
+        if self.segment_parents is not None:
+            raise NotImplementedError(
+                "A row with shared prefixes has no varlen layout: only the pure PyTorch kernel attends it."
+            )
         key = ("varlen", str(device))
         if key not in self._cache:
             cu_q, cu_k, max_q, max_k = [0], [0], 0, 0
@@ -159,6 +210,47 @@ class RingAttentionMetadata:
                 max_k,
             )
         return self._cache[key]
+
+
+def _segment_boundaries(segment_lengths, length: int, source: str) -> list[int]:
+    lengths = [int(n) for n in torch.as_tensor(segment_lengths).reshape(-1).tolist()]
+    if any(n <= 0 for n in lengths) or sum(lengths) != length:
+        raise ValueError(
+            f"{source}: `segment_lengths` {lengths} must be positive and sum to the row's {length} tokens."
+        )
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    return cu
+
+
+def shared_row_metadata(
+    segment_lengths: torch.Tensor, segment_parents: torch.Tensor, config: SequenceParallelConfig | None = None
+) -> RingAttentionMetadata:
+    """Metadata of a whole shared-prefix row on one process (no ring), from the collator's `segment_lengths` and
+    `segment_parents` (see `trl_longrm.packing`). A shared row's documents cannot be read from its `position_ids`
+    (a response continues its prefix's positions), so the model must receive this metadata.
+
+    Example:
+    ```python
+    >>> meta = shared_row_metadata(torch.tensor([3, 2, 2]), torch.tensor([-1, 0, 0]))
+    >>> meta.cu_seqlens, meta.segment_parents
+    ((0, 3, 5, 7), (-1, 0, 0))
+    ```
+    """
+    config = config or SequenceParallelConfig()
+    length = int(torch.as_tensor(segment_lengths).sum())
+    return RingAttentionMetadata(
+        cu_seqlens=tuple(_segment_boundaries(segment_lengths, length, "shared row")),
+        total_length=length,
+        unpadded_length=length,
+        local_start=0,
+        local_length=length,
+        ring_head_stride=config.ring_head_stride,
+        backend=config.ring_attn_backend,
+        query_chunk_size=config.ring_query_chunk_size,
+        segment_parents=tuple(int(p) for p in torch.as_tensor(segment_parents).reshape(-1).tolist()),
+    )
 
 
 def packed_row_metadata(
@@ -291,6 +383,8 @@ def shard_packed_row(
     pad_token_id: int = 0,
     verify_same_row: bool = True,
     source: str = "packed row",
+    segment_lengths: torch.Tensor | None = None,
+    segment_parents: torch.Tensor | None = None,
 ) -> ShardedRow:
     """Pad a packed row to a multiple of the ring size, compute its global boundaries and shifted labels, and return
     this rank's contiguous slice with the attention metadata.
@@ -306,6 +400,9 @@ def shard_packed_row(
         pad_token_id: id of the padding tokens (they form their own document, with no loss).
         verify_same_row: check with one tiny collective that all ranks of the ring hold the same row.
         source: name of the data in error messages.
+        segment_lengths, segment_parents: the documents of a shared-prefix row and the prefix each continues (-1:
+            none), as the collator emits them; they replace the boundaries read from `position_ids`, and a label is
+            shifted within its own document only.
 
     Example:
     ```python
@@ -347,12 +444,25 @@ def shard_packed_row(
     ids_p = _pad(ids, num_padding, pad_token_id)
     pos_p = torch.cat([pos, torch.arange(num_padding, dtype=pos.dtype, device=pos.device)])
     lab_p = _pad(lab, num_padding, IGNORE_INDEX)
-    shift = shifted_labels(lab_p, pos_p)
-    starts = document_starts(pos_p)
+    parents = None
+    if segment_lengths is not None:
+        if segment_parents is None:
+            raise ValueError(f"{source}: `segment_lengths` needs `segment_parents`.")
+        cu_seqlens = _segment_boundaries(segment_lengths, length, source)
+        parents = [int(p) for p in torch.as_tensor(segment_parents).reshape(-1).tolist()]
+        if num_padding:
+            cu_seqlens.append(total)
+            parents.append(-1)
+        starts = torch.zeros(total, dtype=torch.bool, device=ids.device)
+        starts[cu_seqlens[:-1]] = True
+    else:
+        starts = document_starts(pos_p)
+        cu_seqlens = torch.nonzero(starts).flatten().tolist() + [total]
+    shift = torch.full_like(lab_p, IGNORE_INDEX)
+    shift[:-1] = torch.where(starts[1:], torch.full_like(lab_p[1:], IGNORE_INDEX), lab_p[1:])
     doc_ids = torch.cumsum(starts.long(), 0) - 1
     if num_padding:
         doc_ids[length:] = -1
-    cu_seqlens = torch.nonzero(starts).flatten().tolist() + [total]
 
     local = total // size
     lo, hi = rank * local, (rank + 1) * local
@@ -368,6 +478,7 @@ def shard_packed_row(
         ring_head_stride=config.ring_head_stride,
         backend=config.ring_attn_backend,
         query_chunk_size=config.ring_query_chunk_size,
+        segment_parents=parents,
     )
     return ShardedRow(
         input_ids=ids_p[lo:hi].unsqueeze(0),

@@ -28,6 +28,12 @@ def build_parser() -> argparse.ArgumentParser:
     """An argument parser with one `--kebab-case` flag per `SyntheticConfig` field, plus `--output-dir`."""
     parser = argparse.ArgumentParser(prog="python -m trl_longrm.synthetic", description=__doc__.splitlines()[0])
     parser.add_argument("--output-dir", required=True, help="Directory to write the suite into. Required.")
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="Overwrite suite files found in --output-dir without a manifest.json (an interrupted run). Default: "
+        "refuse; a suite with a manifest is always replaced.",
+    )
     defaults = SyntheticConfig()
     for f in dataclasses.fields(SyntheticConfig):
         flag = "--" + f.name.replace("_", "-")
@@ -49,11 +55,16 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = vars(build_parser().parse_args(sys.argv[1:] if argv is None else argv))
     output_dir = args.pop("output_dir")
+    overwrite = args.pop("overwrite")
     overrides = {k: v for k, v in args.items() if v is not None}
     if "lengths" in overrides:
         overrides["lengths"] = dict(overrides["lengths"])
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    suite = generate_synthetic_suite(output_dir, **overrides)
+    try:
+        suite = generate_synthetic_suite(output_dir, overwrite=overwrite, **overrides)
+    except (FileExistsError, ValueError) as error:  # a folder it will not write into, or bad settings
+        print(f"python -m trl_longrm.synthetic: error: {error}", file=sys.stderr)
+        return 1
     print(json.dumps(json.loads(suite.manifest.read_text(encoding="utf-8"))["counts"], indent=2))
     return 0
 

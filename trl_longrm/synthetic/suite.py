@@ -504,15 +504,53 @@ class SyntheticSuite:
         )
 
 
+def _file_of(suite: SyntheticSuite, name: str) -> Path:
+    """The file behind a `counts` key of the manifest (`sft`, `grm`, `disrm`, `bench/{Task}`)."""
+    if name.startswith("bench/"):
+        return suite.benchmark / f"{name.removeprefix('bench/')}.jsonl"
+    return {"sft": suite.sft, "grm": suite.grm, "disrm": suite.disrm}[name]
+
+
+def _clear_earlier_suite(suite: SyntheticSuite, overwrite: bool) -> list[Path]:
+    """Delete the files of a suite written earlier into the same folder, as its manifest lists them, so that a re-run
+    with other settings (fewer tasks) leaves exactly the files of its own manifest. Where suite files lie there with
+    no readable manifest (a foreign folder, an interrupted run), refuse rather than guess which files are ours,
+    unless `overwrite` (then all of them go)."""
+    try:
+        counts = json.loads(suite.manifest.read_text(encoding="utf-8"))["counts"]
+        earlier = [_file_of(suite, name) for name in counts]
+    except (OSError, ValueError, KeyError, TypeError):
+        earlier = None
+    if earlier is None:
+        found = [path for path in (suite.sft, suite.grm, suite.disrm) if path.exists()]
+        found += sorted(suite.benchmark.glob("*.jsonl")) if suite.benchmark.is_dir() else []
+        if found and overwrite:
+            for path in found:
+                path.unlink()
+        elif found:
+            raise FileExistsError(
+                f"{suite.root} already holds suite files ({', '.join(map(str, found[:3]))}"
+                f"{', ...' if len(found) > 3 else ''}) but no readable {MANIFEST_FILE} saying which run wrote them; "
+                "write into an empty folder, delete them first, or overwrite them (--overwrite, overwrite=True)"
+            )
+        return found
+    suite.manifest.unlink()  # first: an interruption from here on leaves no manifest, so the next run refuses
+    for path in earlier:
+        path.unlink(missing_ok=True)
+    return earlier
+
+
 def generate_synthetic_suite(
-    output_dir: str | Path, config: SyntheticConfig | None = None, tokenizer=None, **overrides
+    output_dir: str | Path, config: SyntheticConfig | None = None, tokenizer=None, overwrite: bool = False, **overrides
 ) -> SyntheticSuite:
     """Write the judge SFT data, SimPO-GRM and DisRM preference data and a held-out mini benchmark into `output_dir`.
 
     Files: `sft/train.jsonl` (`chat_template` + `golden`), `grm/train.jsonl` and `disrm/train.jsonl`
     (`chat_template` + `chosen` + `rejects`), `bench/{Task}.jsonl` and `manifest.json` (settings and row counts).
     Keyword arguments override fields of `config` (default `SyntheticConfig()`). `tokenizer` measures document
-    lengths (default: the tiny test tokenizer of `trl_longrm.testing_utils`).
+    lengths (default: the tiny test tokenizer of `trl_longrm.testing_utils`). A suite written earlier into
+    `output_dir` is replaced (the files its manifest lists are deleted first); suite files there without a manifest
+    raise `FileExistsError` unless `overwrite`.
 
     Example:
     ```python
@@ -525,6 +563,8 @@ def generate_synthetic_suite(
     root = Path(output_dir)
     builder = SuiteBuilder(config, tokenizer)
     suite = SyntheticSuite.at(root)
+    if _clear_earlier_suite(suite, overwrite):
+        logger.info("Replacing the suite written earlier in %s.", root)
     counts = {}
     for name, path, rows in (
         ("sft", suite.sft, builder.sft_rows()),

@@ -66,6 +66,32 @@ class LongContextDataArguments:
     )
 
 
+SHARED_PREFIX_HELP = (
+    "Lay each preference group out as its prompt once followed by each response (the responses' position ids "
+    "continuing from the prompt's length, each attending to the whole prompt and causally to itself, never to another "
+    "response) instead of k + 1 sequences that each repeat the prompt. The log-probs, scores, losses and gradients "
+    "equal those of the unshared layout; the prompt's tokens and its attention are computed once. Needs "
+    "`padding_free=True` (without it the unshared padded layout is used) and is attended by the pure PyTorch ring "
+    "kernel, also on CUDA (not flash-attn). `max_tokens_per_row` then counts the prompt once. Default {default}."
+)
+
+
+def uses_shared_prefix(args) -> bool:
+    """Whether the trainer lays groups out with shared prefixes (`shared_prefix` and `padding_free` both set)."""
+    return bool(getattr(args, "shared_prefix", False)) and bool(args.padding_free)
+
+
+def check_shared_prefix_args(args) -> None:
+    """Refuse combinations `shared_prefix` cannot honour, naming the fields (called by the configs)."""
+    if getattr(args, "shared_prefix", False) and not args.padding_free:
+        logger.info("shared_prefix=True needs padding_free=True: groups use the unshared padded layout.")
+    if uses_shared_prefix(args) and getattr(args, "ring_attn_backend", "auto") == "flash_attn":
+        raise ValueError(
+            "shared_prefix=True rows are attended by the pure PyTorch ring kernel, but ring_attn_backend='flash_attn' "
+            "was requested: set shared_prefix=False to use flash-attn, or ring_attn_backend='auto'."
+        )
+
+
 def resolve_tokenizer(model, processing_class: PreTrainedTokenizerBase | None, trust_remote_code: bool = False):
     """The tokenizer a trainer needs before TRL's `__init__` runs (to tokenise our data formats)."""
     if processing_class is not None:
@@ -81,17 +107,70 @@ def pad_token_id_of(tokenizer: PreTrainedTokenizerBase) -> int:
 PREFERENCE_COLUMNS = ("prompt_ids", "chosen_completion_ids", "rejected_completion_ids")
 
 
+def _is_packed(dataset, column: str) -> bool:
+    """Whether `dataset` holds packs (rows of several examples, `num_tokens` per pack) rather than examples."""
+    if not isinstance(dataset, Dataset) or "num_tokens" not in dataset.column_names or column not in dataset.column_names:
+        return False
+    first = dataset[0][column] if len(dataset) else None
+    return bool(first) and isinstance(first[0], list)
+
+
+# RewardTrainer's pre-tokenised format: each row's whole chosen and rejected sequences.
+SEQUENCE_COLUMNS = ("chosen_ids", "rejected_ids")
+
+
+def groups_from_sequences(dataset: Dataset, max_length: int | None, dataset_name: str) -> Dataset:
+    """Pre-tokenised `chosen_ids` / `rejected_ids` rows (RewardTrainer's format) as tokenised groups.
+
+    The prompt is the sequences' longest common prefix (at least one token of each response is left to it), so
+    `prompt_ids + completion` is each given sequence, scored at its last token as RewardTrainer scores it. As there,
+    rows with a sequence over `max_length` are dropped (token ids cannot be cut like text); they are counted.
+    """
+    groups, dropped = [], 0
+    for row in dataset:
+        chosen, rejected = list(row["chosen_ids"]), list(row["rejected_ids"])
+        if max_length is not None and max(len(chosen), len(rejected)) > max_length:
+            dropped += 1
+            continue
+        shared = 0
+        limit = min(len(chosen), len(rejected)) - 1
+        while shared < limit and chosen[shared] == rejected[shared]:
+            shared += 1
+        group = {
+            "prompt_ids": chosen[:shared],
+            "chosen_completion_ids": chosen[shared:],
+            "rejected_completion_ids": [rejected[shared:]],
+        }
+        if "margin" in row:
+            group["margin"] = row["margin"]
+        groups.append(group)
+    if dropped:
+        logger.warning(
+            "%s dataset: dropped %d of %d pre-tokenised rows longer than max_length=%s (as RewardTrainer does).",
+            dataset_name,
+            dropped,
+            len(dataset),
+            max_length,
+        )
+    if not groups:
+        raise ValueError(f"{dataset_name} dataset: every row is longer than max_length={max_length}; raise max_length.")
+    return Dataset.from_list(groups)
+
+
 def prepare_preference_dataset(dataset, tokenizer, args, dataset_name: str) -> Dataset:
-    """Normalise (any format of `trl_longrm.data`), tokenise, report truncations, and optionally pack."""
+    """Normalise (any format of `trl_longrm.data`, or RewardTrainer's pre-tokenised `chosen_ids` / `rejected_ids`),
+    tokenise, report truncations, and optionally pack."""
     from trl_longrm.data import load_preference_dataset, tokenize_preference_dataset
     from trl_longrm.packing import pack_groups
 
     if dataset is None:
         return None
     columns = dataset.column_names if isinstance(dataset, Dataset) else None
-    if columns is None or not all(c in columns for c in PREFERENCE_COLUMNS):
-        if "num_tokens" in (columns or []):
-            return dataset  # already packed
+    if _is_packed(dataset, "prompt_ids"):
+        return dataset  # packed by `pack_groups` already (a dataset prepared once, passed again)
+    if columns is not None and all(c in columns for c in SEQUENCE_COLUMNS) and "prompt_ids" not in columns:
+        dataset = groups_from_sequences(dataset, args.max_length, dataset_name)
+    elif columns is None or not all(c in columns for c in PREFERENCE_COLUMNS):
         dataset = load_preference_dataset(
             dataset,
             prompt_key=args.prompt_key,
@@ -108,7 +187,7 @@ def prepare_preference_dataset(dataset, tokenizer, args, dataset_name: str) -> D
             source_name=dataset_name,
         )
     if args.max_tokens_per_row:
-        dataset = pack_groups(dataset, args.max_tokens_per_row)
+        dataset = pack_groups(dataset, args.max_tokens_per_row, shared_prefix=uses_shared_prefix(args))
     return dataset
 
 
@@ -120,6 +199,8 @@ def prepare_sft_dataset(dataset, tokenizer, args, dataset_name: str, packing_bud
     if dataset is None:
         return None
     columns = dataset.column_names if isinstance(dataset, Dataset) else None
+    if _is_packed(dataset, "input_ids"):
+        return dataset  # packed by `pack_sft_examples` already
     if columns is None or "input_ids" not in columns:
         dataset = load_sft_dataset(
             dataset, prompt_key=args.prompt_key, completion_key=args.chosen_key, source_name=f"{dataset_name} dataset"
@@ -132,16 +213,27 @@ def prepare_sft_dataset(dataset, tokenizer, args, dataset_name: str, packing_bud
             num_proc=args.dataset_num_proc,
             source_name=dataset_name,
         )
-    elif "num_tokens" in columns:
-        return dataset
     if packing_budget:
         dataset = pack_sft_examples(dataset, packing_budget)
     return dataset
 
 
 def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The tensors of a collated batch that the model itself takes."""
+    """The tensors of a collated batch that the model itself takes (not for a shared-prefix batch, whose documents
+    the model must receive as attention metadata: see `SequenceParallelMixin._shared_row_inputs`)."""
+    if "segment_parents" in batch:
+        # With position_ids alone, any attention would let each response see the previous one: refuse.
+        raise ValueError("A shared-prefix batch needs its attention metadata; it cannot be passed as plain inputs.")
     return {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids") if k in batch}
+
+
+def per_pair_sequence_logps(pair_logps: torch.Tensor, batch: dict[str, torch.Tensor]):
+    """Per-sequence sums and counts `[S]` of the log-probs of a shared-prefix batch (one per `logprob_sequence`)."""
+    num_sequences = batch["sequence_lengths"].numel()
+    owners = batch["logprob_sequence"].to(pair_logps.device)
+    sums = pair_logps.new_zeros(num_sequences).index_add(0, owners, pair_logps)
+    counts = torch.zeros(num_sequences, device=pair_logps.device).index_add(0, owners, torch.ones_like(pair_logps))
+    return sums, counts
 
 
 def token_sequence_index(batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -166,3 +258,37 @@ def per_sequence_logps(
         0, index, torch.ones_like(token_logps[label_mask])
     )
     return sums, counts
+
+
+def reduce_over_rows(accelerator, values: dict[str, tuple[torch.Tensor, torch.Tensor]], num_rows: int) -> dict:
+    """Mean, min and max of per-group metric values over every group of the global batch, each counted once.
+
+    `values` maps a name to `(values [N], rows [N])`: one value per item (a group, or a rejected response) and the
+    dataset row (example or pack) of the micro-batch it belongs to. Reduced to per-row sums, counts, minima and maxima
+    (`[num_rows, 4]` per metric, the same shape on every rank), the table goes through `gather_for_metrics`, which
+    drops the rows accelerate repeated to even out the last batch; gathering the items themselves would crash across
+    data-parallel ranks holding different numbers of groups, and would cut the repeated rows by the wrong count.
+    Returns `{name: {"mean", "min", "max"}}` (NaN where no item).
+    """
+    columns = []
+    for item_values, rows in values.values():
+        item_values = item_values.detach().float()
+        zeros = item_values.new_zeros(num_rows)
+        rows = rows.to(item_values.device)
+        sums = zeros.index_add(0, rows, item_values)
+        counts = zeros.index_add(0, rows, torch.ones_like(item_values))
+        lows = zeros.scatter_reduce(0, rows, item_values, "amin", include_self=False)
+        highs = zeros.scatter_reduce(0, rows, item_values, "amax", include_self=False)
+        columns.append(torch.stack([sums, counts, lows, highs], dim=1))
+    table = accelerator.gather_for_metrics(torch.stack(columns, dim=1))  # [rows of all ranks, metrics, 4]
+    reduced = {}
+    for i, name in enumerate(values):
+        sums, counts, lows, highs = table[:, i].unbind(-1)
+        present = counts > 0
+        total = counts.sum()
+        reduced[name] = {
+            "mean": (sums.sum() / total).item() if total > 0 else float("nan"),
+            "min": lows[present].min().item() if present.any() else float("nan"),
+            "max": highs[present].max().item() if present.any() else float("nan"),
+        }
+    return reduced

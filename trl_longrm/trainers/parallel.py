@@ -11,13 +11,17 @@ import torch
 from accelerate.data_loader import BatchSamplerShard
 
 from trl_longrm.heads import shift_labels_left
+from trl_longrm.packing import is_shared_prefix_batch
 from trl_longrm.sequence_parallel import (
+    RING_META_KWARG,
     apply_ring_attention,
     gather_sequence,
     init_sequence_parallel_groups,
     shard_packed_row,
     validate_sequence_parallel_setup,
 )
+from trl_longrm.sequence_parallel.collectives import all_reduce_autograd
+from trl_longrm.sequence_parallel.sharding import shared_row_metadata
 from trl_longrm.trainers.common import model_inputs
 
 
@@ -80,13 +84,21 @@ class SequenceParallelMixin:
         return super().get_total_train_batch_size(args) // self.sequence_parallel_size
 
     def _count_tokens(self, batch) -> int:
-        """Real tokens of this step over all data-parallel replicas (each ring rank holds the same row)."""
-        total = self.accelerator.gather_for_metrics(batch["sequence_lengths"].sum()).sum().item()
+        """Real tokens of this step over all data-parallel replicas (each ring rank holds the same row): the tokens
+        placed in the row, so a shared prompt counts once."""
+        if is_shared_prefix_batch(batch):
+            placed = batch["segment_lengths"].sum()
+        else:
+            placed = batch["sequence_lengths"].sum()
+        total = self.accelerator.gather_for_metrics(placed).sum().item()
         return int(total) // self.sequence_parallel_size
 
     # ------------------------------------------------------------------ forwards over a whole (possibly split) row
 
     def _shard(self, batch, labels=None):
+        segments = {}
+        if is_shared_prefix_batch(batch):
+            segments = {"segment_lengths": batch["segment_lengths"], "segment_parents": batch["segment_parents"]}
         return shard_packed_row(
             batch["input_ids"],
             batch["position_ids"],
@@ -94,11 +106,49 @@ class SequenceParallelMixin:
             groups=self.sp_groups,
             config=self.args,
             pad_token_id=self._pad_token_id,
+            **segments,
         )
+
+    def _shared_row_inputs(self, batch) -> dict:
+        """Model inputs of a shared-prefix row on one process: its documents are not readable from `position_ids`
+        (a response continues its prompt's positions), so the ring attention always receives them as metadata."""
+        meta = shared_row_metadata(batch["segment_lengths"], batch["segment_parents"], self.args)
+        return {
+            "input_ids": batch["input_ids"],
+            "position_ids": batch["position_ids"],
+            RING_META_KWARG: meta,
+            "use_cache": False,
+        }
+
+    def forward_pair_logps(self, model, batch) -> torch.Tensor:
+        """Log-prob of `logprob_targets[p]` at row position `logprob_positions[p]` of a shared-prefix batch, `[P]`,
+        for the whole row even when it is split over a ring."""
+        positions, targets = batch["logprob_positions"], batch["logprob_targets"]
+        if self.sp_groups is None:
+            inputs = self._shared_row_inputs(batch)
+            return model(**inputs, logprob_positions=positions, logprob_targets=targets).token_logps
+        shard = self._shard(batch)
+        meta = shard.attention_meta
+        local = (positions >= meta.local_start) & (positions < meta.local_end)
+        local_positions, local_targets = positions[local] - meta.local_start, targets[local]
+        if not local.any():
+            # As in `forward_token_logps`: a rank without any scored position must still take part in the attention's
+            # backward collectives, so it scores a dummy position whose value is multiplied by zero.
+            local_positions, local_targets = positions.new_zeros(1), targets.new_zeros(1)
+        output = model(**shard.model_inputs(), logprob_positions=local_positions, logprob_targets=local_targets)
+        if local.any():
+            values = output.token_logps.new_zeros(positions.shape).masked_scatter(local, output.token_logps)
+        else:
+            values = output.token_logps.new_zeros(positions.shape) + 0.0 * output.token_logps.sum()
+        return all_reduce_autograd(values, meta.group)
 
     def forward_token_logps(self, model, batch) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-position log-prob of the next token (`[B, L]`, 0 where unscored) and the mask of scored positions,
         for the whole row even when it is split over a ring."""
+        if is_shared_prefix_batch(batch):
+            raise ValueError(
+                "A shared-prefix batch has no per-token labels: read its log-probs with forward_pair_logps."
+            )
         if self.sp_groups is None:
             output = model(**model_inputs(batch), logprob_labels=batch["labels"], use_cache=False)
             return output.token_logps, output.label_mask
@@ -110,9 +160,9 @@ class SequenceParallelMixin:
             # backbone's graph: the backward of every ring rank takes part in the attention's key/value
             # reduce-scatter, and a rank whose loss has no graph would skip it (no grad_fn, or a hang). Score one
             # dummy position and mask it out below.
-            shift_labels = torch.where(
-                torch.arange(scored.shape[1], device=scored.device) == 0, 0, shift_labels
-            ).to(shift_labels.dtype)
+            shift_labels = torch.where(torch.arange(scored.shape[1], device=scored.device) == 0, 0, shift_labels).to(
+                shift_labels.dtype
+            )
         output = model(**shard.model_inputs(), logprob_shift_labels=shift_labels)
         local = torch.where(scored, output.token_logps, 0.0)
         # The gather's backward sums every rank's contribution: averaging gradients over the world is then exact.
@@ -122,6 +172,8 @@ class SequenceParallelMixin:
     def forward_sequence_scores(self, model, batch) -> torch.Tensor:
         """Score of every sequence of the batch, `[S]`, read at its last token, even when the row is split."""
         if self.sp_groups is None:
+            if is_shared_prefix_batch(batch):
+                return model(**self._shared_row_inputs(batch), score_positions=batch["score_positions"]).scores
             return model(**model_inputs(batch), score_positions=batch["score_positions"], use_cache=False).scores
         shard = self._shard(batch)
         local = torch.arange(shard.input_ids.shape[1], device=shard.input_ids.device)

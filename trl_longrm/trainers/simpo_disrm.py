@@ -11,7 +11,14 @@ from trl_longrm.heads import add_last_token_score_head
 from trl_longrm.losses import bradley_terry_loss, center_rewards_penalty, group_values
 from trl_longrm.packing import PreferenceCollator
 from trl_longrm.sequence_parallel import SequenceParallelConfig
-from trl_longrm.trainers.common import LongContextDataArguments, prepare_preference_dataset
+from trl_longrm.trainers.common import (
+    SHARED_PREFIX_HELP,
+    LongContextDataArguments,
+    check_shared_prefix_args,
+    prepare_preference_dataset,
+    reduce_over_rows,
+    uses_shared_prefix,
+)
 from trl_longrm.trainers.parallel import SequenceParallelMixin
 
 
@@ -48,10 +55,12 @@ class SimPODisRMConfig(RewardConfig, LongContextDataArguments, SequenceParallelC
         metadata={"help": "Most tokens of prompt + longest response of a group. Default 131072 (LongRM)."},
     )
     learning_rate: float = field(default=2e-6, metadata={"help": "Initial AdamW learning rate. Default 2e-6."})
+    shared_prefix: bool = field(default=True, metadata={"help": SHARED_PREFIX_HELP.format(default="True")})
 
     def __post_init__(self):
         super().__post_init__()
         SequenceParallelConfig.__post_init__(self)
+        check_shared_prefix_args(self)
 
 
 class SimPODisRMTrainer(SequenceParallelMixin, RewardTrainer):
@@ -83,6 +92,7 @@ class SimPODisRMTrainer(SequenceParallelMixin, RewardTrainer):
                 pad_token_id=self.processing_class.pad_token_id,
                 padding_free=args.padding_free,
                 pad_to_multiple_of=args.pad_to_multiple_of,
+                shared_prefix=uses_shared_prefix(args),
             )
         add_last_token_score_head(self.model)
         self._init_long_context(self.processing_class.pad_token_id)
@@ -121,20 +131,40 @@ class SimPODisRMTrainer(SequenceParallelMixin, RewardTrainer):
         if self.args.center_rewards_coefficient is not None:
             loss = loss + self.args.center_rewards_coefficient * center_rewards_penalty(chosen, rejected, mask)
 
-        gather = self.accelerator.gather_for_metrics
         with torch.no_grad():
             if mode == "train":
                 self._total_train_tokens += self._count_tokens(inputs)
             self._metrics[mode]["num_tokens"] = [self._total_train_tokens]
-            all_scores = gather(scores.detach())
-            self._metrics[mode]["min_reward"].append(all_scores.min().item())
-            self._metrics[mode]["mean_reward"].append(all_scores.mean().item())
-            self._metrics[mode]["max_reward"].append(all_scores.max().item())
             rejected_mean = (rejected * mask).sum(-1) / mask.sum(-1).clamp(min=1)
-            self._metrics[mode]["accuracy"].append(gather((chosen > rejected_mean).float()).mean().item())
             beat_all = (chosen.unsqueeze(-1) > rejected.masked_fill(~mask, float("-inf"))).all(-1)
-            self._metrics[mode]["accuracy_vs_all"].append(gather(beat_all.float()).mean().item())
-            self._metrics[mode]["margin"].append(gather(chosen - rejected_mean).mean().item())
+            rows = inputs["group_row"]
+            reduced = reduce_over_rows(
+                self.accelerator,
+                {
+                    "reward": (scores, rows[inputs["group_index"]]),
+                    "accuracy": ((chosen > rejected_mean).float(), rows),
+                    "accuracy_vs_all": (beat_all.float(), rows),
+                    "margin": (chosen - rejected_mean, rows),
+                },
+                num_rows=int(rows.max().item()) + 1,
+            )
+            self._metrics[mode]["min_reward"].append(reduced["reward"]["min"])
+            self._metrics[mode]["mean_reward"].append(reduced["reward"]["mean"])
+            self._metrics[mode]["max_reward"].append(reduced["reward"]["max"])
+            for name in ("accuracy", "accuracy_vs_all", "margin"):
+                self._metrics[mode][name].append(reduced[name]["mean"])
         if return_outputs:
-            return loss, {"scores": scores}
+            rejected_mean = (rejected * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+            return loss, {"scores": scores, "group_scores": torch.stack([chosen, rejected_mean], dim=-1)}
         return loss
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        """Loss, and for `compute_metrics` / `predict()` each group's `[chosen score, mean rejected score]` (`[G, 2]`,
+        RewardTrainer's chosen/rejected pair when k = 1) with zero labels (the chosen one is right)."""
+        inputs = self._prepare_inputs(inputs)
+        with torch.no_grad():
+            loss, outputs = self.compute_loss(model, inputs, return_outputs=True)
+        if prediction_loss_only:
+            return loss.detach(), None, None
+        scores = outputs["group_scores"].detach()
+        return loss.detach(), scores, torch.zeros(scores.shape[0], device=scores.device)

@@ -7,21 +7,27 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
+from datasets import DatasetDict
 
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 from trl.experimental.cpo import CPOConfig, CPOTrainer  # noqa: E402
 
 from trl_longrm.heads import add_token_logprob_head  # noqa: E402
-from trl_longrm.losses import group_values, simpo_loss  # noqa: E402
-from trl_longrm.packing import PreferenceCollator  # noqa: E402
+from trl_longrm.losses import AVERAGED_LOSS_TYPES, CPO_LOSS_TYPES, cpo_loss, group_values  # noqa: E402
+from trl_longrm.packing import PreferenceCollator, is_shared_prefix_batch  # noqa: E402
 from trl_longrm.sequence_parallel import SequenceParallelConfig  # noqa: E402
 from trl_longrm.trainers.common import (  # noqa: E402
+    SHARED_PREFIX_HELP,
     LongContextDataArguments,
+    check_shared_prefix_args,
     pad_token_id_of,
+    per_pair_sequence_logps,
     per_sequence_logps,
     prepare_preference_dataset,
+    reduce_over_rows,
     resolve_tokenizer,
+    uses_shared_prefix,
 )
 from trl_longrm.trainers.parallel import SequenceParallelMixin  # noqa: E402
 
@@ -32,7 +38,8 @@ class SimPOGRMConfig(CPOConfig, LongContextDataArguments, SequenceParallelConfig
     fields (see `LongContextDataArguments`).
 
     The loss is `-logsigmoid(beta * (logp_chosen - mean_k logp_rejected_k) - simpo_gamma)` on length-normalised
-    log-probs, plus `nll_loss_weight` times the NLL of the chosen judgment.
+    log-probs (`loss_type="simpo"`; TRL's other CPO loss types and AlphaPO's `alpha` work as in `CPOTrainer`), plus
+    `nll_loss_weight` (TRL's `cpo_alpha`) times the NLL of the chosen judgment.
 
     Example:
     ```python
@@ -44,19 +51,29 @@ class SimPOGRMConfig(CPOConfig, LongContextDataArguments, SequenceParallelConfig
     loss_type: str = field(
         default="simpo",
         metadata={
-            "help": "'simpo' (sigmoid SimPO loss, default) or 'hinge' (`relu(1 - logits)` on the same logits).",
-            "choices": ["simpo", "hinge"],
+            "help": "CPO loss, as TRL's `CPOTrainer` computes it for one rejected response and against the mean "
+            "reward of the k rejected ones otherwise: 'simpo' (default, LongRM: sigmoid on length-normalised "
+            "log-probs minus `simpo_gamma`), 'sigmoid' (CPO: summed log-probs), 'hinge' (SLiC: summed log-probs), "
+            "'ipo' (length-normalised log-probs), or 'alphapo' (TRL's shorthand: 'simpo' with `cpo_alpha=0`).",
+            "choices": ["simpo", "sigmoid", "hinge", "ipo", "alphapo"],
         },
     )
     beta: float = field(default=2.5, metadata={"help": "SimPO reward scale beta. Default 2.5 (LongRM stage II)."})
     simpo_gamma: float = field(
         default=0.5, metadata={"help": "SimPO target reward margin gamma (absolute). Default 0.5 (LongRM stage II)."}
     )
-    nll_loss_weight: float = field(
-        default=0.05,
+    nll_loss_weight: float | None = field(
+        default=None,
         metadata={
-            "help": "Weight of the token-mean NLL of the chosen judgment added to the loss. Default 0.05 (LongRM). "
-            "TRL's `cpo_alpha` is set to this value."
+            "help": "Weight of the token-mean NLL of the chosen judgment added to the loss (TRL's `cpo_alpha`; set "
+            "either, or both to the same value). Default None: `cpo_alpha` if set, else 0.05 (LongRM)."
+        },
+    )
+    cpo_alpha: float | None = field(
+        default=None,
+        metadata={
+            "help": "TRL's name of `nll_loss_weight` (TRL's pure SimPO is `cpo_alpha=0.0`). Default None: "
+            "`nll_loss_weight`, else 0.05 (LongRM)."
         },
     )
     max_length: int | None = field(
@@ -64,11 +81,35 @@ class SimPOGRMConfig(CPOConfig, LongContextDataArguments, SequenceParallelConfig
         metadata={"help": "Most tokens of prompt + longest completion of a group. Default 131072 (LongRM)."},
     )
     learning_rate: float = field(default=2e-6, metadata={"help": "Initial AdamW learning rate. Default 2e-6."})
+    shared_prefix: bool = field(default=True, metadata={"help": SHARED_PREFIX_HELP.format(default="True")})
 
     def __post_init__(self):
-        self.cpo_alpha = self.nll_loss_weight
+        # CPOConfig fields whose CPOTrainer code paths our token pipeline replaces: refused by name, never ignored.
+        if self.max_completion_length is not None:
+            raise ValueError(
+                "SimPOGRMConfig does not take `max_completion_length`: judgments are never cut; `max_length` bounds "
+                "prompt + longest judgment by cutting the middle of the prompt (`truncation`)."
+            )
+        if self.generate_during_eval:
+            raise ValueError(
+                "SimPOGRMConfig does not take `generate_during_eval=True`: evaluate judges with `trl-longrm eval`."
+            )
+        if self.is_encoder_decoder:
+            raise ValueError("SimPOGRMConfig does not take `is_encoder_decoder=True`: packing needs a decoder-only model.")
+        if self.loss_type == "alphapo":  # TRL's shorthand, resolved before the NLL weight it implies
+            if self.nll_loss_weight not in (None, 0.0) or self.cpo_alpha not in (None, 0.0):
+                raise ValueError("loss_type='alphapo' means SimPO without the NLL term; leave nll_loss_weight unset.")
+            self.loss_type, self.cpo_alpha = "simpo", 0.0
+        if None not in (self.nll_loss_weight, self.cpo_alpha) and self.nll_loss_weight != self.cpo_alpha:
+            raise ValueError(
+                f"nll_loss_weight={self.nll_loss_weight} and cpo_alpha={self.cpo_alpha} name the same weight (the NLL "
+                "term's); set one of them."
+            )
+        weight = next((w for w in (self.nll_loss_weight, self.cpo_alpha) if w is not None), 0.05)
+        self.nll_loss_weight = self.cpo_alpha = weight
         super().__post_init__()
         SequenceParallelConfig.__post_init__(self)
+        check_shared_prefix_args(self)
 
 
 class SimPOGRMTrainer(SequenceParallelMixin, CPOTrainer):
@@ -106,12 +147,15 @@ class SimPOGRMTrainer(SequenceParallelMixin, CPOTrainer):
     ):
         if args is None:
             args = SimPOGRMConfig(output_dir="simpo-grm")
-        if args.loss_type not in ("simpo", "hinge"):
-            raise ValueError(f"SimPOGRMConfig.loss_type must be 'simpo' or 'hinge', got {args.loss_type!r}.")
+        if args.loss_type not in CPO_LOSS_TYPES:
+            raise ValueError(f"SimPOGRMConfig.loss_type must be one of {list(CPO_LOSS_TYPES)}, got {args.loss_type!r}.")
         tokenizer = resolve_tokenizer(model, processing_class, args.trust_remote_code)
         train_dataset = prepare_preference_dataset(train_dataset, tokenizer, args, "train")
         if isinstance(eval_dataset, dict):
-            eval_dataset = {k: prepare_preference_dataset(v, tokenizer, args, k) for k, v in eval_dataset.items()}
+            # A DatasetDict stays one: CPOTrainer maps over the eval sets with `.map`.
+            eval_dataset = DatasetDict(
+                {k: prepare_preference_dataset(v, tokenizer, args, k) for k, v in eval_dataset.items()}
+            )
         else:
             eval_dataset = prepare_preference_dataset(eval_dataset, tokenizer, args, "eval")
         if data_collator is None:
@@ -119,6 +163,7 @@ class SimPOGRMTrainer(SequenceParallelMixin, CPOTrainer):
                 pad_token_id=pad_token_id_of(tokenizer),
                 padding_free=args.padding_free,
                 pad_to_multiple_of=getattr(args, "pad_to_multiple_of", None),
+                shared_prefix=uses_shared_prefix(args),
             )
         super().__init__(
             model=model,
@@ -148,49 +193,71 @@ class SimPOGRMTrainer(SequenceParallelMixin, CPOTrainer):
 
     def sequence_logps(self, model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """Summed log-prob and number of scored tokens of every sequence of the batch, `[S]` each."""
+        if is_shared_prefix_batch(batch):
+            return per_pair_sequence_logps(self.forward_pair_logps(model, batch), batch)
         token_logps, label_mask = self.forward_token_logps(model, batch)
         return per_sequence_logps(token_logps, label_mask, batch)
 
     def get_batch_loss_metrics(self, model, batch, train_eval: Literal["train", "eval"] = "train"):
+        loss, metrics, _ = self._loss_metrics_rewards(model, batch, train_eval)
+        return loss, metrics
+
+    def _loss_metrics_rewards(self, model, batch, train_eval):
         sums, counts = self.sequence_logps(model, batch)
-        mean_logps = sums / counts.clamp(min=1)
+        # Length-normalised log-probs for simpo and ipo, summed for sigmoid and hinge, as TRL's CPOTrainer.
+        sequence_logps = sums / counts.clamp(min=1) if self.args.loss_type in AVERAGED_LOSS_TYPES else sums
         num_groups = int(batch["group_index"].max().item()) + 1
         chosen_logps, rejected_logps, rejected_mask = group_values(
-            mean_logps, batch["group_index"], batch["response_index"], num_groups
+            sequence_logps, batch["group_index"], batch["response_index"], num_groups
         )
-        losses, chosen_rewards, rejected_rewards = simpo_loss(
+        losses, chosen_rewards, rejected_rewards = cpo_loss(
             chosen_logps,
             rejected_logps,
             rejected_mask,
+            loss_type=self.args.loss_type,
             beta=self.args.beta,
             gamma=self.args.simpo_gamma,
             label_smoothing=self.args.label_smoothing,
-            loss_type="sigmoid" if self.args.loss_type == "simpo" else "hinge",
+            alpha=self.args.alpha,
         )
         is_chosen = batch["response_index"] == 0
         # Token-mean NLL over the chosen judgments of the micro-batch, as TRL's CPO computes it.
         nll_loss = -sums[is_chosen].sum() / counts[is_chosen].sum().clamp(min=1)
         loss = losses.mean() + self.args.nll_loss_weight * nll_loss
 
-        gather = self.accelerator.gather_for_metrics
         prefix = "eval_" if train_eval == "eval" else ""
         with torch.no_grad():
             beat_all = chosen_logps.unsqueeze(-1) > rejected_logps.masked_fill(~rejected_mask, float("-inf"))
-            metrics = {
-                "rewards/chosen": gather(chosen_rewards).mean().item(),
-                "rewards/rejected": gather(rejected_rewards).mean().item(),
-                "rewards/accuracies": gather((chosen_rewards > rejected_rewards).float()).mean().item(),
-                "rewards/accuracies_vs_all": gather(beat_all.all(-1).float()).mean().item(),
-                "rewards/margins": gather(chosen_rewards - rejected_rewards).mean().item(),
-                "logps/chosen": gather(chosen_logps.detach()).mean().item(),
-                "logps/rejected": gather(rejected_logps.detach()[rejected_mask]).mean().item(),
-                "nll_loss": gather(nll_loss.detach()).mean().item(),
+            rows = batch["group_row"]
+            is_chosen = batch["response_index"] == 0
+            per_group = {
+                "rewards/chosen": chosen_rewards,
+                "rewards/rejected": rejected_rewards,
+                "rewards/accuracies": (chosen_rewards > rejected_rewards).float(),
+                "rewards/accuracies_vs_all": beat_all.all(-1).float(),
+                "rewards/margins": chosen_rewards - rejected_rewards,
+                "logps/chosen": chosen_logps,
             }
+            reduced = reduce_over_rows(
+                self.accelerator,
+                {
+                    **{name: (v, rows) for name, v in per_group.items()},
+                    # Every rejected response counts once.
+                    "logps/rejected": (rejected_logps[rejected_mask], rows.unsqueeze(1).expand_as(rejected_mask)[rejected_mask]),
+                    # Token-mean NLL of the chosen judgments, over the whole global batch's tokens.
+                    "nll_loss": (-sums[is_chosen], rows[batch["group_index"][is_chosen]]),
+                    "chosen_tokens": (counts[is_chosen], rows[batch["group_index"][is_chosen]]),
+                },
+                num_rows=int(rows.max().item()) + 1,
+            )
+            metrics = {name: reduced[name]["mean"] for name in (*per_group, "logps/rejected")}
+            metrics["nll_loss"] = reduced["nll_loss"]["mean"] / max(reduced["chosen_tokens"]["mean"], 1e-12)
             tokens = self._count_tokens(batch)
             metrics["tokens_per_step"] = float(tokens)
             if train_eval == "train":
                 self._total_train_tokens += tokens
-        return loss, {prefix + k: v for k, v in metrics.items()}
+        rewards = torch.stack([chosen_rewards, rejected_rewards], dim=-1)
+        return loss, {prefix + k: v for k, v in metrics.items()}, rewards
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if "loss" in logs:
@@ -198,9 +265,13 @@ class SimPOGRMTrainer(SequenceParallelMixin, CPOTrainer):
         super().log(logs, start_time)
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
-        # CPO's version reads logit statistics that the sparse head does not produce; the loss is what eval needs.
+        """Loss, and for `compute_metrics` / `predict()` the `[groups, 2]` rewards (chosen, mean rejected) with zero
+        labels. CPO's version returns two vocabulary-logit means per batch, which the sparse LM head never computes;
+        the rewards are what a preference metric needs."""
         inputs = self._prepare_inputs(inputs)
         with torch.no_grad():
-            loss, metrics = self.get_batch_loss_metrics(model, inputs, train_eval="eval")
+            loss, metrics, rewards = self._loss_metrics_rewards(model, inputs, train_eval="eval")
         self.store_metrics(metrics, train_eval="eval")
-        return loss.detach(), None, None
+        if prediction_loss_only:
+            return loss.detach(), None, None
+        return loss.detach(), rewards, torch.zeros(rewards.shape[0], device=rewards.device)

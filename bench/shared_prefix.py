@@ -1,0 +1,216 @@
+"""Shared-prefix layout against the unshared one, both ours, in one run: groups per second and peak memory.
+
+For each trainer (GRM, DisRM), each number of rejected responses k and each prompt length, `SimPOGRMTrainer` /
+`SimPODisRMTrainer` train the same groups with `shared_prefix=True` (the prompt once per group) and
+`shared_prefix=False` (the prompt once per response), each in a fresh process forked from a fork server that has
+imported the libraries once, alternating which goes first. One group (prompt + 1 chosen + k rejected responses of
+64-256 tokens) per optimizer step; the first step is a short warm-up (64-token prompt), not timed. Peak memory is the
+growth of the peak RSS over its value after the model was built (gradients, optimizer state, activations), as in
+`train_one.py`; `activation` is that growth minus the floor after the warm-up step.
+
+Writes `shared_prefix.json`: `{"records": [...], "summary": {...}}`; the summary's headline keys are read at k = 4
+(and k = 1) at the longest prompt length, as the smaller ratio of the two trainers (groups/s) and the larger one
+(memory), so that a headline holds for both.
+
+    python bench/shared_prefix.py --prompt-lengths 4096 16384 --ks 1 4 --out bench/results/shared_prefix.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import random
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import psutil
+
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import common  # noqa: E402
+
+
+PRELOAD = ["torch", "transformers", "datasets", "trl", "trl.experimental.cpo", "trl_longrm.trainers", "common"]
+
+
+def groups_of(num_groups: int, prompt_length: int, k: int, response_range: tuple[int, int], eos: int, seed: int,
+              warmup_prompt_length: int) -> list[dict]:
+    rng = random.Random(seed)
+
+    def ids(n):
+        return [rng.randrange(3, common.VOCAB_SIZE) for _ in range(n)]
+
+    def response():
+        return ids(rng.randint(*response_range) - 1) + [eos]
+
+    lengths = [warmup_prompt_length] + [prompt_length] * (num_groups - 1)
+    return [
+        {"prompt_ids": ids(n), "chosen_completion_ids": response(), "rejected_completion_ids": [response() for _ in range(k)]}
+        for n in lengths
+    ]
+
+
+def run_one(trainer: str, shared: bool, prompt_length: int, k: int, steps: int, response_range: tuple[int, int],
+            threads: int | None = None, seed: int = 0) -> dict:
+    """Train one configuration in this process and return its record."""
+    import torch
+
+    from trl_longrm.testing_utils import build_chat_tokenizer
+
+    if threads:
+        torch.set_num_threads(threads)
+    tokenizer = build_chat_tokenizer()
+    groups = groups_of(steps, prompt_length, k, response_range, tokenizer.eos_token_id, seed, 64)
+    model = common.build_model("causal-lm" if trainer == "grm" else "seq-cls", tokenizer, seed=seed)
+    base = common.maxrss_bytes()
+    timer = common.StepTimer()
+    with tempfile.TemporaryDirectory() as output_dir:
+        instance = common.build_trainer(trainer, "ours", model, tokenizer, groups, output_dir, steps, [timer],
+                                        shared_prefix=shared)
+        instance.train()
+        placed = [len(g["prompt_ids"]) * (1 if shared else k + 1)
+                  + sum(len(r) for r in [g["chosen_completion_ids"], *g["rejected_completion_ids"]]) for g in groups]
+    timed = timer.times[1:]
+    peak = common.maxrss_bytes() - base
+    floor = timer.maxrss[0] - base
+    return {
+        "trainer": trainer,
+        "shared_prefix": shared,
+        "prompt_length": prompt_length,
+        "k": k,
+        "status": "ok",
+        "row_tokens": placed[1:],
+        "step_seconds": [round(t, 3) for t in timer.times],
+        "groups_per_s": len(timed) / sum(timed),
+        "cpu_per_wall": sum(timer.cpu_times[1:]) / sum(timed),
+        "peak_mem_bytes": peak,
+        "floor_mem_bytes": floor,
+        "activation_mem_bytes": peak - floor,
+        "torch_threads": torch.get_num_threads(),
+    }
+
+
+def child_entry(config: dict, result_path: str) -> None:
+    try:
+        record = run_one(**config)
+    except Exception:  # noqa: BLE001 - the parent records the failure and goes on
+        record = {"status": "error", "error_tail": traceback.format_exc().strip().splitlines()[-5:]}
+    Path(result_path).write_text(json.dumps(record))
+
+
+def run_config(config: dict, mem_cap_gib: float, timeout: float) -> dict:
+    """`config` in a fresh forked process under a memory and time watchdog."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(PRELOAD + ["shared_prefix"])
+    record = {k: config[k] for k in ("trainer", "prompt_length", "k")}
+    record["shared_prefix"] = config["shared"]
+    started, status, peak_rss = time.monotonic(), None, 0
+    with tempfile.TemporaryDirectory() as tmp:
+        result_path = Path(tmp, "result.json")
+        process = context.Process(target=child_entry, args=(config, str(result_path)))
+        process.start()
+        watched = psutil.Process(process.pid)
+        while process.is_alive():
+            try:
+                peak_rss = max(peak_rss, watched.memory_info().rss)
+            except psutil.NoSuchProcess:
+                break
+            if peak_rss > mem_cap_gib * 2**30:
+                status = "over_memory_cap"
+            elif time.monotonic() - started > timeout:
+                status = "timeout"
+            if status:
+                process.kill()
+                break
+            time.sleep(0.2)
+        process.join()
+        result = json.loads(result_path.read_text()) if result_path.exists() else None
+    record["wall_seconds"] = round(time.monotonic() - started, 1)
+    if status is None and result is not None and result["status"] == "ok":
+        return {**record, **result}
+    record["status"] = status or "error"
+    record["error_tail"] = (result or {}).get("error_tail", [f"exit code {process.exitcode}"])
+    return record
+
+
+def ratios(records: list[dict]) -> dict:
+    """Shared over unshared for every (trainer, k, prompt length) both ran, and the headline keys."""
+    by_key: dict[tuple, dict[bool, dict]] = {}
+    for r in records:
+        if r["status"] == "ok":
+            by_key.setdefault((r["trainer"], r["k"], r["prompt_length"]), {})[r["shared_prefix"]] = r
+    table = []
+    for (trainer, k, length), pair in sorted(by_key.items()):
+        if len(pair) == 2:
+            shared, unshared = pair[True], pair[False]
+            table.append({
+                "trainer": trainer, "k": k, "prompt_length": length,
+                "groups_per_s_ratio": round(shared["groups_per_s"] / unshared["groups_per_s"], 3),
+                "peak_mem_ratio": round(shared["peak_mem_bytes"] / unshared["peak_mem_bytes"], 3),
+                "activation_mem_ratio": round(shared["activation_mem_bytes"] / max(unshared["activation_mem_bytes"], 1), 3),
+            })
+    summary: dict[str, object] = {"prefix_ratios": table}
+
+    def pick(k: int, key: str, worst):
+        rows = [t for t in table if t["k"] == k]
+        if not rows:
+            return None, None
+        longest = max(t["prompt_length"] for t in rows)
+        values = [t[key] for t in rows if t["prompt_length"] == longest]
+        return (worst(values), longest) if len(values) == 2 else (None, longest)
+
+    summary["prefix_k4_groups_per_s_ratio"], summary["prefix_at_prompt_length"] = pick(4, "groups_per_s_ratio", min)
+    summary["prefix_k4_peak_mem_ratio"], _ = pick(4, "peak_mem_ratio", max)
+    summary["prefix_k1_groups_per_s_ratio"], _ = pick(1, "groups_per_s_ratio", min)
+    return summary
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--trainers", nargs="+", choices=common.TRAINERS, default=list(common.TRAINERS))
+    parser.add_argument("--prompt-lengths", type=int, nargs="+", default=[4096, 16384])
+    parser.add_argument("--ks", type=int, nargs="+", default=[1, 4], help="Numbers of rejected responses.")
+    parser.add_argument("--response-range", type=int, nargs=2, default=[64, 256], help="Response lengths (tokens).")
+    parser.add_argument("--steps", type=int, default=3, help="Optimizer steps per run; the first is not timed.")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads per run (default: torch's).")
+    parser.add_argument("--mem-cap-gib", type=float, default=14.0, help="Kill a run whose RSS passes this.")
+    parser.add_argument("--timeout", type=float, default=900.0, help="Kill a run that takes longer (seconds).")
+    parser.add_argument("--out", type=Path, required=True, help="JSON file of the results (overwritten).")
+    cli = parser.parse_args()
+    if cli.steps < 2:
+        parser.error("--steps must be at least 2 (one warm-up step, one timed)")
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    cli.out.parent.mkdir(parents=True, exist_ok=True)
+    records, flip = [], False
+    for trainer in cli.trainers:
+        for k in cli.ks:
+            for length in sorted(cli.prompt_lengths):
+                for shared in ((False, True) if flip else (True, False)):
+                    config = dict(trainer=trainer, shared=shared, prompt_length=length, k=k, steps=cli.steps,
+                                  response_range=tuple(cli.response_range), threads=cli.threads)
+                    record = run_config(config, cli.mem_cap_gib, cli.timeout)
+                    records.append(record)
+                    if record["status"] == "ok":
+                        what = (f"{record['groups_per_s']:.4f} groups/s  peak +{record['peak_mem_bytes'] / 2**30:.2f} "
+                                f"GiB (floor +{record['floor_mem_bytes'] / 2**30:.2f})  row {record['row_tokens'][0]} "
+                                f"tokens  steps {record['step_seconds']} s")
+                    else:
+                        what = f"{record['status']}: {record.get('error_tail')}"
+                    print(f"{trainer:5s} k={k} prompt {length:6d} {'shared  ' if shared else 'unshared'} {what}",
+                          flush=True)
+                    cli.out.write_text(json.dumps({"records": records, "summary": ratios(records)}, indent=1))
+                flip = not flip
+    summary = ratios(records)
+    cli.out.write_text(json.dumps({"records": records, "summary": summary}, indent=1))
+    print(json.dumps({k: v for k, v in summary.items() if k != "prefix_ratios"}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

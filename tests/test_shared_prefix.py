@@ -1,0 +1,378 @@
+"""Shared-prefix layout (a group's prompt once, then each response) against the unshared layout it replaces.
+
+- The attention kernel on a shared row, on one process and on emulated rings of 2-4 ranks (slice by slice, keys
+  from `kv_start`, key/value gradients summed like the reduce-scatter), against each response attended as its own
+  `prompt + response` sequence.
+- The GRM (with its NLL term) and DisRM trainers: loss and every parameter gradient equal the unshared layout's in
+  fp32, k in {1, 3}, several groups per row, and with LoRA.
+"""
+
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+from datasets import Dataset
+from trainer_helpers import cpu_args, random_groups
+
+from trl_longrm import SimPODisRMConfig, SimPODisRMTrainer, SimPOGRMConfig, SimPOGRMTrainer
+from trl_longrm.packing import PreferenceCollator, group_num_tokens, pack_groups
+from trl_longrm.sequence_parallel import ring_attention_forward
+from trl_longrm.sequence_parallel.kernels import TorchBlockKernel
+from trl_longrm.sequence_parallel.sharding import RingAttentionMetadata, shared_row_metadata
+from trl_longrm.testing_utils import build_tiny_model
+from trl_longrm.trainers.common import model_inputs
+
+
+MODULE = types.SimpleNamespace(is_causal=True)
+
+# Rows of groups: (prompt length, response lengths); a one-token prompt, a one-token response, a group of 4
+# responses; and an unshared document (empty prompt: each response is its own document).
+ROWS = [
+    [(9, [3, 5]), (1, [4, 1, 2]), (6, [2, 7, 1, 3])],
+    [(0, [4, 3]), (11, [2, 2]), (5, [6])],
+]
+
+
+def shared_layout(row):
+    """Segment lengths/parents of a row, and for each sequence the row indices of its `prompt + response` tokens."""
+    lengths, parents, sequences, at = [], [], [], 0
+    for prompt, responses in row:
+        if prompt:
+            prefix, prefix_index = list(range(at, at + prompt)), len(lengths)
+            lengths.append(prompt)
+            parents.append(-1)
+            at += prompt
+        for n in responses:
+            own = list(range(at, at + n))
+            lengths.append(n)
+            parents.append(prefix_index if prompt else -1)
+            sequences.append((prefix if prompt else []) + own)
+            at += n
+    return lengths, parents, sequences
+
+
+def reference(q, k, v, grad_out, row, scaling):
+    """Each `prompt + response` attended causally on its own (SDPA); a prompt's output is read from any of its
+    sequences (they agree), the gradients of the shared prompt are summed over its responses by autograd."""
+    lengths, _, sequences = shared_layout(row)
+    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))  # [H, L, D]
+    group = q.shape[0] // k.shape[0]
+    out = torch.zeros(q.shape[1], q.shape[0], q.shape[2])
+    written = torch.zeros(q.shape[1], dtype=torch.bool)
+    pieces = []
+    for index in sequences:
+        idx = torch.tensor(index)
+        o = F.scaled_dot_product_attention(
+            q[:, idx],
+            k[:, idx].repeat_interleave(group, 0),
+            v[:, idx].repeat_interleave(group, 0),
+            is_causal=True,
+            scale=scaling,
+        ).transpose(0, 1)
+        fresh = ~written[idx]  # count each token's output once (a prompt's from its first response)
+        pieces.append((idx[fresh], o[fresh]))
+        written[idx] = True
+    assert written.all()
+    for idx, o in pieces:
+        out = out.index_put((idx,), o)
+    out.backward(grad_out)
+    return out.detach(), q.grad.transpose(0, 1), k.grad.transpose(0, 1), v.grad.transpose(0, 1)
+
+
+def random_problem(num_heads, num_kv_heads, length, seed, head_dim=8):
+    gen = torch.Generator().manual_seed(seed)
+    return (
+        torch.randn(num_heads, length, head_dim, generator=gen),
+        torch.randn(num_kv_heads, length, head_dim, generator=gen),
+        torch.randn(num_kv_heads, length, head_dim, generator=gen),
+        torch.randn(length, num_heads, head_dim, generator=gen),
+    )
+
+
+def assert_all_close(got, expected, label):
+    for name, g, e in zip(["out", "dq", "dk", "dv"], got, expected):
+        torch.testing.assert_close(g, e, atol=1e-5, rtol=1e-5, msg=lambda m, n=name: f"{label} {n}: {m}")
+
+
+@pytest.mark.parametrize("row", ROWS, ids=["three_groups", "with_unshared_document"])
+def test_shared_row_attention_single_process(row):
+    lengths, parents, _ = shared_layout(row)
+    length, scaling = sum(lengths), 0.3
+    q, k, v, grad_out = random_problem(4, 2, length, seed=len(row))
+    expected = reference(q, k, v, grad_out, row, scaling)
+    leaves = [t.clone()[None].requires_grad_() for t in (q, k, v)]
+    meta = shared_row_metadata(torch.tensor(lengths), torch.tensor(parents))
+    assert meta.has_shared_prefixes
+    out, _ = ring_attention_forward(MODULE, *leaves, None, scaling=scaling, ring_attn_meta=meta)
+    out.backward(grad_out[None])
+    got = [out[0].detach(), *(t.grad[0].transpose(0, 1) for t in leaves)]
+    assert_all_close(got, expected, "one process")
+    # Not vacuous: reading the same row's documents from its position ids (each response continuing the previous
+    # token) attends differently.
+    plain, _ = ring_attention_forward(MODULE, q[None], k[None], v[None], None, scaling=scaling)
+    assert (plain[0] - expected[0]).abs().max() > 1e-2
+
+
+def emulated_shared_ring(q, k, v, grad_out, lengths, parents, group_size, chunk, scaling):
+    """The torch kernel slice by slice as each ring rank runs it (keys `[kv_start, local_end)` of the padded row),
+    key/value gradients summed over the ranks like the reduce-scatter."""
+    kernel = TorchBlockKernel()
+    length = sum(lengths)
+    pad = -length % group_size
+    total = length + pad
+    q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
+    grad_out = F.pad(grad_out, (0, 0, 0, 0, 0, pad))
+    cu = [0]
+    for n in lengths + ([pad] if pad else []):
+        cu.append(cu[-1] + n)
+    local = total // group_size
+    out, dq = q.new_zeros(total, q.shape[0], q.shape[2]), q.new_zeros(total, q.shape[0], q.shape[2])
+    dk, dv = k.new_zeros(total, k.shape[0], k.shape[2]), k.new_zeros(total, k.shape[0], k.shape[2])
+    kv_starts = []
+    for rank in range(group_size):
+        meta = RingAttentionMetadata(
+            cu_seqlens=tuple(cu),
+            total_length=total,
+            unpadded_length=length,
+            local_start=rank * local,
+            local_length=local,
+            group_size=group_size,
+            rank=rank,
+            query_chunk_size=chunk,
+            segment_parents=tuple(parents + ([-1] if pad else [])),
+        )
+        lo, hi, ks = rank * local, (rank + 1) * local, meta.kv_start
+        kv_starts.append(ks)
+        ql, kr, vr = q[:, lo:hi].transpose(0, 1), k[:, ks:hi].transpose(0, 1), v[:, ks:hi].transpose(0, 1)
+        out[lo:hi] = kernel.forward(ql, kr, vr, meta, scaling)
+        g_q, g_k, g_v = kernel.backward(ql, kr, vr, grad_out[lo:hi], meta, scaling)
+        dq[lo:hi] = g_q
+        dk[ks:hi] += g_k
+        dv[ks:hi] += g_v
+    return (out[:length], dq[:length], dk[:length], dv[:length]), kv_starts
+
+
+@pytest.mark.parametrize("row", ROWS, ids=["three_groups", "with_unshared_document"])
+@pytest.mark.parametrize("group_size", [2, 3, 4])
+@pytest.mark.parametrize("chunk", [2, 1024])
+def test_shared_row_attention_on_emulated_ring(row, group_size, chunk):
+    """Prefixes and responses cross slice boundaries; a rank holds responses whose prefix is on another rank."""
+    lengths, parents, _ = shared_layout(row)
+    length, scaling = sum(lengths), 0.25
+    q, k, v, grad_out = random_problem(6, 3, length, seed=group_size)
+    expected = reference(q, k, v, grad_out, row, scaling)
+    got, kv_starts = emulated_shared_ring(q, k, v, grad_out, lengths, parents, group_size, chunk, scaling)
+    assert_all_close(got, expected, f"ring of {group_size}")
+    local = -(-length // group_size)
+    # Some rank starts its keys before its own slice's first document: a response there reads a remote prefix.
+    assert any(ks < rank * local for rank, ks in enumerate(kv_starts))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The layout and its guards
+
+
+def test_collator_layout_and_token_counts():
+    group = {"prompt_ids": [5, 6, 4], "chosen_completion_ids": [7, 2], "rejected_completion_ids": [[8, 9, 2], [3]]}
+    shared = PreferenceCollator(pad_token_id=0, shared_prefix=True)([group])
+    unshared = PreferenceCollator(pad_token_id=0)([group])
+    assert shared["input_ids"].tolist() == [[5, 6, 4, 7, 2, 8, 9, 2, 3]]
+    assert shared["position_ids"].tolist() == [[0, 1, 2, 3, 4, 3, 4, 5, 3]]
+    assert shared["segment_lengths"].tolist() == [3, 2, 3, 1]
+    assert shared["segment_parents"].tolist() == [-1, 0, 0, 0]
+    # The prompt's last token (row index 2) predicts the first token of every response.
+    pairs = list(zip(*(shared[k].tolist() for k in ("logprob_positions", "logprob_targets", "logprob_sequence"))))
+    assert pairs == [(2, 7, 0), (3, 2, 0), (2, 8, 1), (5, 9, 1), (6, 2, 1), (2, 3, 2)]
+    # Scores are read at each response's last token; per-sequence metadata is that of the unshared layout.
+    assert shared["score_positions"].tolist() == [4, 7, 8]
+    for key in ("sequence_lengths", "group_index", "response_index"):
+        assert shared[key].tolist() == unshared[key].tolist(), key
+    assert group_num_tokens(group) == 3 * 3 + 6 and group_num_tokens(group, shared_prefix=True) == 3 + 6
+    packs = pack_groups(Dataset.from_list([group] * 4), max_tokens_per_row=20, shared_prefix=True)
+    assert packs["num_tokens"] == [18, 18]
+
+
+def test_shared_batch_never_reaches_plain_attention(tmp_path, tokenizer):
+    batch = PreferenceCollator(pad_token_id=0, shared_prefix=True)(random_groups(tokenizer, 2, 1).to_list())
+    with pytest.raises(ValueError, match="attention metadata"):
+        model_inputs(batch)
+    with pytest.raises(ValueError, match="padding_free"):
+        PreferenceCollator(pad_token_id=0, padding_free=False, shared_prefix=True)
+    with pytest.raises(ValueError, match="flash_attn"):
+        SimPOGRMConfig(**cpu_args(tmp_path, shared_prefix=True, ring_attn_backend="flash_attn"))
+    # Without padding_free the ring attention is not installed: the trainer keeps the unshared padded layout.
+    trainer = build_trainer("disrm", tmp_path, tokenizer, 1, shared_prefix=True, padding_free=False)
+    assert not trainer.data_collator.shared_prefix and "attention_mask" in first_batch(trainer)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Trainers: shared == unshared
+
+
+def first_batch(trainer):
+    return trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
+
+
+def loss_and_grads(trainer):
+    trainer.model.zero_grad()
+    trainer.model.train()
+    batch = first_batch(trainer)
+    if isinstance(trainer, SimPOGRMTrainer):
+        loss, metrics = trainer.get_batch_loss_metrics(trainer.model, batch)
+    else:
+        loss, metrics = trainer.compute_loss(trainer.model, batch), None
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
+    return loss.detach(), grads, batch, metrics
+
+
+def build_trainer(kind, tmp_path, tokenizer, num_rejected, peft_config=None, **overrides):
+    # Prompts longer than the responses, as in LongRM; four groups in one packed row.
+    data = random_groups(tokenizer, 4, num_rejected, seed=7, prompt_len=(20, 40), completion_len=(1, 8))
+    common = cpu_args(tmp_path / kind, **overrides)
+    if kind == "grm":
+        model = build_tiny_model("llama", "causal-lm", tokenizer, seed=3)
+        args = SimPOGRMConfig(nll_loss_weight=0.5, **common)
+        return SimPOGRMTrainer(
+            model=model, args=args, train_dataset=data, processing_class=tokenizer, peft_config=peft_config
+        )
+    model = build_tiny_model("qwen3", "seq-cls", tokenizer, seed=3)
+    args = SimPODisRMConfig(center_rewards_coefficient=0.01, **common)
+    return SimPODisRMTrainer(
+        model=model, args=args, train_dataset=data, processing_class=tokenizer, peft_config=peft_config
+    )
+
+
+def assert_shared_equals_unshared(shared, unshared):
+    loss, grads, batch, metrics = shared
+    ref_loss, ref_grads, ref_batch, ref_metrics = unshared
+    assert "segment_parents" in batch and "segment_parents" not in ref_batch
+    assert batch["group_index"].max() == 3  # four groups in the row
+    assert batch["input_ids"].shape[1] < ref_batch["input_ids"].shape[1]  # the prompts are placed once
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-7)
+    assert grads.keys() == ref_grads.keys() and len(grads) > 0
+    for name in grads:
+        # 1e-5 relative to the tensor's scale: an entry that is a sum with cancellation keeps fp32 rounding of its
+        # terms (the prompt's gradient is summed over its responses in a different order).
+        scale = ref_grads[name].abs().max().item()
+        assert scale > 0, name
+        torch.testing.assert_close(
+            grads[name], ref_grads[name], rtol=1e-5, atol=1e-5 * scale, msg=lambda m, n=name: f"{n}: {m}"
+        )
+    for key in metrics or {}:
+        if key != "tokens_per_step":
+            assert metrics[key] == pytest.approx(ref_metrics[key], rel=1e-5, abs=1e-6), key
+
+
+@pytest.mark.parametrize("kind", ["grm", "disrm"])
+@pytest.mark.parametrize("num_rejected", [1, 3])
+def test_trainer_shared_equals_unshared(tmp_path, tokenizer, kind, num_rejected):
+    unshared = loss_and_grads(build_trainer(kind, tmp_path, tokenizer, num_rejected, shared_prefix=False))
+    shared = loss_and_grads(build_trainer(kind, tmp_path, tokenizer, num_rejected, shared_prefix=True))
+    assert_shared_equals_unshared(shared, unshared)
+
+
+@pytest.mark.parametrize("kind", ["grm", "disrm"])
+def test_trainer_shared_equals_unshared_lora(tmp_path, tokenizer, kind):
+    from peft import LoraConfig
+
+    def lora():
+        task = "CAUSAL_LM" if kind == "grm" else "SEQ_CLS"
+        return LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type=task, init_lora_weights=False)
+
+    unshared = loss_and_grads(build_trainer(kind, tmp_path, tokenizer, 2, lora(), shared_prefix=False))
+    shared = loss_and_grads(build_trainer(kind, tmp_path, tokenizer, 2, lora(), shared_prefix=True))
+    assert any("lora" in name for name in shared[1])
+    assert_shared_equals_unshared(shared, unshared)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The ring (gloo): shared layout split over 2 and 4 ranks == unshared layout on one process
+
+
+def slice_crossings(lengths, parents, world_size):
+    """(documents crossing a slice boundary, responses lying wholly on another rank than all of their prefix)."""
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    local = -(-cu[-1] // world_size)
+
+    def ranks(a, b):
+        return set(range(a // local, (b - 1) // local + 1))
+
+    crossing = sum(len(ranks(cu[d], cu[d + 1])) > 1 for d in range(len(lengths)))
+    remote = sum(p >= 0 and not ranks(cu[d], cu[d + 1]) & ranks(cu[p], cu[p + 1]) for d, p in enumerate(parents))
+    return crossing, remote
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_ring_shared_step_equals_single_process_unshared(tmp_path, tokenizer, world_size):
+    import sp_trainer_worker as worker
+
+    from trl_longrm.sequence_parallel.launch import run_on_gloo_ranks
+
+    run_on_gloo_ranks(
+        worker.gloo_worker,
+        world_size,
+        str(tmp_path),
+        ["shared_step"],
+        timeout=900,
+        preload=("trl_longrm.testing_utils",),
+    )
+    for kind in ("grm", "disrm"):
+        ring = torch.load(tmp_path / f"shared_step_{kind}_world{world_size}.pt", weights_only=False)
+        lengths, parents = ring["segment_lengths"].tolist(), ring["segment_parents"].tolist()
+        crossing, remote = slice_crossings(lengths, parents, world_size)
+        assert crossing >= world_size - 1 and remote >= 1, (kind, lengths, parents)
+        reference = worker.one_step(
+            worker.shared_step_trainer(
+                kind, tmp_path / f"ref_{kind}", tokenizer, sequence_parallel_size=1, shared_prefix=False
+            )
+        )
+        assert "segment_lengths" not in reference
+        torch.testing.assert_close(ring["loss"], reference["loss"], rtol=1e-5, atol=1e-7, msg=f"{kind} loss")
+        assert ring["grads"].keys() == reference["grads"].keys() and len(ring["grads"]) > 10
+        for name, want in reference["grads"].items():
+            scale = want.abs().max().item()
+            torch.testing.assert_close(
+                ring["grads"][name], want, rtol=1e-5, atol=1e-5 * scale, msg=lambda m, n=f"{kind} {name}": f"{n}: {m}"
+            )
+
+
+@pytest.mark.parametrize("kind", ["grm", "disrm"])
+def test_evaluate_and_row_budget_count_placed_tokens(tmp_path, tokenizer, kind):
+    """`evaluate()` gives the same loss with and without sharing; with `max_tokens_per_row` the packs are sized by the
+    tokens the shared row really holds."""
+    losses = {}
+    for shared in (False, True):
+        data = random_groups(tokenizer, 6, 2, seed=11, prompt_len=(20, 40), completion_len=(1, 8))
+        trainer = build_trainer(kind, tmp_path / str(shared), tokenizer, 2, shared_prefix=shared)
+        losses[shared] = trainer.evaluate(eval_dataset=data)["eval_loss"]
+    assert losses[True] == pytest.approx(losses[False], rel=1e-5)
+
+    trainer = build_trainer(
+        kind, tmp_path / "packed", tokenizer, 2, max_tokens_per_row=150, per_device_train_batch_size=1
+    )
+    packs = trainer.train_dataset
+    assert len(packs) > 1 and max(packs["num_tokens"]) <= 150
+    batches = list(trainer.get_train_dataloader())
+    assert all("segment_parents" in batch for batch in batches)
+    assert sorted(b["input_ids"].shape[1] for b in batches) == sorted(packs["num_tokens"])
+
+
+def test_varlen_kernels_do_not_take_shared_rows():
+    """On CUDA the varlen kernels (one key range per document) cannot attend a shared row: it falls back to the torch
+    kernel with a warning, and an explicit flash_attn backend is refused, not ignored."""
+    from trl_longrm.sequence_parallel.attention import _shared_prefix_kernel
+    from trl_longrm.sequence_parallel.kernels import VarlenKernel
+
+    meta = shared_row_metadata(torch.tensor([3, 2, 2]), torch.tensor([-1, 0, 0]))
+    with pytest.raises(NotImplementedError, match="varlen"):
+        meta.varlen_layout(torch.device("cpu"))
+    with pytest.warns(UserWarning, match="pure PyTorch kernel"):
+        assert isinstance(_shared_prefix_kernel(meta, VarlenKernel("torch_varlen", None)), TorchBlockKernel)
+    meta.backend = "flash_attn"
+    with pytest.raises(NotImplementedError, match="shared_prefix=False"):
+        _shared_prefix_kernel(meta, VarlenKernel("flash_attn", None))
