@@ -34,10 +34,14 @@ _NOT_FOR_BACKBONE = ("labels", "return_dict", "logits_to_keep", "num_items_in_ba
 @dataclass
 class TokenLogProbOutput(ModelOutput):
     """`token_logps[b, t]`: log-prob of the token at `t + 1` given the tokens up to `t` (0 where not scored);
-    `label_mask[b, t]`: whether position `t` is scored."""
+    `label_mask[b, t]`: whether position `t` is scored. With `logprob_metrics=True`, also `is_top1[b, t]` (the
+    label is the most likely token) and `entropy[b, t]` of the predicted distribution, both 0 where not scored and
+    without gradient (TRL's `mean_token_accuracy` and `entropy` metrics)."""
 
     token_logps: torch.Tensor | None = None
     label_mask: torch.Tensor | None = None
+    is_top1: torch.Tensor | None = None
+    entropy: torch.Tensor | None = None
 
 
 @dataclass
@@ -71,23 +75,49 @@ def _chunk_logps(hidden: torch.Tensor, labels: torch.Tensor, lm_head: torch.nn.M
     return logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 
 
+def _chunk_logps_and_stats(hidden: torch.Tensor, labels: torch.Tensor, lm_head: torch.nn.Module, stats: list):
+    logits = lm_head(hidden).float()
+    logps = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    if not stats:  # metrics, read off the logits on the first pass only (not in checkpoint's recomputation)
+        with torch.no_grad():
+            all_logps = torch.log_softmax(logits, dim=-1)
+            stats += [logits.argmax(-1) == labels, -(all_logps.exp() * all_logps).sum(-1)]
+    return logps
+
+
 def chunked_token_logprobs(
-    hidden: torch.Tensor, labels: torch.Tensor, lm_head: torch.nn.Module, chunk_elements: int = 2**26
-) -> torch.Tensor:
+    hidden: torch.Tensor,
+    labels: torch.Tensor,
+    lm_head: torch.nn.Module,
+    chunk_elements: int = 2**26,
+    with_stats: bool = False,
+):
     """Log-probs of `labels [N]` under `lm_head(hidden [N, D])`, never holding more than `chunk_elements` logits.
 
-    Under autograd each chunk is checkpointed: its logits are recomputed in backward instead of being kept.
+    Under autograd each chunk is checkpointed: its logits are recomputed in backward instead of being kept. With
+    `with_stats=True`, returns `(logps, is_top1, entropy)` (the last two without gradient), read off the same logits.
     """
     vocab = lm_head.out_features if hasattr(lm_head, "out_features") else lm_head.weight.shape[0]
     chunk = max(1, chunk_elements // vocab)
-    pieces = []
+    pieces, top1, entropy = [], [], []
     for start in range(0, hidden.shape[0], chunk):
         h, y = hidden[start : start + chunk], labels[start : start + chunk]
+        args = (h, y, lm_head) + (([],) if with_stats else ())
+        function = _chunk_logps_and_stats if with_stats else _chunk_logps
         if torch.is_grad_enabled():
-            pieces.append(checkpoint(_chunk_logps, h, y, lm_head, use_reentrant=False))
+            pieces.append(checkpoint(function, *args, use_reentrant=False))
         else:
-            pieces.append(_chunk_logps(h, y, lm_head))
-    return torch.cat(pieces) if pieces else hidden.new_zeros(0, dtype=torch.float32)
+            pieces.append(function(*args))
+        if with_stats:
+            top1.append(args[3][0])
+            entropy.append(args[3][1])
+    empty = hidden.new_zeros(0, dtype=torch.float32)
+    logps = torch.cat(pieces) if pieces else empty
+    if not with_stats:
+        return logps
+    if not pieces:
+        return logps, empty.bool(), empty
+    return logps, torch.cat(top1), torch.cat(entropy)
 
 
 def shift_labels_left(labels: torch.Tensor) -> torch.Tensor:
@@ -115,6 +145,7 @@ def add_token_logprob_head(model, chunk_elements: int = 2**26) -> None:
         logprob_shift_labels=None,
         logprob_positions=None,
         logprob_targets=None,
+        logprob_metrics=False,
         **kwargs,
     ):
         if logprob_labels is None and logprob_shift_labels is None and logprob_positions is None:
@@ -131,10 +162,22 @@ def add_token_logprob_head(model, chunk_elements: int = 2**26) -> None:
         shift_labels = shift_labels_left(logprob_labels) if logprob_shift_labels is None else logprob_shift_labels
         mask = shift_labels != -100
         selected = hidden[mask].to(lm_head.weight.device)
-        logps = chunked_token_logprobs(selected, shift_labels[mask].to(selected.device), lm_head, chunk_elements)
+        labels = shift_labels[mask].to(selected.device)
+        if logprob_metrics:
+            logps, is_top1, entropy = chunked_token_logprobs(selected, labels, lm_head, chunk_elements, True)
+        else:
+            logps = chunked_token_logprobs(selected, labels, lm_head, chunk_elements)
         # `masked_scatter` keeps the graph connected even when no position is scored.
-        token_logps = logps.new_zeros(mask.shape).masked_scatter(mask.to(logps.device), logps)
-        return TokenLogProbOutput(token_logps=token_logps, label_mask=mask)
+        device_mask = mask.to(logps.device)
+        token_logps = logps.new_zeros(mask.shape).masked_scatter(device_mask, logps)
+        if not logprob_metrics:
+            return TokenLogProbOutput(token_logps=token_logps, label_mask=mask)
+        return TokenLogProbOutput(
+            token_logps=token_logps,
+            label_mask=mask,
+            is_top1=torch.zeros_like(device_mask).masked_scatter(device_mask, is_top1),
+            entropy=entropy.new_zeros(mask.shape).masked_scatter(device_mask, entropy),
+        )
 
     base.forward = types.MethodType(forward, base)
     base._longrm_token_logprob_head = True
