@@ -278,3 +278,73 @@ def test_pre_tokenized_sequences_become_groups(caplog):
     assert "dropped 1 of 3" in caplog.text
     with pytest.raises(ValueError, match="every row is longer than max_length=1"):
         groups_from_sequences(rows, max_length=1, dataset_name="train")
+
+
+# Every field TRL's CPOConfig / RewardConfig add over TrainingArguments, as our configs treat it: honoured (as stock,
+# tests above and in test_trainers_training.py) or refused by name when set away from its default. A field a future
+# TRL adds fails this test until it is classified.
+CPO_FIELDS = {
+    "honoured": {
+        "max_length", "beta", "label_smoothing", "loss_type", "disable_dropout", "cpo_alpha", "simpo_gamma", "alpha",
+        "model_init_kwargs", "trust_remote_code", "dataset_num_proc",
+    },
+    "refused": {"max_completion_length": 64, "generate_during_eval": True, "is_encoder_decoder": True},
+}
+REWARD_FIELDS = {
+    "honoured": {
+        "model_init_kwargs", "trust_remote_code", "chat_template_path", "disable_dropout", "dataset_num_proc",
+        "eos_token", "max_length", "pad_to_multiple_of", "center_rewards_coefficient", "activation_offloading",
+        "pad_token",
+    },
+    "refused": {},
+}
+
+
+@pytest.mark.parametrize(
+    "stock, ours, classified",
+    [(CPOConfig, SimPOGRMConfig, CPO_FIELDS), (RewardConfig, SimPODisRMConfig, REWARD_FIELDS)],
+)
+def test_every_stock_config_field_is_honoured_or_refused(tmp_path, stock, ours, classified):
+    import dataclasses
+
+    from transformers import TrainingArguments
+
+    base = {f.name for f in dataclasses.fields(TrainingArguments)}
+    added = {f.name for f in dataclasses.fields(stock)} - base
+    assert added == classified["honoured"] | set(classified["refused"]), "classify TRL's new config fields"
+    for name, value in classified["refused"].items():
+        with pytest.raises(ValueError, match=f"`{name}"):
+            ours(**cpu_args(tmp_path), **{name: value})
+
+
+def test_reward_tokenizer_fields_are_applied_as_stock(tmp_path, tokenizer):
+    """`chat_template_path` and `eos_token` change the sequences exactly as they change RewardTrainer's."""
+    template = tmp_path / "template.jinja"
+    template.write_text(
+        "{% for m in messages %}{% if m['role'] == 'assistant' %}<|im_start|>{{ m['content'] }}<|im_end|>"
+        "{% else %}[{{ m['role'] }}] {{ m['content'] }}<|im_end|>{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>{% endif %}"
+    )
+    rows = [
+        {
+            "prompt": [{"role": "user", "content": f"question {i} about the river"}],
+            "chosen": [{"role": "assistant", "content": f"the answer is {i}"}],
+            "rejected": [{"role": "assistant", "content": "no idea"}],
+        }
+        for i in range(3)
+    ]
+    common = cpu_args(tmp_path, chat_template_path=str(template), eos_token="<|im_end|>", max_length=512)
+    model = build_tiny_model("qwen3", "seq-cls", tokenizer, seed=1)
+    stock = RewardTrainer(
+        model=model, args=RewardConfig(**common), train_dataset=Dataset.from_list(rows), processing_class=tokenizer
+    )
+    ours = SimPODisRMTrainer(
+        model=model,
+        args=SimPODisRMConfig(**common),
+        train_dataset=Dataset.from_list(rows),
+        processing_class=tokenizer,
+    )
+    for s, o in zip(stock.train_dataset, ours.train_dataset):
+        assert o["prompt_ids"] + o["chosen_completion_ids"] == s["chosen_ids"]
+        assert o["prompt_ids"] + o["rejected_completion_ids"][0] == s["rejected_ids"]
+    assert ours.processing_class.decode(ours.train_dataset[0]["prompt_ids"]).startswith("[user] question 0")

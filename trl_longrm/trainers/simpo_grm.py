@@ -84,6 +84,18 @@ class SimPOGRMConfig(CPOConfig, LongContextDataArguments, SequenceParallelConfig
     shared_prefix: bool = field(default=True, metadata={"help": SHARED_PREFIX_HELP.format(default="True")})
 
     def __post_init__(self):
+        # CPOConfig fields whose CPOTrainer code paths our token pipeline replaces: refused by name, never ignored.
+        if self.max_completion_length is not None:
+            raise ValueError(
+                "SimPOGRMConfig does not take `max_completion_length`: judgments are never cut; `max_length` bounds "
+                "prompt + longest judgment by cutting the middle of the prompt (`truncation`)."
+            )
+        if self.generate_during_eval:
+            raise ValueError(
+                "SimPOGRMConfig does not take `generate_during_eval=True`: evaluate judges with `trl-longrm eval`."
+            )
+        if self.is_encoder_decoder:
+            raise ValueError("SimPOGRMConfig does not take `is_encoder_decoder=True`: packing needs a decoder-only model.")
         if self.loss_type == "alphapo":  # TRL's shorthand, resolved before the NLL weight it implies
             if self.nll_loss_weight not in (None, 0.0) or self.cpo_alpha not in (None, 0.0):
                 raise ValueError("loss_type='alphapo' means SimPO without the NLL term; leave nll_loss_weight unset.")
