@@ -111,3 +111,18 @@ def test_real_sample_rows_are_the_same_with_the_cut_by_characters(shared_sample_
             record, tokenizer, max_length, "truncate_prompt", index, "s", None, precut=False
         )
         assert _tokenize_preference(record, tokenizer, max_length, "truncate_prompt", index, "s", None) == reference
+
+
+def test_no_warning_about_the_row_length_before_truncation(caplog):
+    from trl_longrm.testing_utils import build_chat_tokenizer
+
+    record = {"prompt": [{"role": "user", "content": huge_text(20_000, 5)}], "chosen": "yes", "rejected": ["no"]}
+    tokenizer = build_chat_tokenizer()
+    tokenizer.model_max_length = 1024  # the row is longer, the truncated row is not
+    with caplog.at_level("WARNING"):
+        out, status = _tokenize_preference(record, tokenizer, 512, "truncate_prompt", 0, "x", None)
+    assert status == "truncated" and len(out["prompt_ids"]) + 2 <= 512
+    assert "longer than the specified maximum sequence length" not in caplog.text
+    with caplog.at_level("WARNING"):  # the warning silenced: the whole row does produce it
+        tokenizer(record["prompt"][0]["content"])
+    assert "longer than the specified maximum sequence length" in caplog.text

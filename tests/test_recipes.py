@@ -394,3 +394,34 @@ def test_ctrl_c_stops_without_a_traceback_and_the_same_command_resumes(tiny_asse
     final = weights(out_dir)
     for name in final:
         torch.testing.assert_close(final[name], uninterrupted_run[name], atol=1e-5, rtol=0, msg=name)
+
+
+@pytest.mark.slow
+def test_ctrl_c_on_two_processes_is_one_line_and_the_same_command_resumes(tiny_assets, tmp_path):
+    import signal
+    import time
+
+    out_dir = tmp_path / "run"
+    args = ["--output_dir", str(out_dir), "--model_name_or_path", tiny_assets["cls"], "--dataset_name"]
+    args += [tiny_assets["pref"], "--max_steps", "4", "--save_strategy", "steps", "--save_steps", "2"]
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(PAUSE_AFTER_CHECKPOINT)
+    env = {"PYTHONPATH": os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")]), "PAUSE_AFTER_CHECKPOINT": "2"}
+    # cpu_ddp.yaml: 2 processes, one ring of 2.
+    process = trl_longrm_train("simpo_disrm.yaml", *args, env=env, start_new_session=True)
+    deadline = time.monotonic() + 300
+    while not (out_dir / "checkpoint-2" / "trainer_state.json").exists():
+        assert process.poll() is None and time.monotonic() < deadline, process.communicate()[1][-3000:]
+        time.sleep(0.2)
+    os.killpg(process.pid, signal.SIGINT)
+    out, err = process.communicate(timeout=300)
+    assert process.returncode == 130, err[-3000:]
+    assert "Traceback" not in err and "ChildFailedError" not in err, err[-3000:]
+    assert out.count("Interrupted. The same command resumes") == 1, out[-3000:]
+
+    resumed = trl_longrm_train("simpo_disrm.yaml", *args)
+    out, err = resumed.communicate(timeout=600)
+    assert resumed.returncode == 0, err[-3000:]
+    assert f"Resuming from {out_dir / 'checkpoint-2'} at step 2." in out
+    assert json.loads((out_dir / "trainer_state.json").read_text())["global_step"] == 4

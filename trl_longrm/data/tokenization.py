@@ -103,7 +103,10 @@ def _eos_id(tokenizer: PreTrainedTokenizerBase) -> int:
 
 
 class _Encoder:
-    """Chat-template rendering and tokenisation of one row, with errors naming the row."""
+    """Chat-template rendering and tokenisation of one row, with errors naming the row.
+
+    Texts are tokenised with `verbose=False`: the tokenizer's warning about sequences longer than the model's maximum
+    would speak of the row before truncation, which `max_length` then bounds."""
 
     def __init__(self, tokenizer, index, source, chat_template_kwargs):
         self.tokenizer = tokenizer
@@ -123,7 +126,7 @@ class _Encoder:
         except Exception as error:  # Jinja errors (e.g. `raise_exception` on an unknown role) carry no row
             raise self.fail(f"the chat template failed to render this row: {error}", key) from error
         # `apply_chat_template(tokenize=True)` tokenises the rendered text the same way: specials come from the text.
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return self.tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
 
     def check_prefix(self, prefix: list[int], full: list[int], key: str, what: str) -> None:
         if full[: len(prefix)] != prefix:
@@ -144,12 +147,12 @@ class _Encoder:
     # Preference groups ---------------------------------------------------------------------------------------------
     def prompt_ids(self, prompt) -> list[int]:
         if isinstance(prompt, str):
-            return self.tokenizer(prompt)["input_ids"]
+            return self.tokenizer(prompt, verbose=False)["input_ids"]
         return self.render(prompt, add_generation_prompt=True, key="prompt")
 
     def completion_ids(self, prompt, prompt_ids: list[int], response: str, key: str) -> list[int]:
         if isinstance(prompt, str):
-            return self.tokenizer(response, add_special_tokens=False)["input_ids"] + [self.eos]
+            return self.tokenizer(response, add_special_tokens=False, verbose=False)["input_ids"] + [self.eos]
         full = self.render(prompt + [{"role": "assistant", "content": response}], False, key)
         self.check_prefix(prompt_ids, full, key, "the prompt rendered with add_generation_prompt=True")
         completion, has_eos = self.cut_after_eos(full[len(prompt_ids) :])
@@ -186,8 +189,8 @@ class _Encoder:
         return ids, mask
 
     def prompt_completion(self, prompt: str, completion: str) -> tuple[list[int], list[int]]:
-        prompt_ids = self.tokenizer(prompt)["input_ids"]
-        completion_ids = self.tokenizer(completion, add_special_tokens=False)["input_ids"] + [self.eos]
+        prompt_ids = self.tokenizer(prompt, verbose=False)["input_ids"]
+        completion_ids = self.tokenizer(completion, add_special_tokens=False, verbose=False)["input_ids"] + [self.eos]
         return prompt_ids + completion_ids, [0] * len(prompt_ids) + [1] * len(completion_ids)
 
 
@@ -232,7 +235,9 @@ def _tokenize_preference(record, tokenizer, max_length, truncation, index, sourc
                 return None, DROPPED_UNSETTLED
         else:
             # The response's own tokens plus EOS: what a completion usually is. A wrong guess costs one more round.
-            longest = 1 + max(len(tokenizer(r, add_special_tokens=False)["input_ids"]) for r in responses)
+            longest = 1 + max(
+                len(tokenizer(r, add_special_tokens=False, verbose=False)["input_ids"]) for r in responses
+            )
         prompt = truncate_middle_to_fit(
             prompt,
             tokenizer,

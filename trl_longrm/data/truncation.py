@@ -48,7 +48,8 @@ def cut_middle(text: str, tokenizer: PreTrainedTokenizerBase, keep_tokens: int, 
 
 
 def _encode(text: str, tokenizer: PreTrainedTokenizerBase) -> dict:
-    return tokenizer(text, add_special_tokens=False, return_offsets_mapping=tokenizer.is_fast)
+    # verbose=False: no warning about the length of a text that is being cut to fit
+    return tokenizer(text, add_special_tokens=False, return_offsets_mapping=tokenizer.is_fast, verbose=False)
 
 
 def _longest_message(prompt: Prompt, protected_roles: Sequence[str]) -> int | None:
@@ -63,7 +64,7 @@ def _chars_holding(text: str, tokenizer: PreTrainedTokenizerBase, num_tokens: in
     size = 4 * num_tokens
     while 2 * size < len(text):
         piece = text[-size:] if from_end else text[:size]
-        if len(tokenizer(piece, add_special_tokens=False)["input_ids"]) >= num_tokens:
+        if len(tokenizer(piece, add_special_tokens=False, verbose=False)["input_ids"]) >= num_tokens:
             return size
         size *= 2
     return None
