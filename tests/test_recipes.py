@@ -300,3 +300,41 @@ def test_killed_run_resumes_with_the_same_command(tiny_assets, uninterrupted_run
         again = launch("cpu_single.yaml", "sft.yaml", *args, *extra)
         assert f"{killed} already holds the final model of a finished run (step 6 of 6)" in again.stdout
     assert (killed / "model.safetensors").stat().st_mtime_ns == mtime
+
+
+def test_dry_run_prints_tokens_per_row_shared_and_unshared(tiny_assets, tmp_path, capsys):
+    """With local data and tokenizer, `--dry_run` of a preference recipe prints what the data's median group occupies
+    in a row with its prompt once and with it once per response (counted here from the tokenised groups by hand)."""
+    import json
+
+    from trl_longrm.data import load_preference_dataset, tokenize_preference_dataset
+    from trl_longrm.train import main
+
+    argv = [
+        str(RECIPES / "tiny" / "simpo_grm.yaml"),
+        "--model_name_or_path",
+        tiny_assets["lm"],
+        "--dataset_name",
+        tiny_assets["pref"],
+        "--output_dir",
+        str(tmp_path / "grm"),
+        "--dry_run",
+    ]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    plan = json.loads(out[: out.index("\n}\n") + 3])["plan"]
+    typical = plan["typical_group"]
+
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_assets["lm"])
+    groups, _ = tokenize_preference_dataset(load_preference_dataset(tiny_assets["pref"]), tokenizer, max_length=2048)
+    sizes = []
+    for g in groups:
+        responses = [g["chosen_completion_ids"], *g["rejected_completion_ids"]]
+        tokens = sum(len(r) for r in responses)
+        sizes.append((len(g["prompt_ids"]) + tokens, len(g["prompt_ids"]) * len(responses) + tokens))
+    shared, unshared = sorted(sizes)[len(sizes) // 2]
+    assert typical["sampled_groups"] == len(groups) == 8 and typical["layout_used"] == "shared"
+    assert (typical["tokens_per_row_shared"], typical["tokens_per_row_unshared"]) == (shared, unshared)
+    assert 2 * shared < unshared  # 2 rejected + 1 chosen: the prompt is most of a group
