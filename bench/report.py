@@ -59,10 +59,11 @@ def prefix_table(prefix: dict) -> list[str]:
                      f"{'shared' if r['shared_prefix'] else 'unshared'} | {r['row_tokens'][0]} | "
                      f"{r['groups_per_s']:.4f} | {r['peak_mem_bytes'] / GIB:.2f} | {r['floor_mem_bytes'] / GIB:.2f} | "
                      f"{r['cpu_per_wall']:.2f} |")
-    lines += ["", "| trainer | k | prompt | groups/s shared / unshared | peak mem | peak - floor |", "|---|---:|---:|---:|---:|---:|"]
+    lines += ["", "| trainer | k | prompt | groups/s shared / unshared | per CPU second | peak mem | peak - floor |",
+              "|---|---:|---:|---:|---:|---:|---:|"]
     for t in prefix["summary"]["prefix_ratios"]:
         lines.append(f"| {t['trainer']} | {t['k']} | {t['prompt_length']} | {t['groups_per_s_ratio']} | "
-                     f"{t['peak_mem_ratio']} | {t['activation_mem_ratio']} |")
+                     f"{t.get('groups_per_cpu_s_ratio')} | {t['peak_mem_ratio']} | {t['activation_mem_ratio']} |")
     return lines
 
 
@@ -251,8 +252,14 @@ def write_markdown(path: Path, runs, sp, meta, summary) -> None:
         ]
     prefix = meta.get("_prefix")
     if prefix:
-        out += ["## Shared prefix: ours with `shared_prefix=True` vs ours with it off (`shared_prefix.py`)", "",
-                *prefix_table(prefix), "",
+        run = prefix.get("run", {})
+        out += ["## Shared prefix: ours with `shared_prefix=True` vs ours with it off (`shared_prefix.py`)", ""]
+        if run:
+            out += [f"Run: `{run.get('command', '?')}` (OMP_NUM_THREADS={run.get('omp_num_threads')}), "
+                    f"{run.get('started', '?')} to {run.get('finished', '?')}, load average "
+                    f"{run.get('loadavg_start', '?')} at start, {run.get('loadavg_end', '?')} at end"
+                    + (f"; {run['note']}" if run.get("note") else "") + ".", ""]
+        out += [*prefix_table(prefix), "",
                 "One group (prompt + 1 chosen + k rejected responses, lengths as in the run's command) per optimizer step; groups/s "
                 "over the timed steps; row tokens = tokens placed in the timed row; peak/floor as below.", ""]
     out += [

@@ -153,6 +153,12 @@ def ratios(records: list[dict]) -> dict:
             table.append({
                 "trainer": trainer, "k": k, "prompt_length": length,
                 "groups_per_s_ratio": round(shared["groups_per_s"] / unshared["groups_per_s"], 3),
+                # Per CPU second: what the ratio would be had both runs had the core to themselves (this machine is
+                # shared; `cpu_per_wall` < 1 means other processes took part of the core during the timed steps).
+                "groups_per_cpu_s_ratio": round(
+                    shared["groups_per_s"] / shared["cpu_per_wall"] / (unshared["groups_per_s"] / unshared["cpu_per_wall"]),
+                    3,
+                ),
                 "peak_mem_ratio": round(shared["peak_mem_bytes"] / unshared["peak_mem_bytes"], 3),
                 "activation_mem_ratio": round(shared["activation_mem_bytes"] / max(unshared["activation_mem_bytes"], 1), 3),
             })
@@ -169,6 +175,9 @@ def ratios(records: list[dict]) -> dict:
     summary["prefix_k4_groups_per_s_ratio"], summary["prefix_at_prompt_length"] = pick(4, "groups_per_s_ratio", min)
     summary["prefix_k4_peak_mem_ratio"], _ = pick(4, "peak_mem_ratio", max)
     summary["prefix_k1_groups_per_s_ratio"], _ = pick(1, "groups_per_s_ratio", min)
+    summary["prefix_k4_groups_per_cpu_s_ratio"], _ = pick(4, "groups_per_cpu_s_ratio", min)
+    summary["prefix_k1_groups_per_cpu_s_ratio"], _ = pick(1, "groups_per_cpu_s_ratio", min)
+    summary["prefix_k4_activation_mem_ratio"], _ = pick(4, "activation_mem_ratio", max)
     return summary
 
 
@@ -188,6 +197,9 @@ def main() -> None:
         parser.error("--steps must be at least 2 (one warm-up step, one timed)")
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     cli.out.parent.mkdir(parents=True, exist_ok=True)
+    run_info = {"command": "python " + " ".join(["bench/shared_prefix.py", *sys.argv[1:]]),
+                "started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                "loadavg_start": round(os.getloadavg()[0], 2), "omp_num_threads": os.environ.get("OMP_NUM_THREADS")}
     records, flip = [], False
     for trainer in cli.trainers:
         for k in cli.ks:
@@ -205,10 +217,13 @@ def main() -> None:
                         what = f"{record['status']}: {record.get('error_tail')}"
                     print(f"{trainer:5s} k={k} prompt {length:6d} {'shared  ' if shared else 'unshared'} {what}",
                           flush=True)
-                    cli.out.write_text(json.dumps({"records": records, "summary": ratios(records)}, indent=1))
+                    cli.out.write_text(json.dumps({"run": run_info, "records": records, "summary": ratios(records)},
+                                                  indent=1))
                 flip = not flip
     summary = ratios(records)
-    cli.out.write_text(json.dumps({"records": records, "summary": summary}, indent=1))
+    run_info.update(finished=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                    loadavg_end=round(os.getloadavg()[0], 2))
+    cli.out.write_text(json.dumps({"run": run_info, "records": records, "summary": summary}, indent=1))
     print(json.dumps({k: v for k, v in summary.items() if k != "prefix_ratios"}), flush=True)
 
 

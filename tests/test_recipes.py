@@ -425,3 +425,41 @@ def test_ctrl_c_on_two_processes_is_one_line_and_the_same_command_resumes(tiny_a
     assert resumed.returncode == 0, err[-3000:]
     assert f"Resuming from {out_dir / 'checkpoint-2'} at step 2." in out
     assert json.loads((out_dir / "trainer_state.json").read_text())["global_step"] == 4
+
+
+def test_dry_run_prints_tokens_per_row_shared_and_unshared(tiny_assets, tmp_path, capsys):
+    """With local data and tokenizer, `--dry_run` of a preference recipe prints what the data's median group occupies
+    in a row with its prompt once and with it once per response (counted here from the tokenised groups by hand)."""
+    import json
+
+    from trl_longrm.data import load_preference_dataset, tokenize_preference_dataset
+    from trl_longrm.train import main
+
+    argv = [
+        str(RECIPES / "tiny" / "simpo_grm.yaml"),
+        "--model_name_or_path",
+        tiny_assets["lm"],
+        "--dataset_name",
+        tiny_assets["pref"],
+        "--output_dir",
+        str(tmp_path / "grm"),
+        "--dry_run",
+    ]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    plan = json.loads(out[: out.index("\n}\n") + 3])["plan"]
+    typical = plan["typical_group"]
+
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_assets["lm"])
+    groups, _ = tokenize_preference_dataset(load_preference_dataset(tiny_assets["pref"]), tokenizer, max_length=2048)
+    sizes = []
+    for g in groups:
+        responses = [g["chosen_completion_ids"], *g["rejected_completion_ids"]]
+        tokens = sum(len(r) for r in responses)
+        sizes.append((len(g["prompt_ids"]) + tokens, len(g["prompt_ids"]) * len(responses) + tokens))
+    shared, unshared = sorted(sizes)[len(sizes) // 2]
+    assert typical["sampled_groups"] == len(groups) == 8 and typical["layout_used"] == "shared"
+    assert (typical["tokens_per_row_shared"], typical["tokens_per_row_unshared"]) == (shared, unshared)
+    assert 2 * shared < unshared  # 2 rejected + 1 chosen: the prompt is most of a group

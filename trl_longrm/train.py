@@ -550,6 +550,42 @@ def report_to_notes(argv: list[str], training_args) -> list[str]:
     return []
 
 
+def typical_group_layout(script_args, training_args, model_args, sample: int = 64) -> dict:
+    """Tokens per row of the data's typical (median-size) preference group in the shared-prefix layout and in the
+    unshared one, from the first `sample` rows of the train split (tokenizer only, no weights)."""
+    from transformers import AutoTokenizer
+
+    from trl_longrm.data import load_preference_dataset, tokenize_preference_dataset
+    from trl_longrm.packing import group_num_tokens
+    from trl_longrm.trainers.common import uses_shared_prefix
+
+    args = training_args
+    tokenizer = AutoTokenizer.from_pretrained(
+        model_args.model_name_or_path, revision=model_args.model_revision, trust_remote_code=args.trust_remote_code
+    )
+    rows = load_preference_dataset(
+        script_args.dataset_name,
+        split=script_args.dataset_train_split,
+        prompt_key=args.prompt_key,
+        chosen_key=args.chosen_key,
+        rejected_key=args.rejected_key,
+    )
+    rows = rows.select(range(min(sample, len(rows))))
+    groups, _ = tokenize_preference_dataset(
+        rows, tokenizer, max_length=args.max_length, truncation=args.truncation, source_name=script_args.dataset_name
+    )
+    if len(groups) == 0:
+        return {"sampled_groups": 0}
+    sizes = sorted((group_num_tokens(g, True), group_num_tokens(g, False)) for g in groups)
+    shared, unshared = sizes[len(sizes) // 2]
+    return {
+        "sampled_groups": len(groups),
+        "tokens_per_row_shared": shared,
+        "tokens_per_row_unshared": unshared,
+        "layout_used": "shared" if uses_shared_prefix(args) else "unshared",
+    }
+
+
 def _main(script_args, training_args, model_args, notes: list[str] = ()) -> int:
     problems, path_notes = check_paths(script_args, training_args, model_args)
     notes = [*notes, *path_notes]
@@ -558,6 +594,10 @@ def _main(script_args, training_args, model_args, notes: list[str] = ()) -> int:
             print(f"note: {note}", file=sys.stderr, flush=True)
     if script_args.dry_run:
         plan = training_plan(script_args, training_args, model_args)
+        local = Path(script_args.dataset_name).expanduser().exists() and Path(model_args.model_name_or_path).exists()
+        if script_args.stage != "sft" and local and not problems:
+            # What one group occupies in a row, with its prompt once (shared_prefix) and once per response.
+            plan["typical_group"] = typical_group_layout(script_args, training_args, model_args)
         print(json.dumps({"plan": plan}, indent=2, default=str))
         print(json.dumps({"training_args": training_args.to_dict()}, indent=2, default=str))
         if problems:
