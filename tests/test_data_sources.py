@@ -206,3 +206,15 @@ def test_shared_longrm_sample_normalises_to_16_groups(shared_sample_path):
         assert record["prompt"] == row["chat_template"] and [m["role"] for m in record["prompt"]] == ["system", "user"]
         assert record["chosen"] == row["chosen"] and record["rejected"] == row["rejects"]
     assert len(load_preference_dataset(shared_sample_path, split="eval")) == 2
+
+
+def test_preference_columns_we_cannot_honour_are_refused_where_read(tmp_path):
+    import json
+
+    from trl_longrm.data import DataFormatError, load_preference_dataset
+
+    path = tmp_path / "pref.jsonl"
+    row = {"prompt": "q", "chosen": "a", "rejected": "b", "chat_template_kwargs": {"enable_thinking": False}}
+    path.write_text(json.dumps(row) + "\n")
+    with pytest.raises(DataFormatError, match=r"pref\.jsonl.*\['chat_template_kwargs'\] cannot be honoured"):
+        load_preference_dataset(str(path))

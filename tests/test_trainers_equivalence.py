@@ -348,3 +348,24 @@ def test_reward_tokenizer_fields_are_applied_as_stock(tmp_path, tokenizer):
         assert o["prompt_ids"] + o["chosen_completion_ids"] == s["chosen_ids"]
         assert o["prompt_ids"] + o["rejected_completion_ids"][0] == s["rejected_ids"]
     assert ours.processing_class.decode(ours.train_dataset[0]["prompt_ids"]).startswith("[user] question 0")
+
+
+@pytest.mark.parametrize("case", ["iterable", "chat_template_kwargs", "tools"])
+def test_preference_data_we_cannot_honour_is_refused_by_name(tmp_path, tokenizer, case):
+    rows = [
+        {
+            "prompt": [{"role": "user", "content": "q"}],
+            "chosen": [{"role": "assistant", "content": "a"}],
+            "rejected": [{"role": "assistant", "content": "b"}],
+        }
+    ] * 2
+    if case != "iterable":
+        rows = [{**row, case: {"enable_thinking": False} if case == "chat_template_kwargs" else "[]"} for row in rows]
+    data = Dataset.from_list(rows)
+    if case == "iterable":
+        data = data.to_iterable_dataset()
+    model = build_tiny_model("llama", "seq-cls", tokenizer, seed=1)
+    with pytest.raises(ValueError, match="IterableDataset" if case == "iterable" else f"`{case}`"):
+        SimPODisRMTrainer(
+            model=model, args=SimPODisRMConfig(**cpu_args(tmp_path)), train_dataset=data, processing_class=tokenizer
+        )

@@ -250,6 +250,14 @@ def _normalize_checked(row, index, source, layout, expected, normalize):
     return record
 
 
+# Columns of TRL's preference formats that the preference trainers cannot honour yet, and why: refused, never dropped.
+UNSUPPORTED_PREFERENCE_COLUMNS = {
+    "chat_template_kwargs": "per-row chat template arguments are not passed to the chat template yet",
+    "tools": "tool definitions are not rendered into the prompt yet",
+    "images": "vision-language preference data is not supported",
+}
+
+
 def load_preference_dataset(
     source: DataSource,
     split: str | None = None,
@@ -277,6 +285,10 @@ def load_preference_dataset(
     """
 
     def resolve(columns, name):
+        found = [c for c in UNSUPPORTED_PREFERENCE_COLUMNS if c in columns]
+        if found:
+            reasons = "; ".join(f"`{c}`: {UNSUPPORTED_PREFERENCE_COLUMNS[c]}" for c in found)
+            raise DataFormatError(f"column(s) {found} cannot be honoured ({reasons}); remove them", source=name)
         return resolve_preference_layout(columns, data_format, prompt_key, chosen_key, rejected_key, name)
 
     return _normalize_all(source, split, source_name, resolve, normalize_preference_record, num_proc, keep_in_memory)

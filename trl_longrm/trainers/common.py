@@ -157,6 +157,18 @@ def groups_from_sequences(dataset: Dataset, max_length: int | None, dataset_name
     return Dataset.from_list(groups)
 
 
+def check_preference_source(dataset, dataset_name: str) -> None:
+    """Refuse a streaming dataset by name (columns we cannot honour are refused where the data is read,
+    `trl_longrm.data.load_preference_dataset`)."""
+    from datasets import IterableDataset
+
+    if isinstance(dataset, IterableDataset):
+        raise ValueError(
+            f"{dataset_name} dataset: an IterableDataset (streaming) cannot be used: groups are tokenised, counted and "
+            "packed before training. Load it without streaming (a `datasets.Dataset`)."
+        )
+
+
 def prepare_preference_dataset(dataset, tokenizer, args, dataset_name: str) -> Dataset:
     """Normalise (any format of `trl_longrm.data`, or RewardTrainer's pre-tokenised `chosen_ids` / `rejected_ids`),
     tokenise, report truncations, and optionally pack."""
@@ -165,6 +177,7 @@ def prepare_preference_dataset(dataset, tokenizer, args, dataset_name: str) -> D
 
     if dataset is None:
         return None
+    check_preference_source(dataset, dataset_name)
     columns = dataset.column_names if isinstance(dataset, Dataset) else None
     if _is_packed(dataset, "prompt_ids"):
         return dataset  # packed by `pack_groups` already (a dataset prepared once, passed again)
