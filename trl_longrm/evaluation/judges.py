@@ -203,7 +203,11 @@ def _pad_token_id(tokenizer) -> int:
 
 class _VerdictLogits(LogitsProcessor):
     """Keeps, at every generation step, the logits of the verdict tokens (a few per row), so that the verdict's
-    probabilities are read from the pass that wrote it instead of a second forward over the whole prompt."""
+    probabilities are read from the pass that wrote it instead of a second forward over the whole prompt.
+
+    It runs after the model's own generation-config processors, so it sees the logits greedy decoding chose from (with
+    a repetition penalty in the checkpoint's generation config, the penalised ones; the fallback forced pass reads raw
+    logits)."""
 
     def __init__(self, token_ids: list[int]):
         self.token_ids = token_ids
