@@ -329,6 +329,26 @@ if os.environ.get("PAUSE_AFTER_CHECKPOINT"):
 """
 
 
+def ctrl_c_after_checkpoint_2(recipe, args, out_dir, tmp_path):
+    """Start `trl-longrm train` paused after its checkpoint-2, then send the SIGINT a terminal's Ctrl-C sends."""
+    import signal
+    import time
+
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(PAUSE_AFTER_CHECKPOINT)
+    env = {"PYTHONPATH": os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")]), "PAUSE_AFTER_CHECKPOINT": "2"}
+    # Its own process group, as a terminal's foreground job: the SIGINT reaches it as a Ctrl-C does.
+    process = trl_longrm_train(recipe, *args, env=env, start_new_session=True)
+    deadline = time.monotonic() + 300
+    while not (out_dir / "checkpoint-2" / "trainer_state.json").exists():
+        assert process.poll() is None and time.monotonic() < deadline, process.communicate()[1][-3000:]
+        time.sleep(0.2)
+    os.killpg(process.pid, signal.SIGINT)
+    out, err = process.communicate(timeout=300)
+    return process, out, err
+
+
 @pytest.mark.slow
 def test_a_bad_row_on_two_processes_is_one_message(tiny_assets, tmp_path):
     data = tmp_path / "pref.jsonl"
@@ -357,8 +377,6 @@ def test_a_bad_row_on_two_processes_is_one_message(tiny_assets, tmp_path):
 
 @pytest.mark.slow
 def test_ctrl_c_stops_without_a_traceback_and_the_same_command_resumes(tiny_assets, uninterrupted_run, tmp_path):
-    import signal
-    import time
 
     out_dir = tmp_path / "run"
     args = [
@@ -370,18 +388,7 @@ def test_ctrl_c_stops_without_a_traceback_and_the_same_command_resumes(tiny_asse
         tiny_assets["sft"],
     ]
     args += RESUME_RUN
-    hook = tmp_path / "hook"
-    hook.mkdir()
-    (hook / "sitecustomize.py").write_text(PAUSE_AFTER_CHECKPOINT)
-    env = {"PYTHONPATH": os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")]), "PAUSE_AFTER_CHECKPOINT": "2"}
-    # Its own process group, as a terminal's foreground job: the SIGINT reaches it as a Ctrl-C does.
-    process = trl_longrm_train("sft.yaml", *args, env=env, start_new_session=True)
-    deadline = time.monotonic() + 300
-    while not (out_dir / "checkpoint-2" / "trainer_state.json").exists():
-        assert process.poll() is None and time.monotonic() < deadline, process.communicate()[1][-3000:]
-        time.sleep(0.2)
-    os.killpg(process.pid, signal.SIGINT)
-    out, err = process.communicate(timeout=300)
+    process, out, err = ctrl_c_after_checkpoint_2("sft.yaml", args, out_dir, tmp_path)
     assert process.returncode == 130, err[-3000:]
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
     assert f"Interrupted. The same command resumes from the newest complete checkpoint in {out_dir}." in out
@@ -398,24 +405,12 @@ def test_ctrl_c_stops_without_a_traceback_and_the_same_command_resumes(tiny_asse
 
 @pytest.mark.slow
 def test_ctrl_c_on_two_processes_is_one_line_and_the_same_command_resumes(tiny_assets, tmp_path):
-    import signal
-    import time
 
     out_dir = tmp_path / "run"
     args = ["--output_dir", str(out_dir), "--model_name_or_path", tiny_assets["cls"], "--dataset_name"]
     args += [tiny_assets["pref"], "--max_steps", "4", "--save_strategy", "steps", "--save_steps", "2"]
-    hook = tmp_path / "hook"
-    hook.mkdir()
-    (hook / "sitecustomize.py").write_text(PAUSE_AFTER_CHECKPOINT)
-    env = {"PYTHONPATH": os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")]), "PAUSE_AFTER_CHECKPOINT": "2"}
     # cpu_ddp.yaml: 2 processes, one ring of 2.
-    process = trl_longrm_train("simpo_disrm.yaml", *args, env=env, start_new_session=True)
-    deadline = time.monotonic() + 300
-    while not (out_dir / "checkpoint-2" / "trainer_state.json").exists():
-        assert process.poll() is None and time.monotonic() < deadline, process.communicate()[1][-3000:]
-        time.sleep(0.2)
-    os.killpg(process.pid, signal.SIGINT)
-    out, err = process.communicate(timeout=300)
+    process, out, err = ctrl_c_after_checkpoint_2("simpo_disrm.yaml", args, out_dir, tmp_path)
     assert process.returncode == 130, err[-3000:]
     assert "Traceback" not in err and "ChildFailedError" not in err, err[-3000:]
     assert out.count("Interrupted. The same command resumes") == 1, out[-3000:]
