@@ -10,6 +10,7 @@ import sys
 import threading
 from pathlib import Path
 
+from trl_longrm.cpu_threads import launch_env, oversubscription
 from trl_longrm.evaluation.cli import add_eval_arguments, run_eval
 
 
@@ -70,6 +71,24 @@ def launch_command(recipe: str, overrides: list[str]) -> list[str]:
     return [*command, "-m", "trl_longrm", recipe, *overrides]
 
 
+def local_processes(recipe: str, overrides: list[str]) -> int:
+    """Processes this machine runs for `recipe`: its process count over the accelerate config's `num_machines`."""
+    import yaml
+
+    from trl_longrm.train import _flag_value, read_recipe
+
+    settings = read_recipe(["--config", recipe])
+    accelerate_config = _flag_value(overrides, "--accelerate_config") or settings.get("accelerate_config")
+    launcher = {}
+    if accelerate_config:
+        with open(find_accelerate_config(str(accelerate_config)), encoding="utf-8") as f:
+            launcher = yaml.safe_load(f) or {}
+    processes = _flag_value(overrides, "--num_processes") or settings.get("num_processes")
+    processes = int(processes or launcher.get("num_processes") or 1)
+    machines = int(launcher.get("num_machines") or 1)
+    return max(1, processes // max(1, machines))
+
+
 def run_train(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.recipe is None:
         args.print_help()
@@ -86,22 +105,28 @@ def run_train(args: argparse.Namespace, overrides: list[str]) -> int:
     if code is not None:
         return code
     command = launch_command(args.recipe, overrides)
-    print("Launching:", " ".join(command), flush=True)
-    return run_launch(command)
+    # Processes x threads must not exceed the cores (accelerate's own default gives every CPU process all of them).
+    local = local_processes(args.recipe, overrides)
+    env = launch_env(local)
+    warning = oversubscription(env, local)
+    if warning:
+        print(f"trl-longrm: warning: {warning}", file=sys.stderr, flush=True)
+    print(f"Launching (OMP_NUM_THREADS={env['OMP_NUM_THREADS']}):", " ".join(command), flush=True)
+    return run_launch(command, env)
 
 
 # What `trl_longrm.train.main` prints (rank 0 only) for a user's mistake.
 ERROR_MARK = b"trl-longrm: error:"
 
 
-def run_launch(command: list[str]) -> int:
+def run_launch(command: list[str], env: dict[str, str] | None = None) -> int:
     """Run `accelerate launch`, passing its stderr through until a process has reported a user error or the user
     pressed Ctrl-C: what comes after is the launchers' account of the same stop (accelerate's and torchrun's
     tracebacks, one per process), which would bury the one line that says what happened.
 
     The launch runs in its own process group and this process forwards SIGINT, SIGTERM and SIGHUP to it, so that it
     mutes the launchers' stderr *before* they see the signal; a second Ctrl-C kills the group."""
-    process = subprocess.Popen(command, env=os.environ.copy(), stderr=subprocess.PIPE, start_new_session=True)
+    process = subprocess.Popen(command, env=dict(os.environ if env is None else env), stderr=subprocess.PIPE, start_new_session=True)
     muted = threading.Event()
     interrupts = []
 

@@ -325,7 +325,13 @@ class Demo:
             path.write_text(json.dumps(settings, indent=2) + "\n", encoding="utf-8")
 
     def run(self) -> dict:
+        import torch
+
+        from trl_longrm.cpu_threads import threads_per_process
+
         self.check_settings()
+        # The evaluations run in this process, alone: all usable cores (or the user's OMP_NUM_THREADS).
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or threads_per_process(1)))
         suite = self._timed("data", self.data)
         self._timed("base models", self.base_models)
         results = {"disrm": self._timed("eval", self.evaluate, "disrm", True, suite)}
@@ -448,6 +454,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    # Before torch starts OpenMP: waiting threads sleep instead of spinning (a busy neighbour process then costs the
+    # demo its share of the cores, not 10x). Each training stage's launch divides the cores among its processes
+    # (`trl_longrm.cpu_threads`); OMP_NUM_THREADS is left unset for that, and the evaluations here use all of them.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     start = time.perf_counter()
     summary = run_demo(DemoConfig(**vars(args)))

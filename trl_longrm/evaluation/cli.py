@@ -113,9 +113,9 @@ def run_eval(args: argparse.Namespace) -> int:
         raise SystemExit(f"--num-processes must be >= 1, got {args.num_processes}.")
     if args.num_processes > 1 and int(os.environ.get("WORLD_SIZE", "1")) == 1:
         # Not launched yet: start the processes. Processes x threads must not exceed the cores.
-        env = dict(os.environ)
-        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.num_processes)))
-        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        from trl_longrm.cpu_threads import launch_env
+
+        env = launch_env(args.num_processes)
         command = launch_command(config, args.num_processes)
         print("Launching:", " ".join(command), flush=True)
         return subprocess.call(command, env=env)
