@@ -395,3 +395,40 @@ def test_demo_suite_needs_the_document_a_response_only_model_stays_at_chance(tmp
         return all(value in stated for value in parse_facts(task_of_document(document), response).values())
 
     assert all(all_values_stated(r, r["chosen"]) and not all_values_stated(r, r["rejected"]) for r in pairs)
+
+
+def test_judge_data_is_written_with_the_prompt_template_the_judge_is_evaluated_with(tmp_path, suite):
+    from trl_longrm.demo import JUDGE_PROMPTS
+    from trl_longrm.evaluation.templates import PromptTemplate
+
+    template = PromptTemplate.from_yaml(JUDGE_PROMPTS)
+    custom = generate_synthetic_suite(
+        tmp_path / "custom", seed=3, judge_protocol="pointwise", prompt_template=str(JUDGE_PROMPTS), **SMALL
+    )
+    built_in = generate_synthetic_suite(tmp_path / "built_in", seed=3, judge_protocol="pointwise", **SMALL)
+    for path in ("sft", "grm"):
+        rows, reference = read_jsonl(getattr(custom, path)), read_jsonl(getattr(built_in, path))
+        assert len(rows) == len(reference)
+        for row, ref in zip(rows, reference):
+            system, user = row["chat_template"]
+            assert system == {"role": "system", "content": "Judge the response."}
+            # The same task and response, in the template's prompt (the built-in one for the built-in suite).
+            task_text, rest = ref["chat_template"][1]["content"].split("\n\n# Response\n")
+            response = rest.split("\n# End of Response")[0]
+            assert row["chat_template"] == template.pointwise_messages(task_text.removeprefix("# Task\n"), response)
+            assert ref["chat_template"] == build_pointwise_messages(task_text.removeprefix("# Task\n"), response)
+            assert {k: v for k, v in row.items() if k != "chat_template"} == {
+                k: v for k, v in ref.items() if k != "chat_template"
+            }
+    # What the judge is not asked about is the same (the benchmark, the DisRM data).
+    assert custom.disrm.read_text() == built_in.disrm.read_text()
+    assert [p.read_text() for p in sorted(custom.benchmark.glob("*.jsonl"))] == [
+        p.read_text() for p in sorted(built_in.benchmark.glob("*.jsonl"))
+    ]
+    # A pointwise verdict the synthetic judgments do not write is refused, naming the file and the key.
+    score = tmp_path / "score.yaml"
+    score.write_text(
+        "pointwise:\n  system: Judge.\n  user: \"{task} {response}\"\n  verdict: \"[Score: N]\"\n", encoding="utf-8"
+    )
+    with pytest.raises(ValueError, match=r"score.yaml: key `pointwise.verdict`"):
+        generate_synthetic_suite(tmp_path / "bad", seed=3, judge_protocol="pointwise", prompt_template=str(score), **SMALL)

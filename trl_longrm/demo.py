@@ -40,6 +40,8 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes" / "tiny"
+# The demo judge's prompts: used to write its training data and to evaluate it (see the file for why).
+JUDGE_PROMPTS = RECIPES / "judge_prompts.yaml"
 # The settings a demo output directory was made with (see `Demo.check_settings`).
 SETTINGS_FILE = "demo_settings.json"
 
@@ -202,7 +204,9 @@ class Demo:
         if suite.manifest.is_file():  # written last: the suite is complete, and `check_settings` vouches for it
             logger.info("Synthetic suite already in %s.", suite.root)
             return suite
-        settings = dict(DEMO_DATA, seed=self.config.seed, num_train=self.config.num_train)
+        settings = dict(
+            DEMO_DATA, seed=self.config.seed, num_train=self.config.num_train, prompt_template=str(JUDGE_PROMPTS)
+        )
         # The demo owns this folder: files of an interrupted generation (no manifest yet) are overwritten.
         return generate_synthetic_suite(suite.root, tokenizer=demo_tokenizer(), overwrite=True, **settings)
 
@@ -280,6 +284,7 @@ class Demo:
             device="cpu",
             formats=["PairWise", "BestOfN"] if is_disrm else list(self.config.grm_formats),
             judge_protocol=DEMO_JUDGE_PROTOCOL,
+            prompt_template=None if is_disrm else str(JUDGE_PROMPTS),
         )
         return evaluate_reward_model(config)
 
@@ -291,6 +296,7 @@ class Demo:
             name: hashlib.sha256((RECIPES / recipe).read_bytes()).hexdigest()[:16]
             for name, (recipe, *_) in STAGES.items()
         }
+        recipes["judge_prompts"] = hashlib.sha256(JUDGE_PROMPTS.read_bytes()).hexdigest()[:16]
         config = {k: getattr(self.config, k) for k in ("seed", "num_train", "hidden_size", "num_hidden_layers")}
         return {
             **config,

@@ -43,6 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
             kwargs["action"] = argparse.BooleanOptionalAction
         elif isinstance(default, dict):
             kwargs.update(nargs="+", type=_bucket, metavar="BUCKET=TOKENS")
+        elif default is None:  # an optional path
+            kwargs["type"] = str
         elif isinstance(default, (list, tuple)):
             item = type(default[0])
             kwargs.update(nargs=len(default) if isinstance(default, tuple) else "+", type=item)

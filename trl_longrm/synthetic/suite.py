@@ -1,9 +1,9 @@
 """Writing a synthetic long-context judging suite: judge SFT data, SimPO-GRM and DisRM preference data, and a held-out
 mini Long-RewardBench, all built on the fact sheets of `trl_longrm.synthetic.world`.
 
-The judge prompts are the evaluator's own (`trl_longrm.evaluation.prompts.build_judge_messages`, or
-`build_pointwise_messages` with `judge_protocol="pointwise"`, applied to the task prompt a `BenchmarkRecord` shows the
-judge), so a judge trained here is evaluated on exactly the inputs it learnt.
+The judge prompts are the evaluator's own (the built-in `PromptTemplate`, or the file `prompt_template` names, applied
+to the task prompt a `BenchmarkRecord` shows the judge), so a judge trained here is evaluated on exactly the inputs it
+learnt.
 Training data uses the `train` keys of `world.key_split` and the benchmark the `eval` keys, with their own seeds.
 """
 
@@ -22,10 +22,9 @@ from trl_longrm.evaluation.prompts import (
     PAIRWISE_SYSTEM_PROMPT,
     POINTWISE_SCALE,
     RANKING_SYSTEM_PROMPT,
-    build_judge_messages,
-    build_pointwise_messages,
     label,
 )
+from trl_longrm.evaluation.templates import PromptTemplate
 from trl_longrm.synthetic.world import (
     SURFACES,
     VALUES,
@@ -137,7 +136,7 @@ class SyntheticConfig:
         metadata={
             "help": "Judging protocol of the judge data (SFT, SimPO-GRM): `pairwise` (all responses of an example in "
             "one prompt, as LongRM; a pairwise verdict or a ranking) or `pointwise` (one row per response of each "
-            "example, the rows of one example next to each other, judged with `build_pointwise_messages`: its "
+            "example, the rows of one example next to each other, judged with the pointwise prompt: its "
             "correct count and a score `[[0]]`..`[[9]]`). Evaluate a judge trained on pointwise rows with "
             "`judge_protocol=pointwise`. Default pairwise."
         },
@@ -148,6 +147,13 @@ class SyntheticConfig:
             "help": "Write each training file shortest document first (a curriculum: a small model learns to find a "
             "fact in a short document before a long one). Train with `train_sampling_strategy: sequential` to keep "
             "the order; the default random sampler shuffles it away. Default False (rows in generation order)."
+        },
+    )
+    prompt_template: str | None = field(
+        default=None,
+        metadata={
+            "help": "YAML file of judge prompts (as `trl-longrm eval --prompt-template`) for the judge data (SFT, "
+            "SimPO-GRM); evaluate the trained judge with the same file. Default None: the built-in prompts."
         },
     )
     key_digits: int = field(default=2, metadata={"help": "Digits of a key after its letter (`P27`). Default 2."})
@@ -285,10 +291,6 @@ def pointwise_judgment(example: JudgingExample, index: int, claimed: int | None 
     return "\n".join(lines)
 
 
-def _judge_prompt(example: JudgingExample, order: list[int], ranking: bool) -> list[dict[str, str]]:
-    return build_judge_messages(example.task_prompt, [example.responses[i] for i in order], ranking=ranking)
-
-
 def _wrong_rankings(rng: random.Random, n: int, true_ranks: list[int], k: int) -> list[list[int]]:
     """`k` rank assignments different from `true_ranks` (repeating when fewer than k exist, as with n = 2)."""
     import itertools
@@ -353,6 +355,14 @@ class SuiteBuilder:
         self.counter = _TokenCounter(tokenizer)
         self.train_keys = split_keys("train", config.key_digits, config.eval_key_fraction)
         self.eval_keys = split_keys("eval", config.key_digits, config.eval_key_fraction)
+        self.template = (
+            PromptTemplate.from_yaml(config.prompt_template) if config.prompt_template else PromptTemplate.default()
+        )
+        if config.judge_protocol == "pointwise" and self.template.pointwise.verdict != "[[N]]":
+            raise ValueError(
+                f"{config.prompt_template}: key `pointwise.verdict` is {self.template.pointwise.verdict!r}, but the "
+                "synthetic judgments end with `[[N]]` scores; use a template with `verdict: \"[[N]]\"`."
+            )
 
     def _rng(self, *parts) -> random.Random:
         return random.Random(":".join(str(p) for p in (self.config.seed, *parts)))
@@ -383,6 +393,12 @@ class SuiteBuilder:
             )
         return rows
 
+    def _judge_prompt(self, example: JudgingExample, order: list[int], ranking: bool) -> list[dict[str, str]]:
+        responses = [example.responses[i] for i in order]
+        if ranking:
+            return self.template.ranking_messages(example.task_prompt, responses)
+        return self.template.pairwise_messages(example.task_prompt, responses)
+
     def _judge_example(self, dataset: str, index: int):
         rng, example = self._train_example(
             dataset, index, lambda r: _train_errors(r, r.random() < self.config.ranking_fraction, self.config)
@@ -402,13 +418,15 @@ class SuiteBuilder:
                 for shown in order:
                     rows.append(
                         {
-                            "chat_template": build_pointwise_messages(example.task_prompt, example.responses[shown]),
+                            "chat_template": self.template.pointwise_messages(
+                                example.task_prompt, example.responses[shown]
+                            ),
                             "golden": pointwise_judgment(example, shown, evidence=self.config.judgment_evidence),
                             **meta,
                         }
                     )
             else:
-                prompt = _judge_prompt(example, order, ranking)
+                prompt = self._judge_prompt(example, order, ranking)
                 golden = judgment(example, order, ranking, evidence=self.config.judgment_evidence)
                 rows.append({"chat_template": prompt, "golden": golden, **meta})
         return rows
@@ -429,7 +447,9 @@ class SuiteBuilder:
                     claims = [wrong[i % len(wrong)] for i in range(self.config.num_rejected)]
                     rows.append(
                         {
-                            "chat_template": build_pointwise_messages(example.task_prompt, example.responses[shown]),
+                            "chat_template": self.template.pointwise_messages(
+                                example.task_prompt, example.responses[shown]
+                            ),
                             "chosen": pointwise_judgment(example, shown, evidence=evidence),
                             "rejects": list(
                                 dict.fromkeys(pointwise_judgment(example, shown, c, evidence) for c in claims)
@@ -438,7 +458,7 @@ class SuiteBuilder:
                         }
                     )
             else:
-                prompt = _judge_prompt(example, order, ranking)
+                prompt = self._judge_prompt(example, order, ranking)
                 chosen = judgment(example, order, ranking, evidence=evidence)
                 wrong = _wrong_rankings(rng, len(order), list(order), self.config.num_rejected)
                 rejects = list(dict.fromkeys(judgment(example, order, ranking, claim, evidence) for claim in wrong))
