@@ -227,7 +227,32 @@ def test_tiny_qlora_recipes(tiny_assets, tmp_path, recipe):
     assert any("lora_" in name for name in adapter)
     if "disrm" in recipe:
         assert any("score" in name for name in adapter), "the score head is saved with the adapter"
-    assert weights(out / "merged")
+
+    # The merged model is a plain bf16 checkpoint (no 4-bit state, no quantization config) ...
+    merged = weights(out / "merged")
+    assert not [n for n in merged if "absmax" in n or "quant" in n], sorted(merged)[:10]
+    config = json.loads((out / "merged" / "config.json").read_text())
+    assert "quantization_config" not in config
+    base = weights(Path(model))
+    for name, tensor in base.items():
+        assert merged[name].shape == tensor.shape, name  # full-size weights, not packed 4-bit ones
+    assert merged["model.layers.0.self_attn.q_proj.weight"].dtype == torch.bfloat16
+    # ... equal to what training used, the dequantised NF4 base plus the adapter: same outputs within bf16 rounding.
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, BitsAndBytesConfig
+
+    auto = AutoModelForSequenceClassification if "disrm" in recipe else AutoModelForCausalLM
+    extra = {"num_labels": 1} if "disrm" in recipe else {}
+    nf4 = BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16
+    )
+    trained = auto.from_pretrained(model, quantization_config=nf4, device_map="cpu", **extra)
+    trained = PeftModel.from_pretrained(trained, str(out)).eval()
+    plain = auto.from_pretrained(str(out / "merged"), **extra).eval()
+    ids = torch.tensor([[5, 17, 42, 9, 23, 11, 7, 30]])
+    with torch.no_grad():
+        expected, got = trained(input_ids=ids).logits.float(), plain(input_ids=ids).logits.float()
+    assert torch.allclose(got, expected, rtol=0.05, atol=0.05 * expected.abs().max().item()), (got - expected).abs().max()
 
 
 RESUME_RUN = [

@@ -81,7 +81,8 @@ class LongRMScriptArguments(ScriptArguments):
         default=False,
         metadata={
             "help": "With LoRA/QLoRA, also save the base model with the adapter merged into `output_dir/merged`, so "
-            "the next stage can start from it as a plain model. Default False."
+            "the next stage can start from it as a plain model. With QLoRA the 4-bit base is dequantised first (to "
+            "bf16 with `bf16`, else the model's dtype), so `merged/` needs no bitsandbytes. Default False."
         },
     )
 
@@ -485,9 +486,15 @@ def run(script_args, training_args, model_args, start=None):
     if trainer.accelerator.is_main_process:
         tokenizer.save_pretrained(training_args.output_dir)
         if script_args.save_merged_model and model_args.use_peft:
-            merged_dir = Path(training_args.output_dir) / "merged"
-            merged = trainer.accelerator.unwrap_model(trainer.model).merge_and_unload()
-            merged.save_pretrained(merged_dir)
+            from trl_longrm.merging import merged_dtype, save_merged_model
+
+            merged_dir = save_merged_model(
+                trainer.accelerator.unwrap_model(trainer.model),
+                adapter_dir=training_args.output_dir,
+                merged_dir=Path(training_args.output_dir) / "merged",
+                load_base=lambda: load_model(stage, model_args, training_args),
+                dtype=merged_dtype(training_args, model_args),
+            )
             tokenizer.save_pretrained(merged_dir)
     return trainer
 
