@@ -1,6 +1,6 @@
-"""The demo pipeline (`python -m trl_longrm.demo`) at a small size: the DisRM stage through `trl-longrm train` on a
-ring of 2 CPU processes, evaluated before and after (and better after), and a second run that resumes instead of
-redoing the work."""
+"""The demo pipeline (`python -m trl_longrm.demo`) at a small size, over two seeds: the DisRM stage through
+`trl-longrm train` on a ring of 2 CPU processes, then the judge's SFT and SimPO stages, each evaluated and each
+learning; and a second run that resumes instead of redoing the work."""
 
 import json
 from pathlib import Path
@@ -20,49 +20,59 @@ def weights(directory: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-GAIN = 0.15
+# A smaller demo: the whole pipeline on 2400 training examples per stage instead of 7000 (DisRM 300 steps on the ring
+# of 2, SFT 600 steps, SimPO-GRM 50 steps), without the base models' evaluations (~5.5 min per seed). What it must
+# show at this size, in every seed (the full demo's figures over 3 seeds are in the README): the DisRM and the judge
+# after SFT well above chance, and stage II close to stage I.
+SMALL_DEMO = dict(num_train=2400, evaluate_base_models=False, train_overrides={"simpo_grm": ["--max_steps", "50"]})
+# Measured at this size (PairWise accuracy, seeds 0 / 1): DisRM 88.7 / 68.5, judge after SFT 63.1 / 63.1, after SimPO
+# 60.7 / 64.3. The floors sit below the weaker seed; stage II is allowed a 4-point drop here (seed 0 lost 2.4), where
+# the full demo's target is 1 point (README, "Demo results").
+DISRM_MIN = 0.60
+SFT_MIN = 0.55
+STAGE_II_DROP = 0.04
 
 
 @pytest.mark.slow
-def test_demo_disrm_stage_trains_on_a_ring_learns_and_resumes(tmp_path):
-    # A smaller demo: its DisRM stage only, through the demo's recipe (ring of 2), on 3000 training groups instead of
-    # 7000 (375 steps, ~2 min instead of ~4.5).
-    config = DemoConfig(output_dir=str(tmp_path / "demo"), stages=["simpo_disrm"], num_train=3000)
+@pytest.mark.parametrize("seed", [0, 1])
+def test_demo_learns_at_every_stage_whatever_the_seed(tmp_path, seed):
+    config = DemoConfig(output_dir=str(tmp_path / "demo"), seed=seed, **SMALL_DEMO)
     summary = run_demo(config)
     root = Path(config.output_dir)
+    models = summary["models"]
+    print(f"seed {seed}:", {name: (row["pairwise_avg"], row["auc"], row["unparseable"]) for name, row in models.items()})
 
-    assert set(summary["models"]) == {"disrm", "simpo_disrm"}
-    for name in ("disrm", "simpo_disrm"):
-        written = json.loads((root / "eval" / name / "results.json").read_text())
-        row = summary["models"][name]
-        # 7 tasks x 3 length buckets x (8 PairWise + 3 BestOfN) records, every one judged by the DisRM.
-        assert row["records"] == written["counts"]["records"] == 7 * 3 * 11
+    assert set(models) == {"simpo_disrm", "sft", "simpo_grm"}
+    for name, row in models.items():
+        # The judges are evaluated on PairWise only: a subset run's results file names its tasks and formats.
+        written = json.loads(next((root / "eval" / name).glob("results*.json")).read_text())
         assert row["pairwise_avg"] == written["pairwise_avg"] and row["auc"] == written["auc"]
-        assert row["model_type"] == "DisRM" and row["unparseable"] == 0
+        # 7 tasks x 3 length buckets x 8 PairWise records (+ 3 BestOfN for the DisRM), every one judged.
+        assert row["records"] == written["counts"]["records"] == 7 * 3 * (11 if name == "simpo_disrm" else 8)
     table = summary_table(summary)
-    assert "DisRM trained (Bradley-Terry, ring 2)" in table and f"{100 * row['pairwise_avg']:.1f}" in table
+    assert "DisRM trained (Bradley-Terry, ring 2)" in table and f"{100 * models['sft']['pairwise_avg']:.1f}" in table
 
-    # It learnt: the held-out benchmark's pairwise accuracy rises well above the random base model's (51.2% -> 73.8%
-    # with these 3000 groups; the full demo's 7000 reach 95.2%, see the README), and so does the AUC.
-    base, trained = summary["models"]["disrm"], summary["models"]["simpo_disrm"]
-    assert trained["pairwise_avg"] >= base["pairwise_avg"] + GAIN, (base, trained)
-    assert trained["auc"] > base["auc"], (base, trained)
+    disrm, sft, simpo = (models[name] for name in ("simpo_disrm", "sft", "simpo_grm"))
+    assert disrm["pairwise_avg"] >= DISRM_MIN and disrm["auc"] > 0.5, disrm
+    assert sft["pairwise_avg"] >= SFT_MIN and sft["unparseable"] == 0, sft
+    assert simpo["pairwise_avg"] >= sft["pairwise_avg"] - STAGE_II_DROP and simpo["unparseable"] == 0, (sft, simpo)
 
-    # Training ran on the ring of 2 processes the recipe names, one pass over 3000 groups / 8 per step, and moved the
-    # weights.
+    # The DisRM trained on the ring of 2 processes the recipe names, one pass over 2400 groups / 8 per step, and moved
+    # the weights.
     state = json.loads((root / "runs" / "simpo_disrm" / "trainer_state.json").read_text())
-    assert state["global_step"] == 3000 // 8
+    assert state["global_step"] == 2400 // 8
     base, trained = weights(root / "models" / "tiny-llama-cls"), weights(root / "runs" / "simpo_disrm")
     assert any(not torch.equal(base[n], trained[n]) for n in base)
     assert (root / "length_accuracy.png").stat().st_size > 0
 
-    # A second run finds everything done: no retraining (same files), the same results.
-    model_file = next((root / "runs" / "simpo_disrm").glob("*.safetensors"))
-    mtime = model_file.stat().st_mtime_ns
-    again = run_demo(config)
-    assert model_file.stat().st_mtime_ns == mtime
-    assert again["models"] == summary["models"]
-    assert "train simpo_disrm" in again["timings_s"] and again["timings_s"]["train simpo_disrm"] < 1.0
+    if seed == 0:
+        # A second run finds everything done: no retraining (same files), the same results.
+        files = {stage: next((root / "runs" / stage).glob("*.safetensors")) for stage in ("simpo_disrm", "sft")}
+        mtimes = {stage: path.stat().st_mtime_ns for stage, path in files.items()}
+        again = run_demo(config)
+        assert {stage: path.stat().st_mtime_ns for stage, path in files.items()} == mtimes
+        assert again["models"] == summary["models"]
+        assert all(again["timings_s"][f"train {stage}"] < 1.0 for stage in ("simpo_disrm", "sft", "simpo_grm"))
 
 
 def test_demo_output_dir_made_with_other_settings_is_refused_not_reused(tmp_path):

@@ -84,6 +84,13 @@ class DemoConfig:
             "none (the recipes' values)."
         },
     )
+    evaluate_base_models: bool = field(
+        default=True,
+        metadata={
+            "help": "Evaluate the base models too (the table's `before` rows: the random DisRM, the judge before SFT). "
+            "Default True; `--no-evaluate-base-models` saves about a minute."
+        },
+    )
     eval_batch_size: int = field(default=16, metadata={"help": "Records judged per forward pass. Default 16."})
     grm_formats: list[str] = field(
         default_factory=lambda: ["PairWise"],
@@ -340,11 +347,14 @@ class Demo:
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or threads_per_process(1)))
         suite = self._timed("data", self.data)
         self._timed("base models", self.base_models)
-        results = {"disrm": self._timed("eval", self.evaluate, "disrm", True, suite)}
+        results = {}
+        if self.config.evaluate_base_models:
+            results["disrm"] = self._timed("eval", self.evaluate, "disrm", True, suite)
         for stage in self.config.stages:
             if stage == "sft":
                 self._timed("base models", self.judge_base)
-                results["judge"] = self._timed("eval", self.evaluate, "judge", False, suite)
+                if self.config.evaluate_base_models:
+                    results["judge"] = self._timed("eval", self.evaluate, "judge", False, suite)
             self._timed(f"train {stage}", self.train, stage, suite)
             results[stage] = self._timed("eval", self.evaluate, stage, STAGES[stage][3], suite)
         summary = {
@@ -452,6 +462,8 @@ def build_parser() -> argparse.ArgumentParser:
         kwargs = {"dest": f.name, "help": f.metadata["help"], "default": default}
         if isinstance(default, list):
             kwargs.update(nargs="+", choices=list(STAGES) if f.name == "stages" else ["PairWise", "BestOfN"])
+        elif isinstance(default, bool):  # `type=bool` would read "False" as True
+            kwargs["action"] = argparse.BooleanOptionalAction
         else:
             kwargs["type"] = type(default)
         parser.add_argument("--" + f.name.replace("_", "-"), **kwargs)
