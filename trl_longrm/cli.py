@@ -55,13 +55,19 @@ def find_accelerate_config(name: str) -> str:
     raise FileNotFoundError(f"Accelerate config {name!r} not found (looked at {', '.join(map(str, candidates))}).")
 
 
-def launch_command(recipe: str, overrides: list[str]) -> list[str]:
-    """The `accelerate launch` command line that runs `recipe` with the recipe's accelerate settings."""
+def _launch_settings(recipe: str, overrides: list[str]) -> tuple[str | None, str | None]:
+    """The accelerate config and process count a run uses: the command line's, else the recipe's."""
     from trl_longrm.train import _flag_value, read_recipe
 
     settings = read_recipe(["--config", recipe])
     accelerate_config = _flag_value(overrides, "--accelerate_config") or settings.get("accelerate_config")
     num_processes = _flag_value(overrides, "--num_processes") or settings.get("num_processes")
+    return accelerate_config, num_processes
+
+
+def launch_command(recipe: str, overrides: list[str]) -> list[str]:
+    """The `accelerate launch` command line that runs `recipe` with the recipe's accelerate settings."""
+    accelerate_config, num_processes = _launch_settings(recipe, overrides)
     # `--quiet`: a run that failed has printed why; accelerate's own traceback of the launch would only bury it.
     command = [sys.executable, "-m", "accelerate.commands.launch", "--quiet"]
     if accelerate_config:
@@ -75,15 +81,11 @@ def local_processes(recipe: str, overrides: list[str]) -> int:
     """Processes this machine runs for `recipe`: its process count over the accelerate config's `num_machines`."""
     import yaml
 
-    from trl_longrm.train import _flag_value, read_recipe
-
-    settings = read_recipe(["--config", recipe])
-    accelerate_config = _flag_value(overrides, "--accelerate_config") or settings.get("accelerate_config")
+    accelerate_config, processes = _launch_settings(recipe, overrides)
     launcher = {}
     if accelerate_config:
         with open(find_accelerate_config(str(accelerate_config)), encoding="utf-8") as f:
             launcher = yaml.safe_load(f) or {}
-    processes = _flag_value(overrides, "--num_processes") or settings.get("num_processes")
     processes = int(processes or launcher.get("num_processes") or 1)
     machines = int(launcher.get("num_machines") or 1)
     return max(1, processes // max(1, machines))
@@ -105,7 +107,7 @@ def run_train(args: argparse.Namespace, overrides: list[str]) -> int:
     if code is not None:
         return code
     command = launch_command(args.recipe, overrides)
-    # Processes x threads must not exceed the cores (accelerate's own default gives every CPU process all of them).
+    # Processes x threads must not exceed the cores this process may use (`trl_longrm.cpu_threads`).
     local = local_processes(args.recipe, overrides)
     env = launch_env(local)
     warning = oversubscription(env, local)

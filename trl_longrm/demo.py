@@ -343,8 +343,16 @@ class Demo:
         from trl_longrm.cpu_threads import threads_per_process
 
         self.check_settings()
-        # The evaluations run in this process, alone: all usable cores (or the user's OMP_NUM_THREADS).
+        # The evaluations run in this process, alone: all usable cores (or the user's OMP_NUM_THREADS); the caller's
+        # setting is restored afterwards.
+        threads = torch.get_num_threads()
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or threads_per_process(1)))
+        try:
+            return self._run()
+        finally:
+            torch.set_num_threads(threads)
+
+    def _run(self) -> dict:
         suite = self._timed("data", self.data)
         self._timed("base models", self.base_models)
         results = {}
