@@ -128,7 +128,8 @@ def run_launch(command: list[str], env: dict[str, str] | None = None) -> int:
 
     The launch runs in its own process group and this process forwards SIGINT, SIGTERM and SIGHUP to it, so that it
     mutes the launchers' stderr *before* they see the signal; a second Ctrl-C kills the group."""
-    process = subprocess.Popen(command, env=dict(os.environ if env is None else env), stderr=subprocess.PIPE, start_new_session=True)
+    env = dict(os.environ if env is None else env)
+    process = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, start_new_session=True)
     muted = threading.Event()
     interrupts = []
 
