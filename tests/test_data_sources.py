@@ -214,7 +214,21 @@ def test_preference_columns_we_cannot_honour_are_refused_where_read(tmp_path):
     from trl_longrm.data import DataFormatError, load_preference_dataset
 
     path = tmp_path / "pref.jsonl"
-    row = {"prompt": "q", "chosen": "a", "rejected": "b", "chat_template_kwargs": {"enable_thinking": False}}
+    row = {"prompt": "q", "chosen": "a", "rejected": "b", "images": ["x.png"]}
     path.write_text(json.dumps(row) + "\n")
-    with pytest.raises(DataFormatError, match=r"pref\.jsonl.*\['chat_template_kwargs'\] cannot be honoured"):
+    with pytest.raises(DataFormatError, match=r"pref\.jsonl.*\['images'\] cannot be honoured"):
+        load_preference_dataset(str(path))
+    # Template arguments need a chat template: a plain-text row with them is refused on its line, naming the key.
+    plain = {"prompt": "q", "chosen": "a", "rejected": "b", "chat_template_kwargs": {}}
+    path.write_text(json.dumps(plain) + "\n" + json.dumps({**plain, "chat_template_kwargs": {"x": 1}}) + "\n")
+    with pytest.raises(DataFormatError, match=r"pref\.jsonl.*line 2.*chat_template_kwargs.*plain-text prompt"):
+        load_preference_dataset(str(path))
+    chat = {
+        "prompt": [{"role": "user", "content": "q"}],
+        "chosen": [{"role": "assistant", "content": "a"}],
+        "rejected": [{"role": "assistant", "content": "b"}],
+        "tools": "[not json",
+    }
+    path.write_text(json.dumps(chat) + "\n")
+    with pytest.raises(DataFormatError, match=r"pref\.jsonl.*line 1.*tools.*does not parse"):
         load_preference_dataset(str(path))

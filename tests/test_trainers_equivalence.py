@@ -350,8 +350,77 @@ def test_reward_tokenizer_fields_are_applied_as_stock(tmp_path, tokenizer):
     assert ours.processing_class.decode(ours.train_dataset[0]["prompt_ids"]).startswith("[user] question 0")
 
 
-@pytest.mark.parametrize("case", ["iterable", "chat_template_kwargs", "tools"])
-def test_preference_data_we_cannot_honour_is_refused_by_name(tmp_path, tokenizer, case):
+TOOLS_TEMPLATE = (
+    "{% if tools %}[tools] {% for t in tools %}{{ t['function']['name'] }} {% endfor %}<|im_end|>{% endif %}"
+    "{% if terse %}[terse]<|im_end|>{% endif %}"
+    "{% for m in messages %}{% if m['role'] == 'assistant' %}<|im_start|>{{ m['content'] }}<|im_end|>"
+    "{% else %}[{{ m['role'] }}] {{ m['content'] }}<|im_end|>{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>{% endif %}"
+)
+
+
+def tool_preference_rows():
+    """Conversational preference rows with TRL's per-row `tools` (JSON text) and `chat_template_kwargs`."""
+    tool = '[{"type": "function", "function": {"name": "lookup_%d", "parameters": {"type": "object"}}}]'
+    return [
+        {
+            "prompt": [{"role": "user", "content": f"question {i} about the river"}],
+            "chosen": [{"role": "assistant", "content": f"the answer is {i}"}],
+            "rejected": [{"role": "assistant", "content": "no idea"}],
+            "tools": tool % i if i != 1 else "[]",
+            "chat_template_kwargs": {"terse": i % 2 == 0},
+        }
+        for i in range(3)
+    ]
+
+
+def test_preference_rows_with_tools_and_template_kwargs_tokenised_as_stock(tmp_path, tokenizer):
+    """Each row's `tools` and `chat_template_kwargs` reach the chat template as in RewardTrainer (and, for
+    `chat_template_kwargs`, as in CPOTrainer, which does not read `tools`)."""
+    import copy
+
+    templated = copy.deepcopy(tokenizer)
+    templated.chat_template = TOOLS_TEMPLATE
+    rows = tool_preference_rows()
+    common = cpu_args(tmp_path, eos_token="<|im_end|>", max_length=512)
+    model = build_tiny_model("qwen3", "seq-cls", templated, seed=1)
+    stock = RewardTrainer(
+        model=model, args=RewardConfig(**common), train_dataset=Dataset.from_list(rows), processing_class=templated
+    )
+    ours = SimPODisRMTrainer(
+        model=model, args=SimPODisRMConfig(**common), train_dataset=Dataset.from_list(rows), processing_class=templated
+    )
+    for s, o in zip(stock.train_dataset, ours.train_dataset):
+        assert o["prompt_ids"] + o["chosen_completion_ids"] == s["chosen_ids"]
+        assert o["prompt_ids"] + o["rejected_completion_ids"][0] == s["rejected_ids"]
+    prompts = [templated.decode(row["prompt_ids"]) for row in ours.train_dataset]
+    assert prompts[0].startswith("[tools] lookup_0 <|im_end|>[terse]<|im_end|>[user] question 0")
+    assert prompts[1].startswith("[user] question 1")  # no tools, terse=False: nothing added
+    assert prompts[2].startswith("[tools] lookup_2 <|im_end|>[terse]")
+
+    # CPOTrainer passes a row's `chat_template_kwargs` (not its `tools`) to the template: ours gives the same prompts.
+    cpo_rows = [{k: v for k, v in row.items() if k != "tools"} for row in rows]
+    causal = build_tiny_model("llama", "causal-lm", templated, seed=1)
+    cpo_args = cpu_args(tmp_path, max_length=512)
+    stock_cpo = CPOTrainer(
+        model=causal, args=CPOConfig(**cpo_args), train_dataset=Dataset.from_list(cpo_rows), processing_class=templated
+    )
+    ours_grm = SimPOGRMTrainer(
+        model=causal,
+        args=SimPOGRMConfig(**cpo_args),
+        train_dataset=Dataset.from_list(cpo_rows),
+        processing_class=templated,
+    )
+    for s, o in zip(stock_cpo.train_dataset, ours_grm.train_dataset):
+        assert templated.decode(o["prompt_ids"]) == s["prompt"]
+    assert [templated.decode(o["prompt_ids"]).startswith("[terse]") for o in ours_grm.train_dataset] == [
+        True,
+        False,
+        True,
+    ]
+
+
+def test_preference_iterable_dataset_is_refused_by_name(tmp_path, tokenizer):
     rows = [
         {
             "prompt": [{"role": "user", "content": "q"}],
@@ -359,13 +428,9 @@ def test_preference_data_we_cannot_honour_is_refused_by_name(tmp_path, tokenizer
             "rejected": [{"role": "assistant", "content": "b"}],
         }
     ] * 2
-    if case != "iterable":
-        rows = [{**row, case: {"enable_thinking": False} if case == "chat_template_kwargs" else "[]"} for row in rows]
-    data = Dataset.from_list(rows)
-    if case == "iterable":
-        data = data.to_iterable_dataset()
+    data = Dataset.from_list(rows).to_iterable_dataset()
     model = build_tiny_model("llama", "seq-cls", tokenizer, seed=1)
-    with pytest.raises(ValueError, match="IterableDataset" if case == "iterable" else f"`{case}`"):
+    with pytest.raises(ValueError, match="IterableDataset"):
         SimPODisRMTrainer(
             model=model, args=SimPODisRMConfig(**cpu_args(tmp_path)), train_dataset=data, processing_class=tokenizer
         )

@@ -1,7 +1,10 @@
 """Normalisation of one row of preference or SFT data into the canonical records the trainers consume.
 
 Canonical preference group: `prompt` (list of `{"role", "content"}` messages, or a plain string for TRL's standard
-format), `chosen` (str), `rejected` (list[str], at least one), and `margin` (float) when the source has one.
+format), `chosen` (str), `rejected` (list[str], at least one), `margin` (float) when the source has one, and
+`chat_template_kwargs` (a JSON object as a string) when the source has TRL's per-row `tools` or `chat_template_kwargs`
+columns: the arguments RewardTrainer passes to the chat template for that row, `{"tools": ..., **chat_template_kwargs}`
+(JSON, so that rows with different tools or arguments share one Arrow type).
 
 Canonical SFT example: `messages` (list of messages with at least one assistant turn) for conversational data, or
 `prompt` (str) + `completion` (str) for TRL's standard prompt/completion data.
@@ -18,6 +21,7 @@ Supported input layouts:
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -250,6 +254,36 @@ class _RowChecker:
         return float(value)
 
 
+# TRL's per-row chat template columns (RewardTrainer's `tokenize_fn`): tool definitions and extra template arguments.
+TEMPLATE_COLUMNS = ("tools", "chat_template_kwargs")
+
+
+def _row_template_kwargs(check: _RowChecker, row: Mapping[str, Any], conversational: bool) -> str | None:
+    """The row's chat template arguments as RewardTrainer builds them, `{"tools": tools, **chat_template_kwargs}`, as
+    a JSON string; None when the row has neither column."""
+    if not any(column in row for column in TEMPLATE_COLUMNS):
+        return None
+    tools = row.get("tools")
+    if isinstance(tools, str):  # TRL's datasets store tools as a JSON string, as RewardTrainer reads them
+        try:
+            tools = json.loads(tools)
+        except json.JSONDecodeError as error:
+            check.fail(f"must be a list of tool definitions or its JSON text; the JSON does not parse: {error}", "tools")
+    if tools is not None and not isinstance(tools, (list, tuple)):
+        check.fail(f"must be a list of tool definitions (or its JSON text), got {type(tools).__name__}", "tools")
+    kwargs = row.get("chat_template_kwargs")
+    if kwargs is not None and not isinstance(kwargs, Mapping):
+        check.fail(f"must be a mapping of chat template arguments, got {type(kwargs).__name__}", "chat_template_kwargs")
+    kwargs = dict(kwargs or {})
+    if not conversational and (tools or kwargs):
+        key = "tools" if tools else "chat_template_kwargs"
+        check.fail("a row with a plain-text prompt is not rendered with a chat template, so this cannot apply", key)
+    try:
+        return json.dumps({"tools": list(tools) if tools is not None else None, **kwargs})
+    except TypeError as error:
+        check.fail(f"the chat template arguments must be JSON values: {error}", "chat_template_kwargs")
+
+
 def _is_conversation(value: Any) -> bool:
     return isinstance(value, (list, tuple)) and len(value) > 0 and isinstance(value[0], Mapping)
 
@@ -313,7 +347,8 @@ def normalize_preference_record(
     margin_key: str = "margin",
     layout: PreferenceLayout | None = None,
 ) -> dict[str, Any]:
-    """Normalise one preference row (LongRM or TRL layout) to `{prompt, chosen, rejected[, margin]}`.
+    """Normalise one preference row (LongRM or TRL layout) to `{prompt, chosen, rejected[, margin]
+    [, chat_template_kwargs]}`.
 
     Raises [`DataFormatError`] naming `source`, `index` and the key for any malformed value.
 
@@ -348,6 +383,9 @@ def normalize_preference_record(
     }
     if margin_key in row:
         record["margin"] = check.margin(row[margin_key], margin_key)
+    template_kwargs = _row_template_kwargs(check, row, conversational=not isinstance(prompt, str))
+    if template_kwargs is not None:
+        record["chat_template_kwargs"] = template_kwargs
     return record
 
 

@@ -252,8 +252,6 @@ def _normalize_checked(row, index, source, layout, expected, normalize):
 
 # Columns of TRL's preference formats that the preference trainers cannot honour yet, and why: refused, never dropped.
 UNSUPPORTED_PREFERENCE_COLUMNS = {
-    "chat_template_kwargs": "per-row chat template arguments are not passed to the chat template yet",
-    "tools": "tool definitions are not rendered into the prompt yet",
     "images": "vision-language preference data is not supported",
 }
 

@@ -18,6 +18,7 @@ cut out (`truncation="truncate_prompt"`). Either way the counts are logged once 
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -209,6 +210,8 @@ def _require(record: dict, keys: tuple[str, ...], index, source) -> None:
 def _tokenize_preference(record, tokenizer, max_length, truncation, index, source, chat_template_kwargs, precut=True):
     _check_policy(max_length, truncation)
     _require(record, ("prompt", "chosen", "rejected"), index, source)
+    if record.get("chat_template_kwargs"):  # the row's own `tools` / `chat_template_kwargs`, over the config's
+        chat_template_kwargs = {**(chat_template_kwargs or {}), **json.loads(record["chat_template_kwargs"])}
     encoder = _Encoder(tokenizer, index, source, chat_template_kwargs)
     prompt = record["prompt"]
     if max_length is not None and precut:

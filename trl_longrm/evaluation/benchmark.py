@@ -188,6 +188,14 @@ def load_preference_records(source, split: str | None = None, name: str | None =
     name = name or Path(str(source)).stem
     records = []
     for row_index, row in enumerate(dataset):
+        template_kwargs = json.loads(row.get("chat_template_kwargs") or "{}")
+        if any(value not in (None, [], {}) for value in template_kwargs.values()):
+            # The judges render their own prompts (the benchmark's protocol), so a row's template arguments would
+            # be dropped: refused rather than evaluated differently from how the row was trained.
+            raise ValueError(
+                f"{source} row {row_index}: the evaluation renders its own judge prompts and cannot pass the row's "
+                "`tools` / `chat_template_kwargs` to them; remove those columns to evaluate this data."
+            )
         prompt = row["prompt"]
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
         for k, rejected in enumerate(row["rejected"]):
