@@ -65,3 +65,20 @@ def test_real_longrm_sample(shared_sample_path, tmp_path):
     assert records[0].candidates[0].startswith("[Analysis]")
     longer = [len(r.candidates[0]) >= len(r.candidates[1]) for r in records]
     assert results["pairwise_avg"] == sum(longer) / 8
+
+
+def test_preference_rows_with_template_arguments_are_refused(tmp_path):
+    """The judges render their own prompts: a row's `tools` / `chat_template_kwargs` would be lost, so it is refused;
+    empty ones are not arguments and pass."""
+    row = {
+        "prompt": [{"role": "user", "content": "2+2?"}],
+        "chosen": "4",
+        "rejected": ["5"],
+        "chat_template_kwargs": {"enable_thinking": None},
+    }
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps(row) + "\n" + json.dumps({**row, "chat_template_kwargs": {"enable_thinking": False}}))
+    with pytest.raises(ValueError, match=r"p\.jsonl row 1: .*`tools` / `chat_template_kwargs`"):
+        load_preference_records(str(path))
+    path.write_text(json.dumps(row) + "\n")
+    assert [r.candidates for r in load_preference_records(str(path))] == [["4", "5"]]
