@@ -1,5 +1,7 @@
 """Our trainers against stock TRL, padded against packed, and multi-reject losses against a hand reference."""
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -319,6 +321,7 @@ def test_every_stock_config_field_is_honoured_or_refused(tmp_path, stock, ours, 
 
 def test_reward_tokenizer_fields_are_applied_as_stock(tmp_path, tokenizer):
     """`chat_template_path` and `eos_token` change the sequences exactly as they change RewardTrainer's."""
+    tokenizer = copy.deepcopy(tokenizer)  # both trainers set the template and EOS on it: keep the session's intact
     template = tmp_path / "template.jinja"
     template.write_text(
         "{% for m in messages %}{% if m['role'] == 'assistant' %}<|im_start|>{{ m['content'] }}<|im_end|>"
@@ -420,17 +423,95 @@ def test_preference_rows_with_tools_and_template_kwargs_tokenised_as_stock(tmp_p
     ]
 
 
-def test_preference_iterable_dataset_is_refused_by_name(tmp_path, tokenizer):
-    rows = [
-        {
-            "prompt": [{"role": "user", "content": "q"}],
-            "chosen": [{"role": "assistant", "content": "a"}],
-            "rejected": [{"role": "assistant", "content": "b"}],
-        }
-    ] * 2
-    data = Dataset.from_list(rows).to_iterable_dataset()
-    model = build_tiny_model("llama", "seq-cls", tokenizer, seed=1)
-    with pytest.raises(ValueError, match="IterableDataset"):
-        SimPODisRMTrainer(
-            model=model, args=SimPODisRMConfig(**cpu_args(tmp_path)), train_dataset=data, processing_class=tokenizer
+def streamable_preference_rows():
+    """Conversational rows with 1-2 rejected responses; row 2's prompt is too long for max_length=64 and row 4's
+    responses alone are (dropped under truncate_prompt), so streaming must cut one and drop the other."""
+    words = "the city river number name year color animal planet capital".split()
+    rows = []
+    for i in range(8):
+        length = 120 if i == 2 else 6 + i
+        rows.append(
+            {
+                "prompt": [{"role": "user", "content": " ".join(words[(i + j) % 10] for j in range(length))}],
+                "chosen": [{"role": "assistant", "content": " ".join(words[(3 * i + j) % 10] for j in range(3))}],
+                "rejected": [
+                    [{"role": "assistant", "content": " ".join(words[(5 * i + j + r) % 10] for j in range(2 + r))}]
+                    for r in range(1 + i % 2)
+                ],
+            }
         )
+    rows[4]["chosen"] = [{"role": "assistant", "content": " ".join(words * 8)}]
+    return rows
+
+
+def test_disrm_streamed_dataset_trains_as_map_style(tmp_path, tokenizer, caplog):
+    """A streaming IterableDataset is tokenised as it is read, with the same groups, cuts and drops as the map-style
+    dataset: the first batch gives the same loss and gradients, and dropped/truncated rows are logged."""
+    import logging
+
+    rows = streamable_preference_rows()
+    # A stream is read in order (the Trainer does not shuffle an IterableDataset): so is the map-style dataset here.
+    common = cpu_args(
+        tmp_path,
+        max_length=64,
+        truncation="truncate_prompt",
+        max_steps=2,
+        learning_rate=1e-3,
+        train_sampling_strategy="sequential",
+    )
+    model = build_tiny_model("llama", "seq-cls", tokenizer, seed=1)
+    mapped = SimPODisRMTrainer(
+        model=model,
+        args=SimPODisRMConfig(**common),
+        train_dataset=Dataset.from_list(rows),
+        eval_dataset=Dataset.from_list(rows),
+        processing_class=tokenizer,
+    )
+    with caplog.at_level(logging.INFO, logger="trl_longrm.data.streaming"):
+        streamed = SimPODisRMTrainer(
+            model=copy.deepcopy(model),
+            args=SimPODisRMConfig(**common),
+            train_dataset=Dataset.from_list(rows).to_iterable_dataset(),
+            eval_dataset=Dataset.from_list(rows).to_iterable_dataset(),
+            processing_class=tokenizer,
+        )
+        assert list(streamed.train_dataset) == list(mapped.train_dataset)  # row 4 dropped, row 2 cut
+        assert len(mapped.train_dataset) == 7
+        assert list(streamed.train_dataset) == list(mapped.train_dataset)  # a second pass: logged once
+        messages = [r.getMessage() for r in caplog.records if r.name == "trl_longrm.data.streaming"]
+    assert messages == [
+        "train dataset: streamed row 2 truncated (middle of the prompt's longest message cut); so far 3 rows read, 0 "
+        "dropped, 1 truncated.",
+        "train dataset: streamed row 4 dropped (responses alone fill max_length (only the prompt is ever cut)); so far "
+        "5 rows read, 1 dropped, 1 truncated.",
+    ]
+
+    loss_m, grads_m = loss_and_grads(mapped)
+    loss_s, grads_s = loss_and_grads(streamed)
+    torch.testing.assert_close(loss_s, loss_m, atol=1e-6, rtol=1e-6)
+    assert_same_grads(grads_s, grads_m)
+    assert streamed.evaluate()["eval_loss"] == pytest.approx(mapped.evaluate()["eval_loss"], rel=1e-6)
+    before = {n: p.detach().clone() for n, p in streamed.model.named_parameters()}
+    streamed.train()
+    assert streamed.state.global_step == 2
+    assert any(not torch.equal(before[n], p) for n, p in streamed.model.named_parameters())
+
+
+@pytest.mark.parametrize("case", ["packing", "grm", "pretokenized"])
+def test_streams_we_cannot_serve_are_refused_by_name(tmp_path, tokenizer, case):
+    rows = streamable_preference_rows()
+    if case == "pretokenized":
+        rows = [{"chosen_ids": [5, 6, 7], "rejected_ids": [5, 6, 8]}] * 2
+    data = Dataset.from_list(rows).to_iterable_dataset()
+    if case == "grm":
+        model = build_tiny_model("llama", "causal-lm", tokenizer, seed=1)
+        with pytest.raises(ValueError, match="train dataset: SimPOGRMTrainer, like CPOTrainer, needs a map-style"):
+            SimPOGRMTrainer(
+                model=model, args=SimPOGRMConfig(**cpu_args(tmp_path)), train_dataset=data, processing_class=tokenizer
+            )
+        return
+    model = build_tiny_model("llama", "seq-cls", tokenizer, seed=1)
+    args = SimPODisRMConfig(**cpu_args(tmp_path, max_tokens_per_row=256 if case == "packing" else None))
+    match = "`max_tokens_per_row=256` bins" if case == "packing" else r"pre-tokenised \['chosen_ids', 'rejected_ids'\]"
+    with pytest.raises(ValueError, match=match):
+        SimPODisRMTrainer(model=model, args=args, train_dataset=data, processing_class=tokenizer)

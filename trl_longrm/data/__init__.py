@@ -22,6 +22,7 @@ from .records import (
     resolve_sft_layout,
 )
 from .sources import load_preference_dataset, load_raw_dataset, load_sft_dataset, read_source
+from .streaming import StreamTally, stream_preference_dataset
 from .tokenization import (
     TRUNCATION_POLICIES,
     TokenizationReport,
@@ -41,6 +42,7 @@ __all__ = [
     "DataFormatError",
     "PreferenceLayout",
     "SFTLayout",
+    "StreamTally",
     "TokenizationReport",
     "cut_middle",
     "load_preference_dataset",
@@ -52,6 +54,7 @@ __all__ = [
     "resolve_preference_layout",
     "resolve_sft_layout",
     "scoring_ids",
+    "stream_preference_dataset",
     "tokenize_preference_dataset",
     "tokenize_preference_record",
     "tokenize_sft_dataset",

@@ -157,33 +157,63 @@ def groups_from_sequences(dataset: Dataset, max_length: int | None, dataset_name
     return Dataset.from_list(groups)
 
 
-def check_preference_source(dataset, dataset_name: str) -> None:
-    """Refuse a streaming dataset by name (columns we cannot honour are refused where the data is read,
-    `trl_longrm.data.load_preference_dataset`)."""
-    from datasets import IterableDataset
+def _stream_preference_dataset(dataset, tokenizer, args, dataset_name: str):
+    """A streaming dataset's groups, tokenised as they are read (`trl_longrm.data.stream_preference_dataset`)."""
+    from trl_longrm.data import stream_preference_dataset
 
-    if isinstance(dataset, IterableDataset):
+    if args.max_tokens_per_row:
         raise ValueError(
-            f"{dataset_name} dataset: an IterableDataset (streaming) cannot be used: groups are tokenised, counted and "
-            "packed before training. Load it without streaming (a `datasets.Dataset`)."
+            f"{dataset_name} dataset: `max_tokens_per_row={args.max_tokens_per_row}` bins whole groups of a dataset "
+            "into rows before training, which a streaming IterableDataset cannot be. Unset it (each batch is still "
+            "laid end to end in one padding-free row), or load the data without streaming."
         )
+    if args.world_size > 1:
+        # accelerate reads a stream on the main process and splits each batch over the processes along its first
+        # dimension; a padding-free batch is one row, which cannot be split.
+        raise ValueError(
+            f"{dataset_name} dataset: a streaming IterableDataset is supported on one process only ({args.world_size} "
+            "here): accelerate splits each streamed batch over the processes, and a padding-free batch is a single "
+            "row. Load the data without streaming (a `datasets.Dataset`)."
+        )
+    first = next(iter(dataset), None)
+    if first is not None and all(c in first for c in SEQUENCE_COLUMNS) and "prompt_ids" not in first:
+        raise ValueError(
+            f"{dataset_name} dataset: pre-tokenised {list(SEQUENCE_COLUMNS)} rows are regrouped by prompt over the "
+            "whole dataset, which a stream cannot be; load them without streaming (a `datasets.Dataset`)."
+        )
+    if first is not None and all(c in first for c in PREFERENCE_COLUMNS):
+        return dataset  # tokenised groups already
+    groups, _ = stream_preference_dataset(
+        dataset,
+        tokenizer,
+        max_length=args.max_length,
+        truncation=args.truncation,
+        source_name=f"{dataset_name} dataset",
+        prompt_key=args.prompt_key,
+        chosen_key=args.chosen_key,
+        rejected_key=args.rejected_key,
+    )
+    return groups
 
 
 def prepare_preference_dataset(dataset, tokenizer, args, dataset_name: str) -> Dataset:
     """Normalise (any format of `trl_longrm.data`, or RewardTrainer's pre-tokenised `chosen_ids` / `rejected_ids`),
-    tokenise, report truncations, and optionally pack."""
+    tokenise, report truncations, and optionally pack. A streaming `IterableDataset` is tokenised as it is read."""
+    from datasets import IterableDataset
+
     from trl_longrm.data import load_preference_dataset, tokenize_preference_dataset
     from trl_longrm.packing import pack_groups
 
     if dataset is None:
         return None
-    check_preference_source(dataset, dataset_name)
-    columns = dataset.column_names if isinstance(dataset, Dataset) else None
+    if isinstance(dataset, IterableDataset):
+        return _stream_preference_dataset(dataset, tokenizer, args, dataset_name)
+    columns = dataset.column_names
     if _is_packed(dataset, "prompt_ids"):
         return dataset  # packed by `pack_groups` already (a dataset prepared once, passed again)
-    if columns is not None and all(c in columns for c in SEQUENCE_COLUMNS) and "prompt_ids" not in columns:
+    if all(c in columns for c in SEQUENCE_COLUMNS) and "prompt_ids" not in columns:
         dataset = groups_from_sequences(dataset, args.max_length, dataset_name)
-    elif columns is None or not all(c in columns for c in PREFERENCE_COLUMNS):
+    elif not all(c in columns for c in PREFERENCE_COLUMNS):
         dataset = load_preference_dataset(
             dataset,
             prompt_key=args.prompt_key,

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
-from datasets import DatasetDict
+from datasets import DatasetDict, IterableDataset
 
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
@@ -149,6 +149,15 @@ class SimPOGRMTrainer(SequenceParallelMixin, CPOTrainer):
             args = SimPOGRMConfig(output_dir="simpo-grm")
         if args.loss_type not in CPO_LOSS_TYPES:
             raise ValueError(f"SimPOGRMConfig.loss_type must be one of {list(CPO_LOSS_TYPES)}, got {args.loss_type!r}.")
+        evals = eval_dataset if isinstance(eval_dataset, dict) else {"eval": eval_dataset}
+        for name, data in {"train": train_dataset, **evals}.items():
+            if isinstance(data, IterableDataset):
+                # CPOTrainer maps its datasets with `num_proc`, which a stream's `map` does not take: stock
+                # CPOTrainer fails on one too.
+                raise ValueError(
+                    f"{name} dataset: SimPOGRMTrainer, like CPOTrainer, needs a map-style `datasets.Dataset`; a "
+                    "streaming IterableDataset is not supported. Load the data without streaming."
+                )
         tokenizer = resolve_tokenizer(model, processing_class, args.trust_remote_code)
         train_dataset = prepare_preference_dataset(train_dataset, tokenizer, args, "train")
         if isinstance(eval_dataset, dict):
