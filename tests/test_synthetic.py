@@ -370,6 +370,7 @@ def test_demo_suite_needs_the_document_a_response_only_model_stays_at_chance(tmp
     the rule "every value the response gives appears in the document" is right on all of them."""
     from sklearn.feature_extraction.text import CountVectorizer
     from sklearn.linear_model import LogisticRegression
+    from sklearn.metrics import balanced_accuracy_score
 
     from trl_longrm.demo import DEMO_DATA
 
@@ -378,8 +379,11 @@ def test_demo_suite_needs_the_document_a_response_only_model_stays_at_chance(tmp
     texts = [row["chosen"] for row in rows] + [r for row in rows for r in row["rejects"]]
     labels = [1] * len(rows) + [0] * (len(texts) - len(rows))
     vectorizer = CountVectorizer(token_pattern=r"[A-Za-z0-9]+")
-    classifier = LogisticRegression(max_iter=2000).fit(vectorizer.fit_transform(texts), labels)
-    assert classifier.score(vectorizer.transform(texts), labels) < 0.7  # it cannot even fit the training rows
+    # Balanced: with several rejected responses per row, "always rejected" alone would score 1 - 1 / (1 + k).
+    classifier = LogisticRegression(max_iter=2000, class_weight="balanced")
+    classifier.fit(vectorizer.fit_transform(texts), labels)
+    fitted = balanced_accuracy_score(labels, classifier.predict(vectorizer.transform(texts)))
+    assert fitted < 0.7  # it cannot even fit the training rows
 
     pairs = [r for p in suite.benchmark.glob("*.jsonl") for r in read_jsonl(p) if r["tasktype"] == "PairWise"]
     assert len(pairs) == 7 * 3 * DEMO_DATA["pairwise_per_bucket"]
@@ -432,3 +436,15 @@ def test_judge_data_is_written_with_the_prompt_template_the_judge_is_evaluated_w
     )
     with pytest.raises(ValueError, match=r"score.yaml: key `pointwise.verdict`"):
         generate_synthetic_suite(tmp_path / "bad", seed=3, judge_protocol="pointwise", prompt_template=str(score), **SMALL)
+
+
+def test_disrm_set_can_have_its_own_size(tmp_path):
+    """`num_train_disrm` sizes the DisRM set alone; its groups extend the `num_train` set's (same rows first)."""
+    base = generate_synthetic_suite(tmp_path / "a", **{**SMALL, "num_train": 12, "length_curriculum": False})
+    more = generate_synthetic_suite(
+        tmp_path / "b", **{**SMALL, "num_train": 12, "num_train_disrm": 20, "length_curriculum": False}
+    )
+    assert len(read_jsonl(more.disrm)) == 20 and read_jsonl(more.disrm)[:12] == read_jsonl(base.disrm)
+    assert read_jsonl(more.sft) == read_jsonl(base.sft) and read_jsonl(more.grm) == read_jsonl(base.grm)
+    with pytest.raises(ValueError, match="num_train_disrm must be >= 1"):
+        generate_synthetic_suite(tmp_path / "c", **{**SMALL, "num_train_disrm": 0})

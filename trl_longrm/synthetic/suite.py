@@ -63,6 +63,10 @@ class SyntheticConfig:
         default=400,
         metadata={"help": "Examples in each training set (judge SFT, SimPO-GRM, DisRM). Default 400."},
     )
+    num_train_disrm: int | None = field(
+        default=None,
+        metadata={"help": "Examples in the DisRM training set, if not `num_train`. Default None (`num_train`)."},
+    )
     train_tokens: tuple[int, int] = field(
         default=(150, 600),
         metadata={
@@ -169,6 +173,8 @@ class SyntheticConfig:
             raise ValueError(f"Unknown task(s) {unknown}; expected a subset of {list(SURFACES)}.")
         if len(self.train_tokens) != 2 or not 0 < self.train_tokens[0] <= self.train_tokens[1]:
             raise ValueError(f"train_tokens must be (min, max) with 0 < min <= max, got {self.train_tokens}.")
+        if self.num_train_disrm is not None and self.num_train_disrm < 1:
+            raise ValueError(f"num_train_disrm must be >= 1 or None, got {self.num_train_disrm}.")
         if self.num_rejected < 1:
             raise ValueError(f"num_rejected must be >= 1, got {self.num_rejected}.")
         if not 0 <= self.ranking_fraction <= 1 or not 0 <= self.swap_probability <= 1:
@@ -380,7 +386,8 @@ class SuiteBuilder:
         """DisRM preference rows: prompt messages, the consistent response, `num_rejected` inconsistent ones."""
         rows = []
         errors = [0] + [self.config.keys_per_question] * self.config.num_rejected
-        for index in range(self.config.num_train):
+        num_train = self.config.num_train if self.config.num_train_disrm is None else self.config.num_train_disrm
+        for index in range(num_train):
             _, example = self._train_example("disrm", index, lambda rng: errors)
             rows.append(
                 {
