@@ -256,6 +256,15 @@ UNSUPPORTED_PREFERENCE_COLUMNS = {
 }
 
 
+def resolve_supported_preference_layout(columns, data_format, prompt_key, chosen_key, rejected_key, source: str):
+    """The preference layout of `columns`, after refusing by name the columns we cannot honour."""
+    found = [c for c in UNSUPPORTED_PREFERENCE_COLUMNS if c in columns]
+    if found:
+        reasons = "; ".join(f"`{c}`: {UNSUPPORTED_PREFERENCE_COLUMNS[c]}" for c in found)
+        raise DataFormatError(f"column(s) {found} cannot be honoured ({reasons}); remove them", source=source)
+    return resolve_preference_layout(columns, data_format, prompt_key, chosen_key, rejected_key, source)
+
+
 def load_preference_dataset(
     source: DataSource,
     split: str | None = None,
@@ -283,11 +292,7 @@ def load_preference_dataset(
     """
 
     def resolve(columns, name):
-        found = [c for c in UNSUPPORTED_PREFERENCE_COLUMNS if c in columns]
-        if found:
-            reasons = "; ".join(f"`{c}`: {UNSUPPORTED_PREFERENCE_COLUMNS[c]}" for c in found)
-            raise DataFormatError(f"column(s) {found} cannot be honoured ({reasons}); remove them", source=name)
-        return resolve_preference_layout(columns, data_format, prompt_key, chosen_key, rejected_key, name)
+        return resolve_supported_preference_layout(columns, data_format, prompt_key, chosen_key, rejected_key, name)
 
     return _normalize_all(source, split, source_name, resolve, normalize_preference_record, num_proc, keep_in_memory)
 

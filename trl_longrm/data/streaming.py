@@ -14,8 +14,8 @@ from datasets import IterableDataset
 from transformers import PreTrainedTokenizerBase
 
 from .errors import DataFormatError
-from .records import normalize_preference_record, resolve_preference_layout
-from .sources import UNSUPPORTED_PREFERENCE_COLUMNS
+from .records import normalize_preference_record
+from .sources import resolve_supported_preference_layout
 from .tokenization import DROP_REASONS, DROPPED, TRUNCATED, _check_policy, _tokenize_preference
 
 
@@ -105,11 +105,7 @@ def stream_preference_dataset(
     except StopIteration:
         raise DataFormatError("the data stream has no rows", source=source) from None
     columns = list(first.keys())
-    found = [c for c in UNSUPPORTED_PREFERENCE_COLUMNS if c in columns]
-    if found:
-        reasons = "; ".join(f"`{c}`: {UNSUPPORTED_PREFERENCE_COLUMNS[c]}" for c in found)
-        raise DataFormatError(f"column(s) {found} cannot be honoured ({reasons}); remove them", source=source)
-    layout = resolve_preference_layout(columns, data_format, prompt_key, chosen_key, rejected_key, source)
+    layout = resolve_supported_preference_layout(columns, data_format, prompt_key, chosen_key, rejected_key, source)
     tally = StreamTally(source)
 
     def tokenize(row, index):
