@@ -497,6 +497,22 @@ def test_disrm_streamed_dataset_trains_as_map_style(tmp_path, tokenizer, caplog)
     assert any(not torch.equal(before[n], p) for n, p in streamed.model.named_parameters())
 
 
+def test_disrm_evaluate_takes_a_raw_stream(tmp_path, tokenizer):
+    """`evaluate(eval_dataset=stream)` (RewardTrainer prepares what `evaluate` is given) scores every group of the
+    stream: accelerate's one-process batch dispatch must not cut a padding-free batch to its first sequence."""
+    rows = [r for i, r in enumerate(streamable_preference_rows()) if i not in (2, 4)]  # nothing cut or dropped
+    trainer = SimPODisRMTrainer(
+        model=build_tiny_model("llama", "seq-cls", tokenizer, seed=1),
+        args=SimPODisRMConfig(**cpu_args(tmp_path, per_device_eval_batch_size=8)),
+        train_dataset=Dataset.from_list(rows),
+        processing_class=tokenizer,
+    )
+    mapped = trainer.evaluate(eval_dataset=Dataset.from_list(rows))
+    streamed = trainer.evaluate(eval_dataset=Dataset.from_list(rows).to_iterable_dataset())
+    assert streamed["eval_loss"] == pytest.approx(mapped["eval_loss"], rel=1e-6)
+    assert streamed["eval_margin"] == pytest.approx(mapped["eval_margin"], rel=1e-5, abs=1e-7)
+
+
 @pytest.mark.parametrize("case", ["packing", "grm", "pretokenized"])
 def test_streams_we_cannot_serve_are_refused_by_name(tmp_path, tokenizer, case):
     rows = streamable_preference_rows()

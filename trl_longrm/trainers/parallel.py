@@ -40,6 +40,12 @@ class SequenceParallelMixin:
             # model-sized copy of the gradients less on every rank (0.3 GiB of the 1.25 GiB per-rank floor of the
             # 79M-parameter benchmark model). Read when accelerate wraps the model, in `train()`.
             ddp.gradient_as_bucket_view = True
+        if self.accelerator.num_processes == 1 and self.accelerator.dispatch_batches is None:
+            # accelerate "dispatches" a streamed (IterableDataset) batch even on one process: it slices every tensor
+            # of the batch to the batch size read off its first tensor, which for a padding-free batch ([1, tokens])
+            # would cut the per-sequence lengths and attention metadata to their first entry. With one process there
+            # is nothing to dispatch (streams over several processes are refused).
+            self.accelerator.dataloader_config.dispatch_batches = False
         sp = args.sequence_parallel_size
         if sp > 1 and not args.padding_free:
             raise ValueError(
