@@ -104,6 +104,17 @@ def test_grm_matches_stock_cpo(tmp_path, tokenizer, padding_free, cpo):
     torch.testing.assert_close(loss, stock_loss, atol=1e-5, rtol=1e-5)
     for key in ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies"):
         assert metrics[key] == pytest.approx(stock_metrics[key], abs=1e-5, rel=1e-5), key
+    # Our processed dataset has CPOTrainer's columns, and CPOTrainer's processed dataset is read as processed.
+    assert ours.train_dataset.column_names == ["prompt_input_ids", "chosen_input_ids", "rejected_input_ids"]
+    for name in ours.train_dataset.column_names:
+        assert ours.train_dataset[name] == stock.train_dataset[name], name
+    again = SimPOGRMTrainer(
+        model=model,
+        args=SimPOGRMConfig(padding_free=padding_free, **cpo, **common),
+        train_dataset=stock.train_dataset,
+        processing_class=tokenizer,
+    )
+    torch.testing.assert_close(again.get_batch_loss_metrics(again.model, first_batch(again))[0], stock_loss)
 
 
 @pytest.mark.parametrize("padding_free, stock_format", [(False, False), (True, False), (True, True)])
@@ -261,25 +272,53 @@ def test_nll_weight_has_one_value_under_either_name(tmp_path):
 
 
 def test_pre_tokenized_sequences_become_groups(caplog):
-    from trl_longrm.trainers.common import groups_from_sequences
+    """RewardTrainer's pre-tokenised rows: those over max_length are dropped and counted (as RewardTrainer does), the
+    rest are kept as they are and read as groups split at the sequences' longest common prefix."""
+    from trl_longrm.data.stock_columns import group_of
+    from trl_longrm.trainers.common import _drop_sequences_over
 
     rows = Dataset.from_list(
         [
             {"chosen_ids": [1, 2, 3, 4], "rejected_ids": [1, 2, 5], "margin": 0.5},
-            {"chosen_ids": [7, 8], "rejected_ids": [7, 8, 9]},  # the chosen sequence is a prefix of the rejected one
-            {"chosen_ids": list(range(10)), "rejected_ids": [1]},  # over max_length: dropped, as RewardTrainer does
+            {"chosen_ids": [7, 8], "rejected_ids": [7, 8, 9], "margin": None},  # chosen is a prefix of rejected
+            {"chosen_ids": list(range(10)), "rejected_ids": [1], "margin": 1.0},  # over max_length: dropped
         ]
     )
     with caplog.at_level("WARNING"):
-        groups = groups_from_sequences(rows, max_length=6, dataset_name="train").to_list()
+        kept = _drop_sequences_over(rows, max_length=6, dataset_name="train")
+    assert kept.to_list() == rows.to_list()[:2]
+    groups = [group_of(row) for row in kept]
     assert [(g["prompt_ids"], g["chosen_completion_ids"], g["rejected_completion_ids"]) for g in groups] == [
         ([1, 2], [3, 4], [[5]]),
         ([7], [8], [[8, 9]]),
     ]
-    assert groups[0]["margin"] == 0.5
+    assert groups[0]["margin"] == 0.5 and "margin" not in groups[1]
     assert "dropped 1 of 3" in caplog.text
     with pytest.raises(ValueError, match="every row is longer than max_length=1"):
-        groups_from_sequences(rows, max_length=1, dataset_name="train")
+        _drop_sequences_over(rows, max_length=1, dataset_name="train")
+
+
+def test_legacy_pre_tokenized_columns_are_read_as_stock(tmp_path, tokenizer):
+    """RewardTrainer's deprecated `chosen_input_ids` / `rejected_input_ids` are renamed with its FutureWarning, and
+    both trainers' processed datasets have the same `chosen_ids` / `rejected_ids`."""
+    rows = [{"chosen_input_ids": [5, 6, 7, 2], "rejected_input_ids": [5, 6, 8, 9, 2]}] * 2
+    model = build_tiny_model("llama", "seq-cls", tokenizer, seed=1)
+    trainers = {}
+    for name, trainer_cls, config_cls in [
+        ("stock", RewardTrainer, RewardConfig),
+        ("ours", SimPODisRMTrainer, SimPODisRMConfig),
+    ]:
+        with pytest.warns(FutureWarning, match="will not be supported in v1"):
+            trainers[name] = trainer_cls(
+                model=model,
+                args=config_cls(**cpu_args(tmp_path)),
+                train_dataset=Dataset.from_list(rows),
+                processing_class=tokenizer,
+            )
+    stock, ours = trainers["stock"].train_dataset, trainers["ours"].train_dataset
+    assert "chosen_input_ids" not in ours.column_names
+    assert ours["chosen_ids"] == stock["chosen_ids"] == [[5, 6, 7, 2]] * 2
+    assert ours["rejected_ids"] == stock["rejected_ids"]
 
 
 # Every field TRL's CPOConfig / RewardConfig add over TrainingArguments, as our configs treat it: honoured (as stock,
@@ -347,10 +386,11 @@ def test_reward_tokenizer_fields_are_applied_as_stock(tmp_path, tokenizer):
         train_dataset=Dataset.from_list(rows),
         processing_class=tokenizer,
     )
-    for s, o in zip(stock.train_dataset, ours.train_dataset):
-        assert o["prompt_ids"] + o["chosen_completion_ids"] == s["chosen_ids"]
-        assert o["prompt_ids"] + o["rejected_completion_ids"][0] == s["rejected_ids"]
-    assert ours.processing_class.decode(ours.train_dataset[0]["prompt_ids"]).startswith("[user] question 0")
+    # RewardTrainer's processed columns, token for token.
+    assert ours.train_dataset.column_names == ["chosen_ids", "rejected_ids"]
+    assert ours.train_dataset["chosen_ids"] == stock.train_dataset["chosen_ids"]
+    assert ours.train_dataset["rejected_ids"] == stock.train_dataset["rejected_ids"]
+    assert ours.processing_class.decode(ours.train_dataset[0]["chosen_ids"]).startswith("[user] question 0")
 
 
 TOOLS_TEMPLATE = (
@@ -393,10 +433,9 @@ def test_preference_rows_with_tools_and_template_kwargs_tokenised_as_stock(tmp_p
     ours = SimPODisRMTrainer(
         model=model, args=SimPODisRMConfig(**common), train_dataset=Dataset.from_list(rows), processing_class=templated
     )
-    for s, o in zip(stock.train_dataset, ours.train_dataset):
-        assert o["prompt_ids"] + o["chosen_completion_ids"] == s["chosen_ids"]
-        assert o["prompt_ids"] + o["rejected_completion_ids"][0] == s["rejected_ids"]
-    prompts = [templated.decode(row["prompt_ids"]) for row in ours.train_dataset]
+    assert ours.train_dataset["chosen_ids"] == stock.train_dataset["chosen_ids"]
+    assert ours.train_dataset["rejected_ids"] == stock.train_dataset["rejected_ids"]
+    prompts = [templated.decode(row["chosen_ids"]) for row in ours.train_dataset]
     assert prompts[0].startswith("[tools] lookup_0 <|im_end|>[terse]<|im_end|>[user] question 0")
     assert prompts[1].startswith("[user] question 1")  # no tools, terse=False: nothing added
     assert prompts[2].startswith("[tools] lookup_2 <|im_end|>[terse]")
@@ -415,8 +454,10 @@ def test_preference_rows_with_tools_and_template_kwargs_tokenised_as_stock(tmp_p
         processing_class=templated,
     )
     for s, o in zip(stock_cpo.train_dataset, ours_grm.train_dataset):
-        assert templated.decode(o["prompt_ids"]) == s["prompt"]
-    assert [templated.decode(o["prompt_ids"]).startswith("[terse]") for o in ours_grm.train_dataset] == [
+        assert templated.decode(o["prompt_input_ids"]) == s["prompt"]
+        assert o["prompt_input_ids"] == s["prompt_input_ids"]
+        assert o["chosen_input_ids"][: len(s["prompt_input_ids"])] == s["prompt_input_ids"]
+    assert [templated.decode(o["prompt_input_ids"]).startswith("[terse]") for o in ours_grm.train_dataset] == [
         True,
         False,
         True,
@@ -442,6 +483,14 @@ def streamable_preference_rows():
         )
     rows[4]["chosen"] = [{"role": "assistant", "content": " ".join(words * 8)}]
     return rows
+
+
+def sequences_of(row):
+    """The whole token sequences (prompt + response) of a processed row, in any of its layouts."""
+    from trl_longrm.data.stock_columns import group_of
+
+    group = group_of(row)
+    return [group["prompt_ids"] + c for c in [group["chosen_completion_ids"], *group["rejected_completion_ids"]]]
 
 
 def test_disrm_streamed_dataset_trains_as_map_style(tmp_path, tokenizer, caplog):
@@ -475,9 +524,12 @@ def test_disrm_streamed_dataset_trains_as_map_style(tmp_path, tokenizer, caplog)
             eval_dataset=Dataset.from_list(rows).to_iterable_dataset(),
             processing_class=tokenizer,
         )
-        assert list(streamed.train_dataset) == list(mapped.train_dataset)  # row 4 dropped, row 2 cut
+        # Row 4 dropped, row 2 cut. A stream has no schema: its one-rejected groups come in RewardTrainer's columns,
+        # where the map-style dataset, whose groups have 1 or 2 rejected responses, keeps ours for all.
+        assert [sequences_of(r) for r in streamed.train_dataset] == [sequences_of(r) for r in mapped.train_dataset]
         assert len(mapped.train_dataset) == 7
-        assert list(streamed.train_dataset) == list(mapped.train_dataset)  # a second pass: logged once
+        assert "chosen_ids" in next(iter(streamed.train_dataset))  # row 0: one rejected response
+        assert [sequences_of(r) for r in streamed.train_dataset] == [sequences_of(r) for r in mapped.train_dataset]
         messages = [r.getMessage() for r in caplog.records if r.name == "trl_longrm.data.streaming"]
     assert messages == [
         "train dataset: streamed row 2 truncated (middle of the prompt's longest message cut); so far 3 rows read, 0 "
@@ -513,12 +565,9 @@ def test_disrm_evaluate_takes_a_raw_stream(tmp_path, tokenizer):
     assert streamed["eval_margin"] == pytest.approx(mapped["eval_margin"], rel=1e-5, abs=1e-7)
 
 
-@pytest.mark.parametrize("case", ["packing", "grm", "pretokenized"])
+@pytest.mark.parametrize("case", ["packing", "grm"])
 def test_streams_we_cannot_serve_are_refused_by_name(tmp_path, tokenizer, case):
-    rows = streamable_preference_rows()
-    if case == "pretokenized":
-        rows = [{"chosen_ids": [5, 6, 7], "rejected_ids": [5, 6, 8]}] * 2
-    data = Dataset.from_list(rows).to_iterable_dataset()
+    data = Dataset.from_list(streamable_preference_rows()).to_iterable_dataset()
     if case == "grm":
         model = build_tiny_model("llama", "causal-lm", tokenizer, seed=1)
         with pytest.raises(ValueError, match="train dataset: SimPOGRMTrainer, like CPOTrainer, needs a map-style"):
@@ -527,7 +576,32 @@ def test_streams_we_cannot_serve_are_refused_by_name(tmp_path, tokenizer, case):
             )
         return
     model = build_tiny_model("llama", "seq-cls", tokenizer, seed=1)
-    args = SimPODisRMConfig(**cpu_args(tmp_path, max_tokens_per_row=256 if case == "packing" else None))
-    match = "`max_tokens_per_row=256` bins" if case == "packing" else r"pre-tokenised \['chosen_ids', 'rejected_ids'\]"
-    with pytest.raises(ValueError, match=match):
+    args = SimPODisRMConfig(**cpu_args(tmp_path, max_tokens_per_row=256))
+    with pytest.raises(ValueError, match="`max_tokens_per_row=256` bins"):
         SimPODisRMTrainer(model=model, args=args, train_dataset=data, processing_class=tokenizer)
+
+
+def test_disrm_pre_tokenized_stream_as_map_style(tmp_path, tokenizer, caplog):
+    """RewardTrainer's pre-tokenised rows streamed: a row over max_length is dropped (and logged) as in the map-style
+    dataset, and the rest score as they do there."""
+    rows = [
+        {"chosen_ids": [5, 6, 7, 9, 2], "rejected_ids": [5, 6, 8, 2]},
+        {"chosen_ids": list(range(5, 40)), "rejected_ids": [5, 6, 2]},  # over max_length=16: dropped
+        {"chosen_ids": [11, 12, 13, 2], "rejected_ids": [11, 14, 15, 16, 2]},
+    ]
+    model = build_tiny_model("llama", "seq-cls", tokenizer, seed=1)
+    args = SimPODisRMConfig(**cpu_args(tmp_path, max_length=16, max_steps=1))
+    mapped = SimPODisRMTrainer(model=model, args=args, train_dataset=Dataset.from_list(rows), processing_class=tokenizer)
+    with caplog.at_level("WARNING"):
+        streamed = SimPODisRMTrainer(
+            model=copy.deepcopy(model),
+            args=args,
+            train_dataset=Dataset.from_list(rows).to_iterable_dataset(),
+            processing_class=tokenizer,
+        )
+        assert list(streamed.train_dataset) == mapped.train_dataset.to_list() == [rows[0], rows[2]]
+    assert "dropped streamed pre-tokenised row 1, longer than max_length=16" in caplog.text
+    loss_m, grads_m = loss_and_grads(mapped)
+    loss_s, grads_s = loss_and_grads(streamed)
+    torch.testing.assert_close(loss_s, loss_m, atol=1e-6, rtol=1e-6)
+    assert_same_grads(grads_s, grads_m)

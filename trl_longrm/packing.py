@@ -43,6 +43,8 @@ from typing import Any
 import torch
 from datasets import Dataset
 
+from trl_longrm.data.stock_columns import group_of
+
 
 logger = logging.getLogger(__name__)
 
@@ -50,12 +52,13 @@ GROUP_COLUMNS = ("prompt_ids", "chosen_completion_ids", "rejected_completion_ids
 
 
 def _is_pack(example: dict[str, Any]) -> bool:
-    prompt = example["prompt_ids"]
-    return len(prompt) > 0 and isinstance(prompt[0], list)
+    prompt = example.get("prompt_ids")
+    return prompt is not None and len(prompt) > 0 and isinstance(prompt[0], list)
 
 
 def _groups_of(examples: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Examples may be single groups or packs of groups (from `pack_groups`); return the groups."""
+    """Examples may be single groups (in our columns or a stock trainer's, see `trl_longrm.data.stock_columns`) or
+    packs of groups (from `pack_groups`); return the groups."""
     groups = []
     for example in examples:
         if _is_pack(example):
@@ -66,7 +69,7 @@ def _groups_of(examples: list[dict[str, Any]]) -> list[dict[str, Any]]:
                     group["margin"] = margins[i]
                 groups.append(group)
         else:
-            groups.append(example)
+            groups.append(group_of(example))
     return groups
 
 
@@ -81,6 +84,7 @@ def _group_rows(examples: list[dict[str, Any]]) -> torch.Tensor:
 def group_num_tokens(example: dict[str, Any], shared_prefix: bool = False) -> int:
     """Tokens a group occupies once collated: (k + 1) copies of the prompt plus every completion, or the prompt
     once plus every completion in the shared-prefix layout."""
+    example = group_of(example)
     completions = [example["chosen_completion_ids"], *example["rejected_completion_ids"]]
     copies = 1 if shared_prefix and len(example["prompt_ids"]) > 0 else len(completions)
     return len(example["prompt_ids"]) * copies + sum(len(c) for c in completions)

@@ -16,6 +16,7 @@ from transformers import PreTrainedTokenizerBase
 from .errors import DataFormatError
 from .records import normalize_preference_record
 from .sources import resolve_supported_preference_layout
+from .stock_columns import stock_row
 from .tokenization import DROP_REASONS, DROPPED, TRUNCATED, _check_policy, _tokenize_preference
 
 
@@ -85,9 +86,12 @@ def stream_preference_dataset(
     rejected_key: str | None = None,
     data_format: str = "auto",
     chat_template_kwargs: dict[str, Any] | None = None,
+    stock_columns: str | None = None,
 ) -> tuple[IterableDataset, StreamTally]:
     """Tokenised preference groups (`prompt_ids`, `chosen_completion_ids`, `rejected_completion_ids`[, `margin`]) of
     a stream, computed lazily as in [`tokenize_preference_dataset`], and the [`StreamTally`] that counts its rows.
+    With `stock_columns` ('reward' or 'cpo'), a group with one rejected response comes in that stock trainer's
+    columns instead (see `trl_longrm.data.stock_columns`; a stream has no schema, so each row gets its own).
 
     The layout is resolved from the first row (read once here), so a column we cannot honour is refused before
     training; a malformed row fails when it is read, naming the stream and the row.
@@ -116,6 +120,8 @@ def stream_preference_dataset(
         tally.count(status, index)
         if out is None:
             return {"prompt_ids": [], "chosen_completion_ids": [], "rejected_completion_ids": [], _KEEP: False}
+        if stock_columns is not None and len(out["rejected_completion_ids"]) == 1:
+            out = stock_row(out, stock_columns)
         return {**out, _KEEP: True}
 
     mapped = dataset.map(tokenize, with_indices=True, remove_columns=columns)

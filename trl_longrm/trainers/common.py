@@ -4,11 +4,24 @@ forward passes (per-token log-probs, last-token scores) that the losses read."""
 from __future__ import annotations
 
 import logging
+import warnings
 from dataclasses import dataclass, field
 
+import numpy as np
+import pyarrow.compute as pc
 import torch
 from datasets import Dataset
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from trl.data_utils import get_dataset_column_names
+
+from trl_longrm.data.stock_columns import (
+    CPO_COLUMNS,
+    GROUP_COLUMNS,
+    REWARD_COLUMNS,
+    group_of,
+    is_group_row,
+    with_stock_columns,
+)
 
 
 logger = logging.getLogger(__name__)
@@ -104,7 +117,6 @@ def pad_token_id_of(tokenizer: PreTrainedTokenizerBase) -> int:
     return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
 
-PREFERENCE_COLUMNS = ("prompt_ids", "chosen_completion_ids", "rejected_completion_ids")
 
 
 def _is_packed(dataset, column: str) -> bool:
@@ -115,49 +127,71 @@ def _is_packed(dataset, column: str) -> bool:
     return bool(first) and isinstance(first[0], list)
 
 
-# RewardTrainer's pre-tokenised format: each row's whole chosen and rejected sequences.
-SEQUENCE_COLUMNS = ("chosen_ids", "rejected_ids")
-
-
-def groups_from_sequences(dataset: Dataset, max_length: int | None, dataset_name: str) -> Dataset:
-    """Pre-tokenised `chosen_ids` / `rejected_ids` rows (RewardTrainer's format) as tokenised groups.
-
-    The prompt is the sequences' longest common prefix (at least one token of each response is left to it), so
-    `prompt_ids + completion` is each given sequence, scored at its last token as RewardTrainer scores it. As there,
-    rows with a sequence over `max_length` are dropped (token ids cannot be cut like text); they are counted.
-    """
-    groups, dropped = [], 0
-    for row in dataset:
-        chosen, rejected = list(row["chosen_ids"]), list(row["rejected_ids"])
-        if max_length is not None and max(len(chosen), len(rejected)) > max_length:
-            dropped += 1
-            continue
-        shared = 0
-        limit = min(len(chosen), len(rejected)) - 1
-        while shared < limit and chosen[shared] == rejected[shared]:
-            shared += 1
-        group = {
-            "prompt_ids": chosen[:shared],
-            "chosen_completion_ids": chosen[shared:],
-            "rejected_completion_ids": [rejected[shared:]],
-        }
-        if "margin" in row:
-            group["margin"] = row["margin"]
-        groups.append(group)
-    if dropped:
-        logger.warning(
-            "%s dataset: dropped %d of %d pre-tokenised rows longer than max_length=%s (as RewardTrainer does).",
-            dataset_name,
-            dropped,
-            len(dataset),
-            max_length,
-        )
-    if not groups:
+def _drop_sequences_over(dataset: Dataset, max_length: int | None, dataset_name: str) -> Dataset:
+    """Pre-tokenised `chosen_ids` / `rejected_ids` rows (RewardTrainer's format) within `max_length`: as in
+    RewardTrainer, a row with a longer sequence is dropped (token ids cannot be cut like text), and counted."""
+    if max_length is None or len(dataset) == 0:
+        return dataset
+    longest = np.maximum(
+        pc.list_value_length(dataset.data.column("chosen_ids")).to_numpy(zero_copy_only=False),
+        pc.list_value_length(dataset.data.column("rejected_ids")).to_numpy(zero_copy_only=False),
+    )
+    keep = np.flatnonzero(longest <= max_length)
+    if len(keep) == len(dataset):
+        return dataset
+    if len(keep) == 0:
         raise ValueError(f"{dataset_name} dataset: every row is longer than max_length={max_length}; raise max_length.")
-    return Dataset.from_list(groups)
+    logger.warning(
+        "%s dataset: dropped %d of %d pre-tokenised rows longer than max_length=%s (as RewardTrainer does).",
+        dataset_name,
+        len(dataset) - len(keep),
+        len(dataset),
+        max_length,
+    )
+    return dataset.select(keep)
 
 
-def _stream_preference_dataset(dataset, tokenizer, args, dataset_name: str):
+def _drop_streamed_sequences_over(stream, max_length: int | None, dataset_name: str):
+    """`_drop_sequences_over` for a stream: each dropped row is logged (once) as it is read."""
+    if max_length is None:
+        return stream
+    logged = set()
+
+    def fits(row, index):
+        if max(len(row["chosen_ids"]), len(row["rejected_ids"])) <= max_length:
+            return True
+        if index not in logged:
+            logged.add(index)
+            logger.warning(
+                "%s dataset: dropped streamed pre-tokenised row %d, longer than max_length=%s (as RewardTrainer does).",
+                dataset_name,
+                index,
+                max_length,
+            )
+        return False
+
+    return stream.filter(fits, with_indices=True)
+
+
+def _legacy_reward_columns(dataset):
+    """RewardTrainer's deprecated `chosen_input_ids` / `rejected_input_ids`, renamed with its FutureWarning."""
+    columns = get_dataset_column_names(dataset)
+    legacy = ("chosen_input_ids", "rejected_input_ids")
+    if all(c in columns for c in legacy) and not any(c in columns for c in (*REWARD_COLUMNS, "prompt_input_ids")):
+        warnings.warn(
+            # RewardTrainer's own warning, word for word: code that filters it keeps working.
+            "Detected legacy dataset columns `chosen_input_ids`/`rejected_input_ids`; they are deprecated and will "
+            "not be supported in v1. Please migrate to `chosen_ids`/`rejected_ids`.",
+            FutureWarning,
+            stacklevel=4,
+        )
+        dataset = dataset.rename_column("chosen_input_ids", "chosen_ids").rename_column(
+            "rejected_input_ids", "rejected_ids"
+        )
+    return dataset
+
+
+def _stream_preference_dataset(dataset, tokenizer, args, dataset_name: str, stock_columns: str | None):
     """A streaming dataset's groups, tokenised as they are read (`trl_longrm.data.stream_preference_dataset`)."""
     from trl_longrm.data import stream_preference_dataset
 
@@ -175,13 +209,12 @@ def _stream_preference_dataset(dataset, tokenizer, args, dataset_name: str):
             "here): accelerate splits each streamed batch over the processes, and a padding-free batch is a single "
             "row. Load the data without streaming (a `datasets.Dataset`)."
         )
+    if stock_columns == "reward":
+        dataset = _legacy_reward_columns(dataset)
     first = next(iter(dataset), None)
-    if first is not None and all(c in first for c in SEQUENCE_COLUMNS) and "prompt_ids" not in first:
-        raise ValueError(
-            f"{dataset_name} dataset: pre-tokenised {list(SEQUENCE_COLUMNS)} rows are regrouped by prompt over the "
-            "whole dataset, which a stream cannot be; load them without streaming (a `datasets.Dataset`)."
-        )
-    if first is not None and all(c in first for c in PREFERENCE_COLUMNS):
+    if first is not None and all(c in first for c in REWARD_COLUMNS) and "prompt_ids" not in first:
+        return _drop_streamed_sequences_over(dataset, args.max_length, dataset_name)
+    if first is not None and is_group_row(first):
         return dataset  # tokenised groups already
     groups, _ = stream_preference_dataset(
         dataset,
@@ -192,13 +225,19 @@ def _stream_preference_dataset(dataset, tokenizer, args, dataset_name: str):
         prompt_key=args.prompt_key,
         chosen_key=args.chosen_key,
         rejected_key=args.rejected_key,
+        stock_columns=stock_columns,
     )
     return groups
 
 
-def prepare_preference_dataset(dataset, tokenizer, args, dataset_name: str) -> Dataset:
+def prepare_preference_dataset(dataset, tokenizer, args, dataset_name: str, stock_columns: str | None = None):
     """Normalise (any format of `trl_longrm.data`, or RewardTrainer's pre-tokenised `chosen_ids` / `rejected_ids`),
-    tokenise, report truncations, and optionally pack. A streaming `IterableDataset` is tokenised as it is read."""
+    tokenise, report truncations, and optionally pack. A streaming `IterableDataset` is tokenised as it is read.
+
+    With `stock_columns` ('reward' or 'cpo'), an unpacked dataset whose groups all have one rejected response gets
+    that stock trainer's processed columns (`trl_longrm.data.stock_columns`); a dataset in them is recognised as
+    processed.
+    """
     from datasets import IterableDataset
 
     from trl_longrm.data import load_preference_dataset, tokenize_preference_dataset
@@ -207,13 +246,15 @@ def prepare_preference_dataset(dataset, tokenizer, args, dataset_name: str) -> D
     if dataset is None:
         return None
     if isinstance(dataset, IterableDataset):
-        return _stream_preference_dataset(dataset, tokenizer, args, dataset_name)
-    columns = dataset.column_names
+        return _stream_preference_dataset(dataset, tokenizer, args, dataset_name, stock_columns)
     if _is_packed(dataset, "prompt_ids"):
         return dataset  # packed by `pack_groups` already (a dataset prepared once, passed again)
-    if all(c in columns for c in SEQUENCE_COLUMNS) and "prompt_ids" not in columns:
-        dataset = groups_from_sequences(dataset, args.max_length, dataset_name)
-    elif not all(c in columns for c in PREFERENCE_COLUMNS):
+    if stock_columns == "reward":
+        dataset = _legacy_reward_columns(dataset)
+    columns = dataset.column_names
+    if all(c in columns for c in REWARD_COLUMNS) and "prompt_ids" not in columns:
+        dataset = _drop_sequences_over(dataset, args.max_length, dataset_name)
+    elif not (all(c in columns for c in GROUP_COLUMNS) or all(c in columns for c in CPO_COLUMNS)):
         dataset = load_preference_dataset(
             dataset,
             prompt_key=args.prompt_key,
@@ -230,8 +271,10 @@ def prepare_preference_dataset(dataset, tokenizer, args, dataset_name: str) -> D
             source_name=dataset_name,
         )
     if args.max_tokens_per_row:
-        dataset = pack_groups(dataset, args.max_tokens_per_row, shared_prefix=uses_shared_prefix(args))
-    return dataset
+        if "prompt_ids" not in dataset.column_names:  # stock columns: back to groups, which are what is binned
+            dataset = dataset.map(group_of, remove_columns=[c for c in dataset.column_names if c != "margin"])
+        return pack_groups(dataset, args.max_tokens_per_row, shared_prefix=uses_shared_prefix(args))
+    return with_stock_columns(dataset, stock_columns, num_proc=args.dataset_num_proc)
 
 
 def prepare_sft_dataset(dataset, tokenizer, args, dataset_name: str, packing_budget: int | None) -> Dataset:

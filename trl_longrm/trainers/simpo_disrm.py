@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 from trl import RewardConfig, RewardTrainer
 
+from trl_longrm.data.stock_columns import GROUP_COLUMNS, REWARD_COLUMNS
 from trl_longrm.heads import add_last_token_score_head
 from trl_longrm.losses import bradley_terry_loss, center_rewards_penalty, group_values
 from trl_longrm.packing import PreferenceCollator
@@ -98,17 +99,12 @@ class SimPODisRMTrainer(SequenceParallelMixin, RewardTrainer):
         self._init_long_context(self.processing_class.pad_token_id)
 
     def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
-        return prepare_preference_dataset(dataset, processing_class, args, dataset_name)
+        # RewardTrainer's processed columns (`chosen_ids` / `rejected_ids`) where each group has one rejected response.
+        return prepare_preference_dataset(dataset, processing_class, args, dataset_name, stock_columns="reward")
 
     def _set_signature_columns_if_needed(self):
         if self._signature_columns is None:
-            self._signature_columns = [
-                "prompt_ids",
-                "chosen_completion_ids",
-                "rejected_completion_ids",
-                "margin",
-                "num_tokens",
-            ]
+            self._signature_columns = [*GROUP_COLUMNS, *REWARD_COLUMNS, "margin", "num_tokens"]
 
     def sequence_scores(self, model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Score of every sequence of the batch, `[S]`, from the hidden state at its last token."""

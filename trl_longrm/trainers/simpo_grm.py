@@ -13,6 +13,7 @@ from datasets import DatasetDict, IterableDataset
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 from trl.experimental.cpo import CPOConfig, CPOTrainer  # noqa: E402
 
+from trl_longrm.data.stock_columns import CPO_COLUMNS, GROUP_COLUMNS  # noqa: E402
 from trl_longrm.heads import add_token_logprob_head  # noqa: E402
 from trl_longrm.losses import AVERAGED_LOSS_TYPES, CPO_LOSS_TYPES, cpo_loss, group_values  # noqa: E402
 from trl_longrm.packing import PreferenceCollator, is_shared_prefix_batch  # noqa: E402
@@ -159,14 +160,14 @@ class SimPOGRMTrainer(SequenceParallelMixin, CPOTrainer):
                     "streaming IterableDataset is not supported. Load the data without streaming."
                 )
         tokenizer = resolve_tokenizer(model, processing_class, args.trust_remote_code)
-        train_dataset = prepare_preference_dataset(train_dataset, tokenizer, args, "train")
+        train_dataset = prepare_preference_dataset(train_dataset, tokenizer, args, "train", "cpo")
         if isinstance(eval_dataset, dict):
             # A DatasetDict stays one: CPOTrainer maps over the eval sets with `.map`.
             eval_dataset = DatasetDict(
-                {k: prepare_preference_dataset(v, tokenizer, args, k) for k, v in eval_dataset.items()}
+                {k: prepare_preference_dataset(v, tokenizer, args, k, "cpo") for k, v in eval_dataset.items()}
             )
         else:
-            eval_dataset = prepare_preference_dataset(eval_dataset, tokenizer, args, "eval")
+            eval_dataset = prepare_preference_dataset(eval_dataset, tokenizer, args, "eval", "cpo")
         if data_collator is None:
             data_collator = PreferenceCollator(
                 pad_token_id=pad_token_id_of(tokenizer),
@@ -198,7 +199,7 @@ class SimPOGRMTrainer(SequenceParallelMixin, CPOTrainer):
 
     def _set_signature_columns_if_needed(self):
         if self._signature_columns is None:
-            self._signature_columns = ["prompt_ids", "chosen_completion_ids", "rejected_completion_ids", "margin"]
+            self._signature_columns = [*GROUP_COLUMNS, *CPO_COLUMNS, "margin", "num_tokens"]
 
     def sequence_logps(self, model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """Summed log-prob and number of scored tokens of every sequence of the batch, `[S]` each."""
