@@ -194,16 +194,22 @@ def test_bad_longrm_rows_name_source_row_and_key(path, value, key, words):
 
 TRL_BAD_CASES = [
     (
-        "multi-message chosen",
-        {"prompt": [USER], "chosen": [{"role": "assistant", "content": "a"}] * 2, "rejected": "b"},
-        "chosen",
-        "exactly one assistant message",
+        "message without content or tool calls",
+        {"prompt": [USER], "chosen": [{"role": "assistant", "content": None}], "rejected": "b"},
+        "chosen[0].content",
+        "needs content or tool_calls",
     ),
     (
         "chosen with user role",
         {"prompt": [USER], "chosen": [{"role": "user", "content": "a"}], "rejected": "b"},
         "chosen",
-        "role 'assistant'",
+        "must start with the assistant's message",
+    ),
+    (
+        "several messages after a plain prompt",
+        {"prompt": "q", "chosen": [{"role": "assistant", "content": "a"}] * 2, "rejected": "b"},
+        "prompt",
+        "needs a conversational prompt",
     ),
     (
         "implicit prompt, identical conversations",

@@ -1,6 +1,7 @@
 """Our trainers against stock TRL, padded against packed, and multi-reject losses against a hand reference."""
 
 import copy
+import json
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from trl_longrm import (
     SimPOGRMConfig,
     SimPOGRMTrainer,
 )
+from trl_longrm.data import DataFormatError
 from trl_longrm.testing_utils import build_tiny_model
 
 
@@ -415,6 +417,87 @@ def tool_preference_rows():
         }
         for i in range(3)
     ]
+
+
+TOOL_CALL_TEMPLATE = (
+    "{% if tools %}[tools] {% for t in tools %}{{ t['function']['name'] }} {% endfor %}<|im_end|>{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m.get('tool_calls') %}{% for c in m['tool_calls'] %}call {{ c['function']['name'] }}"
+    "({{ c['function']['arguments']['minutes'] }}){% endfor %}{% else %}{{ m['content'] }}{% endif %}<|im_end|>"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def tool_call_rows():
+    """TRL's tool-call preference rows: completions of several messages (a call without content, the tool's answer,
+    the reply); one row's rejected response is a plain answer, and one row has no tool call at all."""
+    tools = '[{"type": "function", "function": {"name": "start_timer", "parameters": {"type": "object"}}}]'
+
+    def call(minutes, answer, reply):
+        return [
+            {"role": "assistant", "content": None,
+             "tool_calls": [{"type": "function", "function": {"name": "start_timer", "arguments": {"minutes": minutes}}}]},
+            {"role": "tool", "content": answer, "tool_calls": None},
+            {"role": "assistant", "content": reply, "tool_calls": None},
+        ]
+
+    return [
+        {
+            "prompt": [{"role": "user", "content": "set a timer for 10 minutes"}],
+            "chosen": call(10, "600", "Timer set for 10 minutes."),
+            "rejected": call(1, "60", "Timer set for 1 minute."),
+            "tools": tools,
+        },
+        {
+            "prompt": [{"role": "user", "content": "set a timer for 3 minutes"}],
+            "chosen": call(3, "180", "Done, 3 minutes."),
+            "rejected": [{"role": "assistant", "content": "I cannot set timers.", "tool_calls": None}],
+            "tools": tools,
+        },
+        {
+            "prompt": [{"role": "user", "content": "what is a timer"}],
+            "chosen": [{"role": "assistant", "content": "A clock that counts down.", "tool_calls": None}],
+            "rejected": [{"role": "assistant", "content": "A fruit.", "tool_calls": None}],
+            "tools": tools,
+        },
+    ]
+
+
+def test_tool_call_completions_tokenised_as_stock(tmp_path, tokenizer):
+    """Completions of several messages with tool calls (TRL's tool-call format) are rendered whole with the row's
+    tools, as RewardTrainer renders them: the same `chosen_ids` / `rejected_ids`, and the same first-batch loss."""
+    templated = copy.deepcopy(tokenizer)
+    templated.chat_template = TOOL_CALL_TEMPLATE
+    data = Dataset.from_list(tool_call_rows())
+    common = cpu_args(tmp_path, eos_token="<|im_end|>", max_length=512)
+    model = build_tiny_model("qwen3", "seq-cls", templated, seed=1)
+    stock = RewardTrainer(model=model, args=RewardConfig(**common), train_dataset=data, processing_class=templated)
+    ours = SimPODisRMTrainer(
+        model=model,
+        args=SimPODisRMConfig(**common, shared_prefix=False),
+        train_dataset=data,
+        processing_class=templated,
+    )
+    assert ours.train_dataset["chosen_ids"] == stock.train_dataset["chosen_ids"]
+    assert ours.train_dataset["rejected_ids"] == stock.train_dataset["rejected_ids"]
+    assert templated.decode(ours.train_dataset[0]["chosen_ids"]).endswith(
+        "assistant\ncall start_timer(10)<|im_end|><|im_start|>tool\n600<|im_end|>"
+        "<|im_start|>assistant\nTimer set for 10 minutes.<|im_end|>"
+    )
+    loss_stock, _ = loss_and_grads(stock)
+    loss_ours, _ = loss_and_grads(ours)
+    torch.testing.assert_close(loss_ours, loss_stock, atol=1e-5, rtol=1e-5)
+
+    # The records: only the rows with such completions keep their messages (as JSON); a plain prompt cannot have them.
+    from trl_longrm.data import load_preference_dataset
+
+    records = load_preference_dataset(data)
+    assert records["completion_messages"] == [True, True, False]
+    assert json.loads(records[1]["rejected"][0]) == [{"role": "assistant", "content": "I cannot set timers."}]
+    assert records[2]["chosen"] == "A clock that counts down."
+    plain = [{**row, "prompt": "set a timer", "tools": None} for row in tool_call_rows()[:1]]
+    with pytest.raises(DataFormatError, match="row 0, key 'prompt': a completion of several messages"):
+        load_preference_dataset(plain)
 
 
 def test_preference_rows_with_tools_and_template_kwargs_tokenised_as_stock(tmp_path, tokenizer):

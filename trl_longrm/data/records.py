@@ -4,15 +4,18 @@ Canonical preference group: `prompt` (list of `{"role", "content"}` messages, or
 format), `chosen` (str), `rejected` (list[str], at least one), `margin` (float) when the source has one, and
 `chat_template_kwargs` (a JSON object as a string) when the source has TRL's per-row `tools` or `chat_template_kwargs`
 columns: the arguments RewardTrainer passes to the chat template for that row, `{"tools": ..., **chat_template_kwargs}`
-(JSON, so that rows with different tools or arguments share one Arrow type).
+(JSON, so that rows with different tools or arguments share one Arrow type). A conversational completion of several
+messages or with tool calls (TRL's tool-call data: the assistant's call, the tool's answer, the assistant's reply) is
+kept whole: the record then has `completion_messages=True`, and each of its responses is the JSON text of its list of
+messages (plain responses of that row included, as one assistant message).
 
 Canonical SFT example: `messages` (list of messages with at least one assistant turn) for conversational data, or
 `prompt` (str) + `completion` (str) for TRL's standard prompt/completion data.
 
 Supported input layouts:
 - LongRM preference: `chat_template` (messages) + `chosen` (str) + `rejects` (list[str]).
-- TRL preference, explicit prompt: `prompt` + `chosen` + `rejected` (strings, or message lists whose completion is a
-  single assistant message); `rejected` may be one response or a list of them.
+- TRL preference, explicit prompt: `prompt` + `chosen` + `rejected` (strings, or message lists: one assistant message,
+  or several messages / tool calls); `rejected` may be one response or a list of them.
 - TRL preference, implicit prompt: `chosen` + `rejected` holding full conversations (or strings) sharing a prefix; the
   prefix becomes the prompt (TRL's `extract_prompt`).
 - LongRM SFT: `chat_template` (messages) + `golden` (the answer, appended as the final assistant turn).
@@ -208,11 +211,15 @@ class _RowChecker:
         cleaned = []
         for i, message in enumerate(value):
             where = f"{key}[{i}]"
-            if not isinstance(message, Mapping) or "role" not in message or "content" not in message:
+            is_call = isinstance(message, Mapping) and message.get("content") is None and message.get("tool_calls")
+            if not isinstance(message, Mapping) or "role" not in message or ("content" not in message and not is_call):
                 self.fail(f"each message must be a mapping with 'role' and 'content', got {message!r:.200}", where)
             role = self.present(message["role"], f"{where}.role")
             if role not in KNOWN_ROLES:
                 self.fail(f"unknown role {role!r}; expected one of {list(KNOWN_ROLES)}", f"{where}.role")
+            if is_call:
+                cleaned.append({k: v for k, v in message.items() if v is not None})  # a tool call: no content
+                continue
             content = self.present(message["content"], f"{where}.content")
             if not isinstance(content, str):
                 self.fail(f"message content must be a string, got {type(content).__name__}", f"{where}.content")
@@ -231,20 +238,41 @@ class _RowChecker:
             )
         return messages
 
-    def response(self, value: Any, key: str) -> str:
-        """A response: a string, or a conversational completion of exactly one assistant message."""
+    def completion_messages(self, value: Any, key: str) -> list[dict[str, Any]]:
+        """A conversational completion: messages starting with the assistant's; a message may have `tool_calls`
+        instead of content (TRL's tool-call format)."""
+        if not isinstance(value, (list, tuple)) or not value:
+            self.fail("must be a non-empty list of messages", key)
+        cleaned = []
+        for i, message in enumerate(value):
+            where = f"{key}[{i}]"
+            if not isinstance(message, Mapping) or "role" not in message:
+                self.fail(f"each message must be a mapping with 'role' and 'content', got {message!r:.200}", where)
+            role = self.present(message["role"], f"{where}.role")
+            if role not in KNOWN_ROLES:
+                self.fail(f"unknown role {role!r}; expected one of {list(KNOWN_ROLES)}", f"{where}.role")
+            content = message.get("content")
+            if content is None and not message.get("tool_calls"):
+                self.fail("missing value (None): a message needs content or tool_calls", f"{where}.content")
+            if content is not None and not isinstance(content, str):
+                self.fail(f"message content must be a string, got {type(content).__name__}", f"{where}.content")
+            # Arrow fills fields that other messages have (e.g. `tool_calls`, `name`) with None: not part of this one.
+            cleaned.append({k: v for k, v in message.items() if v is not None})
+        if cleaned[0]["role"] != "assistant":
+            self.fail(
+                f"a conversational response must start with the assistant's message, got {cleaned[0]['role']!r}", key
+            )
+        return cleaned
+
+    def response(self, value: Any, key: str) -> str | list[dict[str, Any]]:
+        """A response: a string, or a conversational completion. One plain assistant message gives its text; several
+        messages or tool calls give the cleaned messages (see `completion_messages`)."""
         value = self.present(value, key)
         if isinstance(value, (list, tuple)):
-            messages = self.messages(value, key)
-            if len(messages) != 1:
-                self.fail(
-                    f"a conversational response must be exactly one assistant message, got {len(messages)} messages "
-                    "(multi-turn completions are not supported)",
-                    key,
-                )
-            if messages[0]["role"] != "assistant":
-                self.fail(f"the response message must have role 'assistant', got {messages[0]['role']!r}", key)
-            return self.text(messages[0]["content"], f"{key}[0].content")
+            messages = self.completion_messages(value, key)
+            if len(messages) == 1 and set(messages[0]) == {"role", "content"}:
+                return self.text(messages[0]["content"], f"{key}[0].content")
+            return messages
         return self.text(value, key)
 
     def margin(self, value: Any, key: str) -> float:
@@ -268,12 +296,16 @@ def _row_template_kwargs(check: _RowChecker, row: Mapping[str, Any], conversatio
         try:
             tools = json.loads(tools)
         except json.JSONDecodeError as error:
-            check.fail(f"must be a list of tool definitions or its JSON text; the JSON does not parse: {error}", "tools")
+            check.fail(
+                f"must be a list of tool definitions or its JSON text; the JSON does not parse: {error}", "tools"
+            )
     if tools is not None and not isinstance(tools, (list, tuple)):
         check.fail(f"must be a list of tool definitions (or its JSON text), got {type(tools).__name__}", "tools")
     kwargs = row.get("chat_template_kwargs")
     if kwargs is not None and not isinstance(kwargs, Mapping):
-        check.fail(f"must be a mapping of chat template arguments, got {type(kwargs).__name__}", "chat_template_kwargs")
+        check.fail(
+            f"must be a mapping of chat template arguments, got {type(kwargs).__name__}", "chat_template_kwargs"
+        )
     kwargs = dict(kwargs or {})
     if not conversational and (tools or kwargs):
         key = "tools" if tools else "chat_template_kwargs"
@@ -376,11 +408,20 @@ def normalize_preference_record(
     else:
         prompt = check.prompt(check.get(layout.prompt_key), layout.prompt_key)
 
-    record = {
-        "prompt": prompt,
-        "chosen": check.response(chosen, layout.chosen_key),
-        "rejected": [check.response(item, f"{layout.rejected_key}[{j}]") for j, item in enumerate(rejected)],
-    }
+    responses = [check.response(chosen, layout.chosen_key)]
+    responses += [check.response(item, f"{layout.rejected_key}[{j}]") for j, item in enumerate(rejected)]
+    completion_messages = any(isinstance(r, list) for r in responses)
+    if completion_messages:
+        if isinstance(prompt, str):
+            check.fail("a completion of several messages or with tool calls needs a conversational prompt", "prompt")
+        # One Arrow type for every response of the row: each as the JSON text of its messages.
+        responses = [
+            json.dumps(r if isinstance(r, list) else [{"role": "assistant", "content": r}], ensure_ascii=False)
+            for r in responses
+        ]
+    record = {"prompt": prompt, "chosen": responses[0], "rejected": responses[1:]}
+    if completion_messages:
+        record["completion_messages"] = True
     if margin_key in row:
         record["margin"] = check.margin(row[margin_key], margin_key)
     template_kwargs = _row_template_kwargs(check, row, conversational=not isinstance(prompt, str))

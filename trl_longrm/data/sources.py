@@ -219,23 +219,40 @@ def _normalize_rows(rows, name, resolve, normalize, num_proc) -> Dataset:
         first, columns = rows[0], rows.column_names
     layout = resolve(columns, name)
     # Arrow needs one type per column, so every row must be of the kind (conversational or not) of the first one.
-    expected = {key: type(value) for key, value in normalize(first, index=0, source=name, layout=layout).items()}
+    first_record = _with_row_flags(normalize(first, index=0, source=name, layout=layout))
+    expected = {key: type(value) for key, value in first_record.items()}
 
     kwargs = {"source": name, "layout": layout, "expected": expected, "normalize": normalize}
     if isinstance(rows, list):
-        return Dataset.from_list([_normalize_checked(row, index, **kwargs) for index, row in enumerate(rows)])
-    return rows.map(
-        _normalize_checked,
-        with_indices=True,
-        fn_kwargs=kwargs,
-        remove_columns=rows.column_names,
-        num_proc=num_proc,
-        desc=f"Normalising {name}",
-    )
+        dataset = Dataset.from_list([_normalize_checked(row, index, **kwargs) for index, row in enumerate(rows)])
+    else:
+        dataset = rows.map(
+            _normalize_checked,
+            with_indices=True,
+            fn_kwargs=kwargs,
+            remove_columns=rows.column_names,
+            num_proc=num_proc,
+            desc=f"Normalising {name}",
+        )
+    for flag in ROW_FLAGS:
+        if flag in dataset.column_names and not any(dataset[flag]):
+            dataset = dataset.remove_columns(flag)  # no row needs it: the records of `normalize_*_record`
+    return dataset
+
+
+# Keys a record has only when true (e.g. `completion_messages`): False for the other rows of a dataset, one column.
+ROW_FLAGS = ("completion_messages",)
+
+
+def _with_row_flags(record: dict) -> dict:
+    if "prompt" in record and "chosen" in record:  # a preference group
+        for flag in ROW_FLAGS:
+            record.setdefault(flag, False)
+    return record
 
 
 def _normalize_checked(row, index, source, layout, expected, normalize):
-    record = normalize(row, index=index, source=source, layout=layout)
+    record = _with_row_flags(normalize(row, index=index, source=source, layout=layout))
     for key, kind in {**expected, **dict.fromkeys(record.keys() - expected.keys(), type(None))}.items():
         if key not in record or not isinstance(record[key], kind):
             found = type(record[key]).__name__ if key in record else "nothing"

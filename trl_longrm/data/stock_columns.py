@@ -48,7 +48,11 @@ def stock_row(group: dict[str, Any], style: str) -> dict[str, Any]:
     if style == "reward":
         row = {"chosen_ids": prompt + chosen, "rejected_ids": prompt + list(rejected)}
     elif style == "cpo":
-        row = {"prompt_input_ids": prompt, "chosen_input_ids": prompt + chosen, "rejected_input_ids": prompt + rejected}
+        row = {
+            "prompt_input_ids": prompt,
+            "chosen_input_ids": prompt + chosen,
+            "rejected_input_ids": prompt + rejected,
+        }
     else:
         raise ValueError(f"Unknown stock column style {style!r}; expected one of {list(STOCK_COLUMNS)}.")
     if "margin" in group:

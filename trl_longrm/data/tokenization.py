@@ -151,12 +151,20 @@ class _Encoder:
             return self.tokenizer(prompt, verbose=False)["input_ids"]
         return self.render(prompt, add_generation_prompt=True, key="prompt")
 
-    def completion_ids(self, prompt, prompt_ids: list[int], response: str, key: str) -> list[int]:
+    def completion_ids(self, prompt, prompt_ids: list[int], response: str | list[dict], key: str) -> list[int]:
+        """A response's tokens after the prompt; a list of messages (tool calls, the tool's answer, the reply) is
+        rendered whole and cut after its last EOS, a plain response after its first."""
         if isinstance(prompt, str):
             return self.tokenizer(response, add_special_tokens=False, verbose=False)["input_ids"] + [self.eos]
-        full = self.render(prompt + [{"role": "assistant", "content": response}], False, key)
+        messages = response if isinstance(response, list) else [{"role": "assistant", "content": response}]
+        full = self.render(prompt + messages, False, key)
         self.check_prefix(prompt_ids, full, key, "the prompt rendered with add_generation_prompt=True")
-        completion, has_eos = self.cut_after_eos(full[len(prompt_ids) :])
+        tail = full[len(prompt_ids) :]
+        if isinstance(response, list):
+            last = len(tail) - 1 - tail[::-1].index(self.eos) if self.eos in tail else None
+            completion, has_eos = (tail, False) if last is None else (tail[: last + 1], True)
+        else:
+            completion, has_eos = self.cut_after_eos(tail)
         # A template that closes turns without the EOS token still gets one, so the model learns to stop.
         return completion if has_eos else completion + [self.eos]
 
@@ -218,6 +226,8 @@ def _tokenize_preference(record, tokenizer, max_length, truncation, index, sourc
         # Cut a huge prompt by characters first: tokenising it whole would cost time and memory of its raw size.
         prompt = precut_middle(prompt, tokenizer, max_length)
     responses = [record["chosen"], *record["rejected"]]
+    if record.get("completion_messages"):  # each response is the JSON text of its messages (see records.py)
+        responses = [json.loads(r) for r in responses]
     prompt_ids = encoder.prompt_ids(prompt)
     completions = None
     if max_length is None or len(prompt_ids) < max_length:
@@ -239,7 +249,12 @@ def _tokenize_preference(record, tokenizer, max_length, truncation, index, sourc
         else:
             # The response's own tokens plus EOS: what a completion usually is. A wrong guess costs one more round.
             longest = 1 + max(
-                len(tokenizer(r, add_special_tokens=False, verbose=False)["input_ids"]) for r in responses
+                len(
+                    tokenizer(r if isinstance(r, str) else json.dumps(r), add_special_tokens=False, verbose=False)[
+                        "input_ids"
+                    ]
+                )
+                for r in responses
             )
         prompt = truncate_middle_to_fit(
             prompt,

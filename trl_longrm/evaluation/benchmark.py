@@ -196,6 +196,11 @@ def load_preference_records(source, split: str | None = None, name: str | None =
                 f"{source} row {row_index}: the evaluation renders its own judge prompts and cannot pass the row's "
                 "`tools` / `chat_template_kwargs` to them; remove those columns to evaluate this data."
             )
+        if row.get("completion_messages"):
+            raise ValueError(
+                f"{source} row {row_index}: a response of several messages or with tool calls cannot be placed in the "
+                "evaluation's judge prompts, which take one response text; evaluate rows with plain responses."
+            )
         prompt = row["prompt"]
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
         for k, rejected in enumerate(row["rejected"]):

@@ -117,11 +117,13 @@ def pad_token_id_of(tokenizer: PreTrainedTokenizerBase) -> int:
     return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
 
-
-
 def _is_packed(dataset, column: str) -> bool:
     """Whether `dataset` holds packs (rows of several examples, `num_tokens` per pack) rather than examples."""
-    if not isinstance(dataset, Dataset) or "num_tokens" not in dataset.column_names or column not in dataset.column_names:
+    if (
+        not isinstance(dataset, Dataset)
+        or "num_tokens" not in dataset.column_names
+        or column not in dataset.column_names
+    ):
         return False
     first = dataset[0][column] if len(dataset) else None
     return bool(first) and isinstance(first[0], list)
@@ -140,7 +142,9 @@ def _drop_sequences_over(dataset: Dataset, max_length: int | None, dataset_name:
     if len(keep) == len(dataset):
         return dataset
     if len(keep) == 0:
-        raise ValueError(f"{dataset_name} dataset: every row is longer than max_length={max_length}; raise max_length.")
+        raise ValueError(
+            f"{dataset_name} dataset: every row is longer than max_length={max_length}; raise max_length."
+        )
     logger.warning(
         "%s dataset: dropped %d of %d pre-tokenised rows longer than max_length=%s (as RewardTrainer does).",
         dataset_name,
