@@ -74,9 +74,9 @@ def unpacked_ours(tmp_path, tokenizer, data, **overrides):
     return LongSFTTrainer(model=model_for(tokenizer), args=args, train_dataset=data, processing_class=tokenizer)
 
 
-def stock_labels_of(ours_row):
-    ids, mask = ours_row["input_ids"], ours_row["completion_mask"]
-    return [t if m else -100 for t, m in zip(ids, mask)]
+def trained_masks(dataset):
+    """Which tokens of each processed row are trained (its `labels`, stock SFTTrainer's column, are not -100)."""
+    return [[int(label != -100) for label in labels] for labels in dataset["labels"]]
 
 
 # ---------------------------------------------------------------- 1. language modeling (`text`)
@@ -93,7 +93,7 @@ def test_text_rows_processed_as_stock(tmp_path, tokenizer):
     ours = unpacked_ours(tmp_path, tokenizer, data, max_length=12)
     assert not ours._stock_path
     assert ours.train_dataset["input_ids"] == stock.train_dataset["input_ids"]  # EOS appended, cut at max_length
-    assert [stock_labels_of(r) for r in ours.train_dataset] == stock.train_dataset["labels"]
+    assert ours.train_dataset["labels"] == stock.train_dataset["labels"]
     assert max(len(ids) for ids in ours.train_dataset["input_ids"]) == 12  # max_length enforced
 
 
@@ -175,7 +175,7 @@ def test_pretokenized_rows_as_stock(tmp_path, tokenizer, column, completion_only
     ours = unpacked_ours(tmp_path, tokenizer, data, **overrides)
     assert ours.train_dataset["input_ids"] == stock.train_dataset["input_ids"]  # truncated to max_length
     assert max(len(ids) for ids in ours.train_dataset["input_ids"]) == 14
-    assert [stock_labels_of(r) for r in ours.train_dataset] == stock.train_dataset["labels"]
+    assert ours.train_dataset["labels"] == stock.train_dataset["labels"]
     packed_stock, packed_ours = stock_and_ours(tmp_path, tokenizer, data, **overrides)
     assert_same_step(packed_stock, packed_ours)
 
@@ -195,7 +195,7 @@ def test_prompt_completion_as_stock(tmp_path, tokenizer, completion_only_loss):
     stock, ours = stock_and_ours(tmp_path, tokenizer, data, completion_only_loss=completion_only_loss)
     assert_same_step(stock, ours)
     masks = unpacked_ours(tmp_path, tokenizer, data, completion_only_loss=completion_only_loss).train_dataset
-    assert all((0 in m) == (completion_only_loss is not False) for m in masks["completion_mask"])
+    assert all((0 in m) == (completion_only_loss is not False) for m in trained_masks(masks))
 
 
 def conversations():
@@ -227,7 +227,7 @@ def test_conversations_as_stock(tmp_path, tokenizer, ours_setting, stock_setting
     # (no row is cut: over `max_length` ours cuts the middle of the prompt, stock the end of the conversation)
     ours = unpacked_ours(tmp_path, tokenizer, data, max_length=256, assistant_only_loss=ours_setting)
     assert ours.train_dataset["input_ids"] == stock.train_dataset["input_ids"]
-    assert [stock_labels_of(r) for r in ours.train_dataset] == stock.train_dataset["labels"]
+    assert ours.train_dataset["labels"] == stock.train_dataset["labels"]
     packed_stock, packed_ours = stock_and_ours(
         tmp_path,
         tokenizer,
@@ -246,11 +246,11 @@ def test_assistant_only_loss_on_longrm_conversations_and_refused_for_text(tmp_pa
     ]
     default = unpacked_ours(tmp_path, tokenizer, Dataset.from_list(rows))
     explicit = unpacked_ours(tmp_path, tokenizer, Dataset.from_list(rows), assistant_only_loss=True)
-    assert explicit.train_dataset["completion_mask"] == default.train_dataset["completion_mask"]
-    assert all(0 in m for m in default.train_dataset["completion_mask"])
+    assert trained_masks(explicit.train_dataset) == trained_masks(default.train_dataset)
+    assert all(0 in m for m in trained_masks(default.train_dataset))
     for setting in ("assistant_only_loss", "completion_only_loss"):  # LongRM rows are a prompt and a completion
         every = unpacked_ours(tmp_path, tokenizer, Dataset.from_list(rows), **{setting: False})
-        assert all(set(m) == {1} for m in every.train_dataset["completion_mask"]), setting
+        assert all(set(m) == {1} for m in trained_masks(every.train_dataset)), setting
         assert every.train_dataset["input_ids"] == default.train_dataset["input_ids"]
     for data in (Dataset.from_list(text_rows()), pretokenized_rows(tokenizer, None)):
         with pytest.raises(ValueError, match="assistant_only_loss=True needs conversations"):
@@ -578,4 +578,4 @@ def test_qwen3_multi_turn_masked_with_training_template(tmp_path, caplog):
         ours = unpacked_ours(tmp_path, qwen3, data, max_length=256)
     assert "prefix-stable" in caplog.text
     assert ours.train_dataset["input_ids"] == stock.train_dataset["input_ids"]
-    assert [stock_labels_of(r) for r in ours.train_dataset] == stock.train_dataset["labels"]
+    assert ours.train_dataset["labels"] == stock.train_dataset["labels"]

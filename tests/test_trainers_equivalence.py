@@ -254,7 +254,7 @@ def test_sft_loss_matches_hand_reference(tmp_path, tokenizer):
     trainer = build_trainer("sft", tmp_path, tokenizer, True, 1)
     total, count = 0.0, 0
     for example in trainer.train_dataset:
-        prompt_len = example["completion_mask"].index(1)
+        prompt_len = next(i for i, label in enumerate(example["labels"]) if label != -100)
         ids = example["input_ids"]
         _, s, n = reference_mean_logps(trainer.model, ids[:prompt_len], ids[prompt_len:])
         total, count = total - s, count + n

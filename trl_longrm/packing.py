@@ -269,10 +269,11 @@ class PreferenceCollator:
 
 @dataclass
 class SFTCollator:
-    """Collate tokenised SFT examples (`input_ids`, `completion_mask`) or packs of them, padding-free or padded.
+    """Collate tokenised SFT examples (`input_ids` with `completion_mask`, or with stock SFTTrainer's `labels`: the
+    token where trained, -100 elsewhere) or packs of them, padding-free or padded.
 
-    Labels are the input ids where `completion_mask` is 1 and -100 elsewhere; the first token of each sequence is
-    never a label.
+    Labels are the input ids where `completion_mask` is 1 (the label is not -100) and -100 elsewhere; the first token
+    of each sequence is never a label.
     """
 
     pad_token_id: int
@@ -283,7 +284,13 @@ class SFTCollator:
         sequences, labels = [], []
         for example in examples:
             ids, masks = example["input_ids"], example.get("completion_mask")
-            if not (len(ids) > 0 and isinstance(ids[0], list)):
+            given_labels = example.get("labels")
+            packed = len(ids) > 0 and isinstance(ids[0], list)
+            if given_labels is not None:
+                per_sequence = given_labels if packed else [given_labels]
+                masks = [[int(label != -100) for label in sequence] for sequence in per_sequence]
+                masks = masks if packed else masks[0]
+            if not packed:
                 ids, masks = [ids], [masks]
             for seq, mask in zip(ids, masks):
                 seq = list(seq)

@@ -100,6 +100,21 @@ def _labels_differ_from_inputs(dataset: Dataset) -> bool:
     return False
 
 
+def _as_stock_labels(dataset: Dataset) -> Dataset:
+    """Our `completion_mask` as stock SFTTrainer's processed column, `labels`: the token where it is trained, -100
+    elsewhere (per sequence of a pack too). The collator reads either."""
+    if "completion_mask" not in dataset.column_names:
+        return dataset
+
+    def labels(row):
+        ids, masks = row["input_ids"], row["completion_mask"]
+        if ids and isinstance(ids[0], list):  # a pack
+            return {"labels": [[t if m else -100 for t, m in zip(s, k)] for s, k in zip(ids, masks)]}
+        return {"labels": [t if m else -100 for t, m in zip(ids, masks)]}
+
+    return dataset.map(labels, remove_columns=["completion_mask"], desc="SFTTrainer's `labels` column")
+
+
 def _moe_aux_loss_enabled(model, args) -> bool:
     """Stock TRL adds a Mixture-of-Experts router's load-balancing loss; our sparse head does not return it."""
     config = (
@@ -113,11 +128,42 @@ def _moe_aux_loss_enabled(model, args) -> bool:
     return hasattr(text_config, "output_router_logits") and bool(coef)
 
 
+def _model_skeleton(name: str, args):
+    """The model SFTTrainer would load from `name` (TRL's `create_model_from_path` choice of class), built on the
+    meta device from its config: no weights are read, but its modules and config can be checked. None if it cannot
+    be built so (the real load then fails, or is checked, as it would be anyway)."""
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    kwargs = dict(args.model_init_kwargs or {})
+    trust_remote_code = kwargs.get("trust_remote_code", args.trust_remote_code)
+    try:
+        config = AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code, revision=kwargs.get("revision"))
+        architecture = getattr(transformers, (config.architectures or [""])[0], None)
+        if architecture is None:
+            auto_map = config.auto_map or {}
+            architecture = next(
+                (c for c in (AutoModelForImageTextToText, AutoModelForCausalLM) if c.__name__ in auto_map),
+                AutoModelForCausalLM,
+            )
+        with torch.device("meta"):
+            if hasattr(architecture, "from_config"):  # an auto class
+                return architecture.from_config(config, trust_remote_code=trust_remote_code)
+            return architecture(config)
+    except Exception:  # noqa: BLE001 - a best-effort look ahead; the real load reports its own errors
+        return None
+
+
 def _architecture_reasons(model, args, peft_config) -> list[str]:
-    """What of an instantiated model our sparse head or (padding-free) packed attention cannot run."""
+    """What of the model (an instance, or a name loaded as SFTTrainer loads it) our sparse head or (padding-free)
+    packed attention cannot run."""
     if getattr(peft_config, "is_prompt_learning", False):
         return [f"PEFT {type(peft_config).__name__} adds virtual tokens that our packed rows do not hold"]
-    if model is None or isinstance(model, str):  # checked once loaded, with a clear error (`_init_long_context`)
+    if getattr(getattr(model, "peft_config", {}).get("default"), "is_prompt_learning", False):
+        return [f"the PEFT model's {type(model.peft_config['default']).__name__} adds virtual tokens"]
+    if isinstance(model, str):
+        model = _model_skeleton(model, args)
+    if model is None:  # checked once loaded, with a clear error (`_init_long_context`)
         return []
     if getattr(model.config, "is_encoder_decoder", False):
         return [f"{type(model).__name__} is an encoder-decoder model (our sparse head reads a decoder-only backbone)"]
@@ -347,7 +393,7 @@ class LongSFTTrainer(SequenceParallelMixin, SFTTrainer):
                 every_token = assistant_only_loss is False
             if every_token:
                 dataset = dataset.map(lambda row: {"completion_mask": [1] * len(row["input_ids"])})
-        dataset = prepare_sft_dataset(dataset, tokenizer, args, dataset_name, budget)
+        dataset = _as_stock_labels(prepare_sft_dataset(dataset, tokenizer, args, dataset_name, budget))
         if args.shuffle_dataset:
             dataset = dataset.shuffle(seed=args.seed)
         return dataset
@@ -429,7 +475,7 @@ class LongSFTTrainer(SequenceParallelMixin, SFTTrainer):
         if self._stock_path:
             return super()._set_signature_columns_if_needed()
         if self._signature_columns is None:
-            self._signature_columns = ["input_ids", "completion_mask", "num_tokens"]
+            self._signature_columns = ["input_ids", "labels", "completion_mask", "num_tokens"]
 
     # ------------------------------------------------------------------ loss and metrics
 
