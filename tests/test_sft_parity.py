@@ -556,6 +556,35 @@ def test_architecture_fallback_to_stock_path(tmp_path, tokenizer, caplog, build,
         )
 
 
+@pytest.mark.parametrize("case", ["sliding_window_model_path", "peft_prompt_tuning_model"])
+def test_architecture_fallback_for_a_model_path_or_peft_model(tmp_path, tokenizer, caplog, case):
+    """As TRL's tests pass them: a model path (checked as SFTTrainer will load it, before loading) and a PEFT model
+    with virtual tokens take the stock path, and give the stock step."""
+    data = Dataset.from_list(text_rows())
+    common = cpu_args(tmp_path, max_length=64)
+    if case == "sliding_window_model_path":
+        path = tmp_path / "sliding"
+        sliding_window_model(tokenizer).save_pretrained(path)
+        tokenizer.save_pretrained(path)
+
+        def make():
+            return str(path)
+
+        reason = "sliding"
+    else:
+        from peft import PromptTuningConfig, get_peft_model
+
+        def make():
+            return get_peft_model(model_for(tokenizer), PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=3))
+
+        reason = "virtual tokens"
+    stock = SFTTrainer(model=make(), args=SFTConfig(**common), train_dataset=data, processing_class=tokenizer)
+    with caplog.at_level(logging.WARNING, logger="trl_longrm.trainers.long_sft"):
+        ours = LongSFTTrainer(model=make(), args=LongSFTConfig(**common), train_dataset=data, processing_class=tokenizer)
+    assert ours._stock_path and reason in caplog.text
+    assert_same_step(stock, ours)
+
+
 def test_qwen3_multi_turn_masked_with_training_template(tmp_path, caplog):
     """Qwen3's template drops past reasoning, so a conversation's rendering is not a prefix of its continuation; as
     stock SFTTrainer with `assistant_only_loss=True`, TRL's training template masks the assistant turns."""
