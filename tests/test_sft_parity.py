@@ -460,6 +460,20 @@ def test_every_sft_config_field_is_classified(tmp_path, tokenizer):
             unpacked_ours(tmp_path, tokenizer, Dataset.from_list(text_rows()), **{name: value})
 
 
+@pytest.mark.parametrize("rows", ["text", "pretokenized"])
+def test_evaluate_takes_a_raw_stream_as_a_dataset(tmp_path, tokenizer, rows):
+    """A `text` or pre-tokenized stream given to `evaluate()` (as TRL's evaluate prepares what it is given) scores as
+    the same rows as a `Dataset`: stock preparation, then our `max_length` cut, applied as rows are read."""
+    data = Dataset.from_list(text_rows()) if rows == "text" else pretokenized_rows(tokenizer, "completion_mask")
+    args = LongSFTConfig(**cpu_args(tmp_path, max_length=12, per_device_eval_batch_size=8, eval_packing=False))
+    ours = LongSFTTrainer(model=model_for(tokenizer), args=args, train_dataset=data, processing_class=tokenizer)
+    assert not ours._stock_path
+    mapped = ours.evaluate(eval_dataset=data)
+    streamed = ours.evaluate(eval_dataset=data.to_iterable_dataset())
+    assert streamed["eval_loss"] == pytest.approx(mapped["eval_loss"], rel=1e-6)
+    assert streamed["eval_mean_token_accuracy"] == pytest.approx(mapped["eval_mean_token_accuracy"], rel=1e-6)
+
+
 # ---------------------------------------------------------------- architectures our packed path cannot run
 
 

@@ -342,6 +342,8 @@ class LongSFTTrainer(SequenceParallelMixin, SFTTrainer):
         if self._stock_path:
             return super()._prepare_dataset(dataset, processing_class, args, packing, formatting_func, dataset_name)
         if not any(dataset is d for d in self._checked_datasets):  # e.g. given to `evaluate()` after construction
+            if isinstance(dataset, IterableDataset) and formatting_func is None and self._is_plain_stream(dataset, args):
+                return self._prepare_stream(dataset, processing_class, args, dataset_name)
             reasons = dataset_reasons(dataset_name, dataset)
             reasons += ["a `formatting_func` is given"] if formatting_func is not None else []
             if reasons:
@@ -397,6 +399,38 @@ class LongSFTTrainer(SequenceParallelMixin, SFTTrainer):
         if args.shuffle_dataset:
             dataset = dataset.shuffle(seed=args.seed)
         return dataset
+
+    @staticmethod
+    def _is_plain_stream(dataset, args) -> bool:
+        """Whether a stream holds `text` or pre-tokenized rows: those our path prepares with stock SFTTrainer's own
+        preparation anyway (see `_tokenize_as_stock`), so a stream of them is served the same way, lazily."""
+        first = next(iter(dataset), None)
+        if first is None or any(c in first for c in STOCK_ONLY_COLUMNS):
+            return False
+        conversational = {"messages", "prompt", "chat_template", "golden"} & set(first)
+        return "input_ids" in first or (args.dataset_text_field in first and not conversational)
+
+    def _prepare_stream(self, dataset, processing_class, args, dataset_name):
+        """A `text` or pre-tokenized stream given to `evaluate()` after construction: stock SFTTrainer's preparation
+        (tokenisation, EOS, `labels`), then our `max_length` policy, both applied as rows are read. Packing needs the
+        whole dataset, so each batch is one padding-free row of its sequences."""
+        stock_args = copy.copy(args)
+        stock_args.max_length, stock_args.shuffle_dataset = None, False
+        completion_only_loss = self.completion_only_loss
+        if args.completion_only_loss is None and "completion_mask" in next(iter(dataset)):
+            self.completion_only_loss = True  # documented default of LongSFTConfig, as for a `Dataset`
+        try:
+            dataset = SFTTrainer._prepare_dataset(self, dataset, processing_class, stock_args, False, None, dataset_name)
+        finally:
+            self.completion_only_loss = completion_only_loss
+        limit = args.max_length
+        if limit is not None and args.truncation == "drop":
+            dataset = dataset.filter(lambda row: len(row["input_ids"]) <= limit)
+        elif limit is not None:
+            cut = slice(None, limit) if args.truncation_mode == "keep_start" else slice(-limit, None)
+            dataset = dataset.map(lambda row: {"input_ids": row["input_ids"][cut], "labels": row["labels"][cut]})
+        # As for a `Dataset`: a row without a trained token (the first token is never a label) is left out.
+        return dataset.filter(lambda row: any(label != -100 for label in row["labels"][1:]))
 
     def _tokenize_with_training_template(self, dataset, processing_class, args, dataset_name, error):
         """Conversations whose chat template renders earlier turns differently once continued (Qwen3 drops past
