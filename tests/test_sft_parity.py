@@ -622,3 +622,30 @@ def test_qwen3_multi_turn_masked_with_training_template(tmp_path, caplog):
     assert "prefix-stable" in caplog.text
     assert ours.train_dataset["input_ids"] == stock.train_dataset["input_ids"]
     assert ours.train_dataset["labels"] == stock.train_dataset["labels"]
+
+    # Conversational prompt/completion rows (a completion of several turns) with `assistant_only_loss=True`: as
+    # stock, masked with the training template, and trained on the completion's assistant turns only.
+    rows = [
+        {
+            "prompt": [{"role": "user", "content": sentence(i, 5)}],
+            "completion": [
+                {"role": "assistant", "content": sentence(i + 1, 3)},
+                {"role": "user", "content": sentence(i + 2, 4)},
+                {"role": "assistant", "content": sentence(i + 3, 2)},
+            ],
+        }
+        for i in range(3)
+    ]
+    flags = dict(max_length=256, assistant_only_loss=True, completion_only_loss=True)
+    stock = SFTTrainer(
+        model=model_for(qwen3),
+        args=SFTConfig(**cpu_args(tmp_path, **flags)),
+        train_dataset=Dataset.from_list(rows),
+        processing_class=qwen3,
+    )
+    ours = unpacked_ours(tmp_path, qwen3, Dataset.from_list(rows), **flags)
+    assert ours.train_dataset["input_ids"] == stock.train_dataset["input_ids"]
+    assert ours.train_dataset["labels"] == stock.train_dataset["labels"]
+    user_turn = qwen3(sentence(2, 4), add_special_tokens=False)["input_ids"]
+    trained = [t for t, label in zip(ours.train_dataset[0]["input_ids"], ours.train_dataset[0]["labels"]) if label != -100]
+    assert not set(user_turn) <= set(trained)  # the user turn inside the completion is not trained

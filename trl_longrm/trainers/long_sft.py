@@ -384,7 +384,12 @@ class LongSFTTrainer(SequenceParallelMixin, SFTTrainer):
             try:
                 dataset = prepare_sft_dataset(dataset, tokenizer, args, dataset_name, None)
             except DataFormatError as error:
-                if "prefix-stable" not in str(error) or layout.messages_key != "messages":
+                # Stock masks with TRL's training template TRL conversations (`messages`, which we mask by assistant
+                # turn by default) and conversational prompt/completion rows when `assistant_only_loss=True`.
+                conversations = layout.data_format == "trl" and (
+                    layout.messages_key == "messages" or assistant_only_loss is True
+                )
+                if "prefix-stable" not in str(error) or not conversations:
                     raise
                 dataset = self._tokenize_with_training_template(dataset, processing_class, args, dataset_name, error)
             if layout.messages_key is None:  # prompt/completion
