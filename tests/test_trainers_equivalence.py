@@ -330,8 +330,9 @@ CPO_FIELDS = {
     "honoured": {
         "max_length", "beta", "label_smoothing", "loss_type", "disable_dropout", "cpo_alpha", "simpo_gamma", "alpha",
         "model_init_kwargs", "trust_remote_code", "dataset_num_proc",
+        "is_encoder_decoder",  # stock CPOTrainer's path (test_grm_models_our_lm_head_cannot_serve_train_as_stock)
     },
-    "refused": {"max_completion_length": 64, "generate_during_eval": True, "is_encoder_decoder": True},
+    "refused": {"max_completion_length": 64, "generate_during_eval": True},
 }
 REWARD_FIELDS = {
     "honoured": {
@@ -688,3 +689,131 @@ def test_disrm_pre_tokenized_stream_as_map_style(tmp_path, tokenizer, caplog):
     loss_s, grads_s = loss_and_grads(streamed)
     torch.testing.assert_close(loss_s, loss_m, atol=1e-6, rtol=1e-6)
     assert_same_grads(grads_s, grads_m)
+
+
+# ---------------------------------------------------------------- models our packed path cannot serve
+
+
+def sliding_window_model(tokenizer, task):
+    return build_tiny_model(
+        "qwen3",
+        task,
+        tokenizer,
+        seed=1,
+        use_sliding_window=True,
+        sliding_window=4,
+        layer_types=["sliding_attention", "full_attention"],
+    )
+
+
+def t5_model(tokenizer):
+    from transformers import AutoModelForSeq2SeqLM, T5Config
+
+    config = T5Config(
+        vocab_size=len(tokenizer),
+        d_model=32,
+        d_ff=64,
+        d_kv=16,
+        num_layers=1,
+        num_heads=2,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        decoder_start_token_id=tokenizer.pad_token_id,
+        dropout_rate=0.0,  # deterministic steps to compare
+    )
+    torch.manual_seed(1)
+    return AutoModelForSeq2SeqLM.from_config(config)
+
+
+def text_preference_rows():
+    words = "the city river number name year color animal planet capital".split()
+    return [
+        {
+            "prompt": " ".join(words[(i + j) % 10] for j in range(12 + i)),
+            "chosen": " ".join(words[(3 * i + j) % 10] for j in range(3 + i)),
+            "rejected": " ".join(words[(5 * i + j) % 10] for j in range(6 - i)),
+        }
+        for i in range(4)
+    ]
+
+
+@pytest.mark.parametrize("given_as", ["instance", "path"])
+@pytest.mark.parametrize("kind", ["disrm", "grm"])
+def test_models_with_attention_the_ring_cannot_run_train_padded(tmp_path, tokenizer, caplog, kind, given_as):
+    """A sliding-window model (given as an instance, or as a path as TRL's tests give it) trains on padded batches
+    with its own attention, said in one logged line: the same loss and gradients as the stock trainer."""
+    task = "seq-cls" if kind == "disrm" else "causal-lm"
+    model = sliding_window_model(tokenizer, task)
+    path = tmp_path / "model"
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    data = Dataset.from_list(text_preference_rows())
+    common = cpu_args(tmp_path, max_length=256)
+    if kind == "grm":  # the same loss as CPOTrainer's defaults aside
+        common.update(loss_type="simpo", beta=2.0, simpo_gamma=0.3, cpo_alpha=0.3)
+    stock_cls, stock_config, ours_cls, ours_config = (
+        (RewardTrainer, RewardConfig, SimPODisRMTrainer, SimPODisRMConfig)
+        if kind == "disrm"
+        else (CPOTrainer, CPOConfig, SimPOGRMTrainer, SimPOGRMConfig)
+    )
+    stock = stock_cls(
+        model=copy.deepcopy(model), args=stock_config(**common), train_dataset=data, processing_class=tokenizer
+    )
+    with caplog.at_level("WARNING"):
+        ours = ours_cls(
+            model=copy.deepcopy(model) if given_as == "instance" else str(path),
+            args=ours_config(**common),
+            # GRM: CPOTrainer's processed rows (its tokenisation of text rows adds no EOS where ours does).
+            train_dataset=data if kind == "disrm" else stock.train_dataset,
+            processing_class=tokenizer,
+        )
+    assert "trains on padded batches" in caplog.text and "sliding_attention" in caplog.text
+    assert ours.args.padding_free is False and ours.args.shared_prefix is False
+    if kind == "disrm":
+        (stock_loss, stock_grads), (loss, grads) = loss_and_grads(stock), loss_and_grads(ours)
+        torch.testing.assert_close(loss, stock_loss, atol=1e-5, rtol=1e-5)
+        assert_same_grads(grads, stock_grads)
+    else:
+        stock_loss, _ = stock.get_batch_loss_metrics(stock.model, first_batch(stock))
+        loss, _ = ours.get_batch_loss_metrics(ours.model, first_batch(ours))
+        torch.testing.assert_close(loss, stock_loss, atol=1e-5, rtol=1e-5)
+    with pytest.raises(NotImplementedError, match="sequence_parallel_size=2 needs the ring attention"):
+        ours_cls(
+            model=copy.deepcopy(model),
+            args=ours_config(**cpu_args(tmp_path, sequence_parallel_size=2)),
+            train_dataset=data,
+            processing_class=tokenizer,
+        )
+
+
+def test_grm_models_our_lm_head_cannot_serve_train_as_stock(tmp_path, tokenizer, caplog):
+    """An encoder-decoder (TRL's CPO tests use T5) trains through stock CPOTrainer's whole path, said in one logged
+    line, with the stock loss; LongRM rows, which that path cannot read, and sequence parallelism are errors."""
+    data = Dataset.from_list(text_preference_rows())
+    common = cpu_args(tmp_path, max_length=256, beta=0.1, cpo_alpha=1.0, loss_type="simpo", simpo_gamma=0.5)
+    common["train_sampling_strategy"] = "sequential"  # the same first batch for both
+    stock = CPOTrainer(
+        model=t5_model(tokenizer), args=CPOConfig(**common), train_dataset=data, processing_class=tokenizer
+    )
+    with caplog.at_level("WARNING"):
+        ours = SimPOGRMTrainer(
+            model=t5_model(tokenizer), args=SimPOGRMConfig(**common), train_dataset=data, processing_class=tokenizer
+        )
+    assert "stock TRL CPOTrainer's path" in caplog.text and "encoder-decoder" in caplog.text
+    assert ours.train_dataset.column_names == stock.train_dataset.column_names
+    stock_loss, stock_metrics = stock.get_batch_loss_metrics(stock.model, first_batch(stock))
+    loss, metrics = ours.get_batch_loss_metrics(ours.model, first_batch(ours))
+    torch.testing.assert_close(loss, stock_loss)
+    assert metrics == stock_metrics
+    longrm = Dataset.from_list(
+        [{"chat_template": [{"role": "user", "content": "q"}], "chosen": "a", "rejects": ["b", "c"]}]
+    )
+    with pytest.raises(ValueError, match="LongRM's `chat_template` / `rejects` rows need our path"):
+        SimPOGRMTrainer(model=t5_model(tokenizer), args=SimPOGRMConfig(**common), train_dataset=longrm, processing_class=tokenizer)
+    with pytest.raises(NotImplementedError, match="sequence_parallel_size=2 needs SimPOGRMTrainer's sparse LM head"):
+        SimPOGRMTrainer(
+            model=t5_model(tokenizer),
+            args=SimPOGRMConfig(**cpu_args(tmp_path, sequence_parallel_size=2)),
+            train_dataset=data,
+            processing_class=tokenizer,
+        )

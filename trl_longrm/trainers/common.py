@@ -11,7 +11,7 @@ import numpy as np
 import pyarrow.compute as pc
 import torch
 from datasets import Dataset
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 from trl.data_utils import get_dataset_column_names
 
 from trl_longrm.data.stock_columns import (
@@ -279,6 +279,88 @@ def prepare_preference_dataset(dataset, tokenizer, args, dataset_name: str, stoc
             dataset = dataset.map(group_of, remove_columns=[c for c in dataset.column_names if c != "margin"])
         return pack_groups(dataset, args.max_tokens_per_row, shared_prefix=uses_shared_prefix(args))
     return with_stock_columns(dataset, stock_columns, num_proc=args.dataset_num_proc)
+
+
+def model_skeleton(name: str, args):
+    """The model the stock trainers would load from `name` (TRL's `create_model_from_path` choice of class), built on the
+    meta device from its config: no weights are read, but its modules and config can be checked. None if it cannot
+    be built so (the real load then fails, or is checked, as it would be anyway)."""
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    kwargs = dict(args.model_init_kwargs or {})
+    trust_remote_code = kwargs.get("trust_remote_code", args.trust_remote_code)
+    try:
+        config = AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code, revision=kwargs.get("revision"))
+        architecture = getattr(transformers, (config.architectures or [""])[0], None)
+        if architecture is None:
+            auto_map = config.auto_map or {}
+            architecture = next(
+                (c for c in (AutoModelForImageTextToText, AutoModelForCausalLM) if c.__name__ in auto_map),
+                AutoModelForCausalLM,
+            )
+        with torch.device("meta"):
+            if hasattr(architecture, "from_config"):  # an auto class
+                return architecture.from_config(config, trust_remote_code=trust_remote_code)
+            return architecture(config)
+    except Exception:  # noqa: BLE001 - a best-effort look ahead; the real load reports its own errors
+        return None
+
+
+def lm_head_reasons(model, args) -> list[str]:
+    """What of `model` (an instance or a `model_skeleton`) our sparse LM head cannot compute as the model's own head:
+    an encoder-decoder, or logit transforms (scaling, softcapping)."""
+    from trl_longrm.heads import _logit_transform
+
+    if getattr(model.config, "is_encoder_decoder", False) or getattr(args, "is_encoder_decoder", None):
+        return [f"{type(model).__name__} is an encoder-decoder model (our sparse head reads a decoder-only backbone)"]
+    try:
+        _logit_transform(model.config)
+    except ValueError as error:
+        return [str(error).split(":")[0] + " (logit transforms)"]
+    return []
+
+
+def attention_reasons(model, args) -> list[str]:
+    """Why the padding-free packed (ring) attention cannot replace `model`'s attention (sliding windows, softcapping,
+    attention outside transformers' interface, ...); empty when it can, or when `padding_free` is off."""
+    from trl_longrm.sequence_parallel.validation import validate_ring_attention_model
+
+    if not args.padding_free:
+        return []
+    try:
+        validate_ring_attention_model(model, args)
+    except (TypeError, NotImplementedError) as error:  # an architecture, not a setting, the packing cannot run
+        return [str(error)]
+    return []
+
+
+def padded_fallback_args(model, args, trainer_name: str):
+    """`args` for a model whose attention the padding-free packed layout cannot use: on one process, a copy with
+    padded batches (`padding_free=False`, `shared_prefix=False`; the model's own attention, the same losses), said in
+    one logged line; with sequence parallelism, an error. `args` itself when the packed attention serves it."""
+    import copy
+
+    skeleton = model_skeleton(model, args) if isinstance(model, str) else model
+    reasons = attention_reasons(skeleton, args) if skeleton is not None else []
+    if not reasons:
+        return args
+    if args.sequence_parallel_size > 1:
+        raise NotImplementedError(
+            f"sequence_parallel_size={args.sequence_parallel_size} needs the ring attention, which cannot serve this "
+            f"model: {'; '.join(reasons)}"
+        )
+    logger.warning(
+        "%s trains on padded batches (padding_free=False, shared_prefix=False: the model's own attention, the same "
+        "losses) because %s",
+        trainer_name,
+        "; ".join(reasons),
+    )
+    args = copy.copy(args)
+    args.padding_free = False
+    if hasattr(args, "shared_prefix"):
+        args.shared_prefix = False
+    return args
 
 
 def prepare_sft_dataset(dataset, tokenizer, args, dataset_name: str, packing_budget: int | None) -> Dataset:

@@ -14,11 +14,18 @@ from trl.chat_template_utils import get_training_chat_template
 
 from trl_longrm.data.errors import DataFormatError
 from trl_longrm.data.records import resolve_sft_layout
-from trl_longrm.heads import _logit_transform, add_token_logprob_head
+from trl_longrm.heads import add_token_logprob_head
 from trl_longrm.packing import SFTCollator
 from trl_longrm.sequence_parallel import SequenceParallelConfig
-from trl_longrm.sequence_parallel.validation import validate_ring_attention_model
-from trl_longrm.trainers.common import LongContextDataArguments, model_inputs, pad_token_id_of, prepare_sft_dataset
+from trl_longrm.trainers.common import (
+    LongContextDataArguments,
+    attention_reasons,
+    lm_head_reasons,
+    model_inputs,
+    model_skeleton,
+    pad_token_id_of,
+    prepare_sft_dataset,
+)
 from trl_longrm.trainers.parallel import SequenceParallelMixin
 
 
@@ -128,32 +135,6 @@ def _moe_aux_loss_enabled(model, args) -> bool:
     return hasattr(text_config, "output_router_logits") and bool(coef)
 
 
-def _model_skeleton(name: str, args):
-    """The model SFTTrainer would load from `name` (TRL's `create_model_from_path` choice of class), built on the
-    meta device from its config: no weights are read, but its modules and config can be checked. None if it cannot
-    be built so (the real load then fails, or is checked, as it would be anyway)."""
-    import transformers
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
-
-    kwargs = dict(args.model_init_kwargs or {})
-    trust_remote_code = kwargs.get("trust_remote_code", args.trust_remote_code)
-    try:
-        config = AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code, revision=kwargs.get("revision"))
-        architecture = getattr(transformers, (config.architectures or [""])[0], None)
-        if architecture is None:
-            auto_map = config.auto_map or {}
-            architecture = next(
-                (c for c in (AutoModelForImageTextToText, AutoModelForCausalLM) if c.__name__ in auto_map),
-                AutoModelForCausalLM,
-            )
-        with torch.device("meta"):
-            if hasattr(architecture, "from_config"):  # an auto class
-                return architecture.from_config(config, trust_remote_code=trust_remote_code)
-            return architecture(config)
-    except Exception:  # noqa: BLE001 - a best-effort look ahead; the real load reports its own errors
-        return None
-
-
 def _architecture_reasons(model, args, peft_config) -> list[str]:
     """What of the model (an instance, or a name loaded as SFTTrainer loads it) our sparse head or (padding-free)
     packed attention cannot run."""
@@ -162,22 +143,10 @@ def _architecture_reasons(model, args, peft_config) -> list[str]:
     if getattr(getattr(model, "peft_config", {}).get("default"), "is_prompt_learning", False):
         return [f"the PEFT model's {type(model.peft_config['default']).__name__} adds virtual tokens"]
     if isinstance(model, str):
-        model = _model_skeleton(model, args)
+        model = model_skeleton(model, args)
     if model is None:  # checked once loaded, with a clear error (`_init_long_context`)
         return []
-    if getattr(model.config, "is_encoder_decoder", False):
-        return [f"{type(model).__name__} is an encoder-decoder model (our sparse head reads a decoder-only backbone)"]
-    reasons = []
-    try:
-        _logit_transform(model.config)
-    except ValueError as error:
-        reasons.append(str(error).split(":")[0] + " (logit transforms)")
-    if args.padding_free:
-        try:
-            validate_ring_attention_model(model, args)
-        except (TypeError, NotImplementedError) as error:  # an architecture, not a setting, the packing cannot run
-            reasons.append(str(error))
-    return reasons
+    return lm_head_reasons(model, args) or attention_reasons(model, args)
 
 
 def dataset_reasons(name: str, dataset) -> list[str]:

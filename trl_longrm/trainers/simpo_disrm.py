@@ -16,6 +16,7 @@ from trl_longrm.trainers.common import (
     SHARED_PREFIX_HELP,
     LongContextDataArguments,
     check_shared_prefix_args,
+    padded_fallback_args,
     prepare_preference_dataset,
     reduce_over_rows,
     uses_shared_prefix,
@@ -85,6 +86,8 @@ class SimPODisRMTrainer(SequenceParallelMixin, RewardTrainer):
     def __init__(self, model, args: SimPODisRMConfig | None = None, data_collator=None, *pargs, **kwargs):
         if args is None:
             args = SimPODisRMConfig(output_dir="simpo-disrm")
+        # A model whose attention the packed padding-free rows cannot use (sliding windows, ...) trains padded.
+        args = padded_fallback_args(model, args, type(self).__name__)
         self._user_collator = data_collator
         super().__init__(model, args, data_collator, *pargs, **kwargs)
         if data_collator is None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass, field
 from typing import Literal
@@ -22,7 +23,10 @@ from trl_longrm.trainers.common import (  # noqa: E402
     SHARED_PREFIX_HELP,
     LongContextDataArguments,
     check_shared_prefix_args,
+    lm_head_reasons,
+    model_skeleton,
     pad_token_id_of,
+    padded_fallback_args,
     per_pair_sequence_logps,
     per_sequence_logps,
     prepare_preference_dataset,
@@ -31,6 +35,9 @@ from trl_longrm.trainers.common import (  # noqa: E402
     uses_shared_prefix,
 )
 from trl_longrm.trainers.parallel import SequenceParallelMixin  # noqa: E402
+
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -95,8 +102,6 @@ class SimPOGRMConfig(CPOConfig, LongContextDataArguments, SequenceParallelConfig
             raise ValueError(
                 "SimPOGRMConfig does not take `generate_during_eval=True`: evaluate judges with `trl-longrm eval`."
             )
-        if self.is_encoder_decoder:
-            raise ValueError("SimPOGRMConfig does not take `is_encoder_decoder=True`: packing needs a decoder-only model.")
         if self.loss_type == "alphapo":  # TRL's shorthand, resolved before the NLL weight it implies
             if self.nll_loss_weight not in (None, 0.0) or self.cpo_alpha not in (None, 0.0):
                 raise ValueError("loss_type='alphapo' means SimPO without the NLL term; leave nll_loss_weight unset.")
@@ -159,6 +164,25 @@ class SimPOGRMTrainer(SequenceParallelMixin, CPOTrainer):
                     f"{name} dataset: SimPOGRMTrainer, like CPOTrainer, needs a map-style `datasets.Dataset`; a "
                     "streaming IterableDataset is not supported. Load the data without streaming."
                 )
+        stock_kwargs = dict(
+            model=model,
+            args=args,
+            data_collator=data_collator,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            processing_class=processing_class,
+            model_init=model_init,
+            callbacks=callbacks,
+            optimizers=optimizers,
+            preprocess_logits_for_metrics=preprocess_logits_for_metrics,
+            peft_config=peft_config,
+            compute_metrics=compute_metrics,
+        )
+        self._stock_path = self._use_stock_path(model, args, train_dataset, eval_dataset)
+        if self._stock_path:
+            super().__init__(**stock_kwargs)
+            return
+        args = padded_fallback_args(model, args, type(self).__name__)
         tokenizer = resolve_tokenizer(model, processing_class, args.trust_remote_code)
         train_dataset = prepare_preference_dataset(train_dataset, tokenizer, args, "train", "cpo")
         if isinstance(eval_dataset, dict):
@@ -193,11 +217,45 @@ class SimPOGRMTrainer(SequenceParallelMixin, CPOTrainer):
         self._init_long_context(pad_token_id_of(tokenizer))
         self._total_train_tokens = 0
 
+    def _use_stock_path(self, model, args, train_dataset, eval_dataset) -> bool:
+        """Whether this model needs stock CPOTrainer's own forward (an encoder-decoder, logit scaling or softcapping,
+        which our sparse LM head does not compute): then the whole of CPOTrainer's path trains it, said in one
+        logged line. It takes TRL's preference formats with one rejected response; with sequence parallelism, or
+        LongRM's rows, it is an error."""
+        skeleton = model_skeleton(model, args) if isinstance(model, str) else model
+        reasons = lm_head_reasons(skeleton, args) if skeleton is not None else []
+        if not reasons:
+            return False
+        if args.sequence_parallel_size > 1:
+            raise NotImplementedError(
+                f"sequence_parallel_size={args.sequence_parallel_size} needs SimPOGRMTrainer's sparse LM head, which "
+                f"cannot serve this model: {'; '.join(reasons)}."
+            )
+        evals = eval_dataset.values() if isinstance(eval_dataset, dict) else [eval_dataset]
+        for data in (train_dataset, *evals):
+            columns = getattr(data, "column_names", None) or []
+            if "rejects" in columns or "chat_template" in columns:
+                raise ValueError(
+                    f"This model trains through stock CPOTrainer's path ({'; '.join(reasons)}), which reads TRL's "
+                    "preference formats with one rejected response; LongRM's `chat_template` / `rejects` rows need "
+                    "our path. Convert them to `prompt` / `chosen` / `rejected` rows, one per rejected response."
+                )
+        logger.warning(
+            "SimPOGRMTrainer trains through stock TRL CPOTrainer's path (its tokenisation, collator and loss: one "
+            "rejected response per row, no packing or sequence parallelism) because %s.",
+            "; ".join(reasons),
+        )
+        return True
+
     # The dataset is tokenised before `CPOTrainer.__init__` (its own tokeniser handles one rejected string only).
     def tokenize_row(self, feature, model=None) -> dict:
+        if self._stock_path:
+            return super().tokenize_row(feature, model)
         return feature
 
     def _set_signature_columns_if_needed(self):
+        if self._stock_path:
+            return super()._set_signature_columns_if_needed()
         if self._signature_columns is None:
             self._signature_columns = [*GROUP_COLUMNS, *CPO_COLUMNS, "margin", "num_tokens"]
 
@@ -209,6 +267,8 @@ class SimPOGRMTrainer(SequenceParallelMixin, CPOTrainer):
         return per_sequence_logps(token_logps, label_mask, batch)
 
     def get_batch_loss_metrics(self, model, batch, train_eval: Literal["train", "eval"] = "train"):
+        if self._stock_path:
+            return super().get_batch_loss_metrics(model, batch, train_eval)
         loss, metrics, _ = self._loss_metrics_rewards(model, batch, train_eval)
         return loss, metrics
 
@@ -270,7 +330,7 @@ class SimPOGRMTrainer(SequenceParallelMixin, CPOTrainer):
         return loss, {prefix + k: v for k, v in metrics.items()}, rewards
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        if "loss" in logs:
+        if "loss" in logs and not self._stock_path:
             logs["num_tokens"] = self._total_train_tokens  # cumulative real tokens trained, as TRL logs it
         super().log(logs, start_time)
 
@@ -278,6 +338,8 @@ class SimPOGRMTrainer(SequenceParallelMixin, CPOTrainer):
         """Loss, and for `compute_metrics` / `predict()` the `[groups, 2]` rewards (chosen, mean rejected) with zero
         labels. CPO's version returns two vocabulary-logit means per batch, which the sparse LM head never computes;
         the rewards are what a preference metric needs."""
+        if self._stock_path:
+            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
         inputs = self._prepare_inputs(inputs)
         with torch.no_grad():
             loss, metrics, rewards = self._loss_metrics_rewards(model, inputs, train_eval="eval")
