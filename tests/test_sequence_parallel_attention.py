@@ -166,6 +166,36 @@ def emulated_ring(kernel, q, k, v, grad_out, doc_lengths, group_size, chunk, sca
     return out[:length], dq[:length], dk[:length], dv[:length]
 
 
+def test_single_process_varlen_kernel_runs_under_plain_autograd(monkeypatch):
+    """On one process a varlen kernel (flash-attn, torch's varlen_attn on CUDA; a pure-torch stand-in here) is called
+    under plain autograd, all heads at once: no ring autograd function, whose backward would recompute the attention
+    head chunk by head chunk with nothing to gather. Output and gradients as the reference."""
+    import trl_longrm.sequence_parallel.attention as attention
+
+    calls = []
+
+    def varlen(*args):
+        calls.append(args[0].shape[1])  # query heads of the call
+        return reference_varlen(*args)
+
+    def no_ring(*args):
+        raise AssertionError("the ring autograd function is not needed on one process")
+
+    monkeypatch.setattr(attention, "resolve_kernel", lambda *args: VarlenKernel("stand_in", varlen))
+    monkeypatch.setattr(attention._RingAttention, "apply", no_ring)
+    doc_lengths, scaling = [5, 9, 3], 0.3
+    q, k, v, grad_out = random_problem(4, 2, sum(doc_lengths), seed=7)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    meta = packed_row_metadata(positions(doc_lengths), SequenceParallelConfig(ring_head_stride=1))
+    out, _ = ring_attention_forward(MODULE, *(t[None] for t in leaves), None, scaling=scaling, ring_attn_meta=meta)
+    out[0].backward(grad_out)
+    assert calls == [4]  # one call with every head, although ring_head_stride=1
+    ref_out, ref_dq, ref_dk, ref_dv = reference_with_grads(q, k, v, grad_out, doc_lengths, scaling)
+    torch.testing.assert_close(out[0].detach(), ref_out, atol=1e-5, rtol=1e-5)
+    for got, expected in zip((t.grad for t in leaves), (ref_dq, ref_dk, ref_dv)):
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("num_heads,num_kv_heads,doc_lengths", CASES)
 @pytest.mark.parametrize("group_size", [1, 2, 4])
 @pytest.mark.parametrize(

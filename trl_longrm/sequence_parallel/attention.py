@@ -8,7 +8,7 @@ document boundaries of the global row and this rank's offset in it (from `RingAt
 
 Without metadata (`ring_attn_meta=None`) the same kernels attend a packed single-process batch document-causally, the
 documents being read from `position_ids`: trainers get one attention path for packed rows. With nothing to gather on
-one process, the pure PyTorch kernel then runs under plain autograd (no recompute in backward).
+one process, the kernel (pure PyTorch, or a varlen kernel) then runs under plain autograd (no recompute in backward).
 
 A shared-prefix row (a group's prompt once, then each response attending to it) cannot be read from `position_ids`;
 it always comes with metadata carrying `segment_parents`, and only the pure PyTorch kernel attends it.
@@ -189,10 +189,11 @@ def ring_attention_forward(
         if meta.has_shared_prefixes and not isinstance(kernel, TorchBlockKernel):
             kernel = _shared_prefix_kernel(meta, kernel)
         q, k, v = (t[b].transpose(0, 1) for t in (query, key, value))
-        if meta.group is None and isinstance(kernel, TorchBlockKernel):
+        if meta.group is None:
             # One process: nothing to gather, so `_RingAttention` (whose backward recomputes each head chunk's
             # attention to bound the gathered memory) only costs time. All heads at once under plain autograd let
-            # SDPA's fused backward reuse the forward's log-sum-exp: ~30% shorter packed DisRM steps on CPU.
+            # the fused kernels' own backward (SDPA's, flash-attn's varlen) reuse the forward's log-sum-exp: ~30%
+            # shorter packed DisRM steps on CPU.
             outputs.append(kernel.forward(q, k, v, meta, scaling))
         else:
             outputs.append(_RingAttention.apply(q, k, v, meta, scaling, kernel))
