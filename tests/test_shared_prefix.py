@@ -18,7 +18,7 @@ from trainer_helpers import cpu_args, random_groups
 from trl_longrm import SimPODisRMConfig, SimPODisRMTrainer, SimPOGRMConfig, SimPOGRMTrainer
 from trl_longrm.packing import PreferenceCollator, group_num_tokens, pack_groups
 from trl_longrm.sequence_parallel import ring_attention_forward
-from trl_longrm.sequence_parallel.kernels import TorchBlockKernel
+from trl_longrm.sequence_parallel.kernels import TorchBlockKernel, VarlenKernel, VarlenOps, resolve_kernel
 from trl_longrm.sequence_parallel.sharding import RingAttentionMetadata, shared_row_metadata
 from trl_longrm.testing_utils import build_tiny_model
 from trl_longrm.trainers.common import model_inputs
@@ -114,10 +114,10 @@ def test_shared_row_attention_single_process(row):
     assert (plain[0] - expected[0]).abs().max() > 1e-2
 
 
-def emulated_shared_ring(q, k, v, grad_out, lengths, parents, group_size, chunk, scaling):
-    """The torch kernel slice by slice as each ring rank runs it (keys `[kv_start, local_end)` of the padded row),
-    key/value gradients summed over the ranks like the reduce-scatter."""
-    kernel = TorchBlockKernel()
+def emulated_shared_ring(q, k, v, grad_out, lengths, parents, group_size, chunk, scaling, kernel=None):
+    """A kernel (default: the pure PyTorch one) slice by slice as each ring rank runs it (keys `[kv_start,
+    local_end)` of the padded row), key/value gradients summed over the ranks like the reduce-scatter."""
+    kernel = kernel or TorchBlockKernel()
     length = sum(lengths)
     pad = -length % group_size
     total = length + pad
@@ -199,8 +199,6 @@ def test_shared_batch_never_reaches_plain_attention(tmp_path, tokenizer):
         model_inputs(batch)
     with pytest.raises(ValueError, match="padding_free"):
         PreferenceCollator(pad_token_id=0, padding_free=False, shared_prefix=True)
-    with pytest.raises(ValueError, match="flash_attn"):
-        SimPOGRMConfig(**cpu_args(tmp_path, shared_prefix=True, ring_attn_backend="flash_attn"))
     # Without padding_free the ring attention is not installed: the trainer keeps the unshared padded layout.
     trainer = build_trainer("disrm", tmp_path, tokenizer, 1, shared_prefix=True, padding_free=False)
     assert not trainer.data_collator.shared_prefix and "attention_mask" in first_batch(trainer)
@@ -362,17 +360,185 @@ def test_evaluate_and_row_budget_count_placed_tokens(tmp_path, tokenizer, kind):
     assert sorted(b["input_ids"].shape[1] for b in batches) == sorted(packs["num_tokens"])
 
 
-def test_varlen_kernels_do_not_take_shared_rows():
-    """On CUDA the varlen kernels (one key range per document) cannot attend a shared row: it falls back to the torch
-    kernel with a warning, and an explicit flash_attn backend is refused, not ignored."""
+class ReferenceVarlenOps(VarlenOps):
+    """flash-attn's varlen forward/backward contract in plain PyTorch math (fp32): the forward returns the lse
+    `[H, Tq]`; the backward recomputes the softmax from the lse it is *given* and uses `rowsum(grad_out * out)` of
+    the out it is given, as flash-attn's backward does (no autograd), so a wrong merge gives wrong gradients."""
+
+    name = "reference"
+
+    def __init__(self):
+        self.key_tokens = {True: 0, False: 0}  # keys passed to forward calls, causal and full
+
+    @staticmethod
+    def _pieces(q, k, cu_q, cu_k, max_q, max_k, causal):
+        for i in range(len(cu_q) - 1):
+            qa, qb, ka, kb = int(cu_q[i]), int(cu_q[i + 1]), int(cu_k[i]), int(cu_k[i + 1])
+            nq, nk = qb - qa, kb - ka
+            assert 0 < nq <= max_q and 0 < nk <= max_k
+            mask = torch.ones(nq, nk, dtype=torch.bool)
+            if causal:  # bottom-right aligned
+                mask = torch.arange(nk)[None, :] <= torch.arange(nq)[:, None] + nk - nq
+            yield qa, qb, ka, kb, mask
+
+    @staticmethod
+    def _scores(q, k, scale, mask):
+        group = q.shape[1] // k.shape[1]
+        kk = k.repeat_interleave(group, 1)
+        scores = torch.einsum("qhd,khd->hqk", q, kk) * scale
+        return scores.masked_fill(~mask, float("-inf")), kk
+
+    def forward(self, q, k, v, cu_q, cu_k, max_q, max_k, scale, causal):
+        self.key_tokens[causal] += k.shape[0]
+        out = torch.zeros(q.shape[0], q.shape[1], v.shape[2])
+        lse = torch.zeros(q.shape[1], q.shape[0])
+        group = q.shape[1] // k.shape[1]
+        for qa, qb, ka, kb, mask in self._pieces(q, k, cu_q, cu_k, max_q, max_k, causal):
+            scores, _ = self._scores(q[qa:qb], k[ka:kb], scale, mask)
+            lse[:, qa:qb] = torch.logsumexp(scores, -1)
+            probs = torch.exp(scores - lse[:, qa:qb, None])
+            out[qa:qb] = torch.einsum("hqk,khd->qhd", probs, v[ka:kb].repeat_interleave(group, 1))
+        return out, lse
+
+    def backward(self, grad_out, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, causal):
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        group = q.shape[1] // k.shape[1]
+        for qa, qb, ka, kb, mask in self._pieces(q, k, cu_q, cu_k, max_q, max_k, causal):
+            scores, kk = self._scores(q[qa:qb], k[ka:kb], scale, mask)
+            probs = torch.exp(scores - lse[:, qa:qb, None])  # [H, nq, nk] with the given lse
+            g, vv = grad_out[qa:qb], v[ka:kb].repeat_interleave(group, 1)
+            d_probs = torch.einsum("qhd,khd->hqk", g, vv)
+            d_scores = probs * (d_probs - (g * out[qa:qb]).sum(-1).transpose(0, 1)[..., None]) * scale
+            dq[qa:qb] = torch.einsum("hqk,khd->qhd", d_scores, kk)
+            kv_shape = (kb - ka, k.shape[1], group, k.shape[2])
+            dk[ka:kb] = torch.einsum("hqk,qhd->khd", d_scores, q[qa:qb]).reshape(kv_shape).sum(2)
+            dv[ka:kb] = torch.einsum("hqk,qhd->khd", probs, g).reshape(kv_shape).sum(2)
+        return dq, dk, dv
+
+
+def reference_varlen_fn(q, k, v, cu_q, cu_k, max_q, max_k, scale):
+    """The plain (causal) varlen function of the same stand-in library, differentiable by autograd."""
+    out = []
+    for qa, qb, ka, kb, mask in ReferenceVarlenOps._pieces(q, k, cu_q, cu_k, max_q, max_k, True):
+        scores, _ = ReferenceVarlenOps._scores(q[qa:qb], k[ka:kb], scale, mask)
+        v_heads = v[ka:kb].repeat_interleave(q.shape[1] // k.shape[1], 1)
+        out.append(torch.einsum("hqk,khd->qhd", torch.softmax(scores, -1), v_heads))
+    return torch.cat(out)
+
+
+def test_reference_ops_follow_the_contract():
+    """The stand-in itself: its forward equals autograd-able attention, its backward from its own (out, lse) equals
+    autograd, for causal (bottom-right) and full calls with grouped-query heads."""
+    q, k, v, grad_out = random_problem(4, 2, 9, seed=3)
+    q, k, v = (t.transpose(0, 1).contiguous() for t in (q, k, v))
+    ops = ReferenceVarlenOps()
+    cu_q, cu_k = torch.tensor([0, 4, 9]), torch.tensor([0, 4, 9])
+    for causal in (True, False):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out, lse = ops.forward(q, k, v, cu_q, cu_k, 5, 5, 0.3, causal)
+        expected = []
+        for (qa, qb), mask_causal in (((0, 4), causal), ((4, 9), causal)):
+            block = F.scaled_dot_product_attention(
+                *(t[qa:qb].transpose(0, 1) for t in leaves), is_causal=mask_causal, scale=0.3, enable_gqa=True
+            )
+            expected.append(block.transpose(0, 1))
+        expected = torch.cat(expected)
+        torch.testing.assert_close(out, expected.detach(), atol=1e-5, rtol=1e-5)
+        grads = torch.autograd.grad(expected, leaves, grad_out)
+        got = ops.backward(grad_out, q, k, v, out, lse, cu_q, cu_k, 5, 5, 0.3, causal)
+        for g, e in zip(got, grads):
+            torch.testing.assert_close(g, e, atol=1e-5, rtol=1e-5)
+
+
+def stand_in_varlen_kernel():
+    return VarlenKernel("stand_in", reference_varlen_fn, ReferenceVarlenOps())
+
+
+@pytest.mark.parametrize("row", ROWS, ids=["three_groups", "with_unshared_document"])
+def test_shared_row_varlen_merge_single_process(row, monkeypatch):
+    """A varlen kernel (a CPU stand-in with flash-attn's contract) on a shared row, one process, plain autograd:
+    prefix and own keys in two calls merged by their lse equal each response attended with its prompt, and each
+    prompt's keys are passed once for all its responses, never once per response."""
+    from trl_longrm.sequence_parallel import attention
+
+    kernel = stand_in_varlen_kernel()
+    monkeypatch.setattr(attention, "resolve_kernel", lambda *args: kernel)
+    lengths, parents, _ = shared_layout(row)
+    length, scaling = sum(lengths), 0.3
+    q, k, v, grad_out = random_problem(4, 2, length, seed=len(row))
+    expected = reference(q, k, v, grad_out, row, scaling)
+    leaves = [t.clone()[None].requires_grad_() for t in (q, k, v)]
+    meta = shared_row_metadata(torch.tensor(lengths), torch.tensor(parents))
+    out, _ = ring_attention_forward(MODULE, *leaves, None, scaling=scaling, ring_attn_meta=meta)
+    out.backward(grad_out[None])
+    got = [out[0].detach(), *(t.grad[0].transpose(0, 1) for t in leaves)]
+    assert_all_close(got, expected, "varlen merge, one process")
+    prompts = sum(prompt for prompt, _ in row)
+    assert kernel.ops.key_tokens == {True: length, False: prompts}
+
+
+@pytest.mark.parametrize("row", ROWS, ids=["three_groups", "with_unshared_document"])
+@pytest.mark.parametrize("group_size", [2, 3, 4])
+def test_shared_row_varlen_merge_on_emulated_ring(row, group_size):
+    """The same merge slice by slice as ring ranks run it (kernel forward, and the recomputing backward the ring
+    uses): responses whose prompt lies on another rank, pieces starting inside their document."""
+    from trl_longrm.sequence_parallel.kernels import SharedPrefixVarlenKernel
+
+    lengths, parents, _ = shared_layout(row)
+    length, scaling = sum(lengths), 0.25
+    q, k, v, grad_out = random_problem(6, 3, length, seed=group_size)
+    expected = reference(q, k, v, grad_out, row, scaling)
+    kernel = SharedPrefixVarlenKernel(ReferenceVarlenOps())
+    got, kv_starts = emulated_shared_ring(q, k, v, grad_out, lengths, parents, group_size, 1024, scaling, kernel)
+    assert_all_close(got, expected, f"varlen merge, ring of {group_size}")
+    local = -(-length // group_size)
+    assert any(ks < rank * local for rank, ks in enumerate(kv_starts))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("backend", ["torch", "flash_attn"])
+@pytest.mark.parametrize("group_size", [1, 4])
+def test_shared_row_cuda_varlen_kernels(backend, group_size):
+    """The CUDA libraries (torch varlen_attn / flash-attn, bf16) through the shared-prefix merge, against the fp32
+    reference of the unshared layout. Runs only where a GPU is present."""
+    from trl_longrm.sequence_parallel.kernels import SharedPrefixVarlenKernel, is_flash_attn_available
+
+    if backend == "flash_attn" and not is_flash_attn_available():
+        pytest.skip("flash-attn is not installed")
+    row = [(300, [40, 17, 64]), (5, [3, 90]), (0, [33]), (128, [1, 77, 12, 30])]
+    lengths, parents, _ = shared_layout(row)
+    q, k, v, grad_out = random_problem(8, 2, sum(lengths), seed=7, head_dim=64)
+    q, k, v, grad_out = (t.bfloat16().float() for t in (q, k, v, grad_out))
+    expected = reference(q, k, v, grad_out, row, 0.125)
+    kernel = resolve_kernel(backend, torch.device("cuda"), torch.bfloat16)
+    assert kernel.ops is not None, f"{kernel.name}: no forward-with-lse / backward-from-lse entry points found"
+    shared = SharedPrefixVarlenKernel(kernel.ops)
+    cuda = [t.cuda().bfloat16() for t in (q, k, v, grad_out)]
+    got, _ = emulated_shared_ring(*cuda, lengths, parents, group_size, 1024, 0.125, shared)
+    for name, g, e in zip(["out", "dq", "dk", "dv"], got, expected):
+        torch.testing.assert_close(g.float().cpu(), e, atol=3e-2, rtol=3e-2, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_varlen_kernels_take_shared_rows_through_the_merge(tmp_path, monkeypatch):
+    """A varlen kernel whose library exposes the lse entry points attends shared rows by the merge; one without them
+    falls back to the torch kernel with a warning, and an explicit flash_attn backend is refused, not ignored."""
     from trl_longrm.sequence_parallel.attention import _shared_prefix_kernel
-    from trl_longrm.sequence_parallel.kernels import VarlenKernel
+    from trl_longrm.sequence_parallel.kernels import SharedPrefixVarlenKernel
+    from trl_longrm.trainers import common
 
     meta = shared_row_metadata(torch.tensor([3, 2, 2]), torch.tensor([-1, 0, 0]))
     with pytest.raises(NotImplementedError, match="varlen"):
         meta.varlen_layout(torch.device("cpu"))
+    assert isinstance(_shared_prefix_kernel(meta, stand_in_varlen_kernel()), SharedPrefixVarlenKernel)
     with pytest.warns(UserWarning, match="pure PyTorch kernel"):
         assert isinstance(_shared_prefix_kernel(meta, VarlenKernel("torch_varlen", None)), TorchBlockKernel)
     meta.backend = "flash_attn"
     with pytest.raises(NotImplementedError, match="shared_prefix=False"):
         _shared_prefix_kernel(meta, VarlenKernel("flash_attn", None))
+    # The config refuses flash_attn + shared_prefix only where flash-attn is present without the backward we need.
+    monkeypatch.setattr(common, "is_flash_attn_available", lambda: True)
+    monkeypatch.setattr(common.FlashAttnVarlenOps, "load", classmethod(lambda cls: None))
+    with pytest.raises(ValueError, match="_flash_attn_varlen_backward"):
+        SimPOGRMConfig(**cpu_args(tmp_path, shared_prefix=True, ring_attn_backend="flash_attn"))
+    monkeypatch.setattr(common.FlashAttnVarlenOps, "load", classmethod(lambda cls: ReferenceVarlenOps()))
+    SimPOGRMConfig(**cpu_args(tmp_path, shared_prefix=True, ring_attn_backend="flash_attn"))

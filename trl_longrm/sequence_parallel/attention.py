@@ -11,7 +11,9 @@ documents being read from `position_ids`: trainers get one attention path for pa
 one process, the kernel (pure PyTorch, or a varlen kernel) then runs under plain autograd (no recompute in backward).
 
 A shared-prefix row (a group's prompt once, then each response attending to it) cannot be read from `position_ids`;
-it always comes with metadata carrying `segment_parents`, and only the pure PyTorch kernel attends it.
+it always comes with metadata carrying `segment_parents`. The pure PyTorch kernel attends it with block masks; a
+varlen kernel with two calls (each piece causally on its own, then responses against their prefix) merged by their
+log-sum-exp (`SharedPrefixVarlenKernel`).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import torch
 
 from .collectives import all_gather_dim0, reduce_scatter_dim0
 from .config import SequenceParallelConfig
-from .kernels import TorchBlockKernel, resolve_kernel
+from .kernels import SharedPrefixVarlenKernel, TorchBlockKernel, resolve_kernel
 from .sharding import RingAttentionMetadata, packed_row_metadata
 from .validation import check_ring_head_stride, validate_ring_attention_model
 
@@ -125,19 +127,24 @@ def _check_call(module, query, key, attention_mask, dropout, kwargs):
         raise ValueError(f"{where}: {query.shape[1]} query heads are not a multiple of {key.shape[1]} KV heads.")
 
 
-def _shared_prefix_kernel(meta: RingAttentionMetadata, kernel) -> TorchBlockKernel:
-    # The varlen kernels take one contiguous key range per document; a response of a shared-prefix row needs its
-    # prefix's keys too. Until a log-sum-exp merge of the two is written for them, such rows take the pure PyTorch
-    # kernel (exact, SDPA blocks on any device), and an explicit request for flash-attn is refused, not ignored.
+def _shared_prefix_kernel(meta: RingAttentionMetadata, kernel):
+    """The kernel for a shared-prefix row when `kernel` (a varlen kernel) was resolved for ordinary rows."""
+    # A varlen call takes one contiguous key range per sequence, and a response needs its prefix's keys too: with the
+    # library's forward-with-lse and backward-from-(out, lse) entry points, two calls merged by their log-sum-exp
+    # serve it. Without them (an unknown flash-attn or torch version), the pure PyTorch kernel does, said once.
+    ops = getattr(kernel, "ops", None)
+    if ops is not None:
+        return SharedPrefixVarlenKernel(ops)
     if meta.backend == "flash_attn":
         raise NotImplementedError(
             f"{RING_ATTENTION_NAME} attention: ring_attn_backend='flash_attn' cannot attend a shared-prefix row "
-            "(responses attending to their group's prompt); set shared_prefix=False, or ring_attn_backend='auto' "
-            "or 'torch' to use the pure PyTorch kernel for such rows."
+            "(responses attending to their group's prompt) with this flash-attn: its varlen backward "
+            "(flash_attn_interface._flash_attn_varlen_backward) was not found with the arguments we pass. Set "
+            "shared_prefix=False, or ring_attn_backend='auto' or 'torch' to use the pure PyTorch kernel for such rows."
         )
     warnings.warn(
-        f"Shared-prefix rows are attended by the pure PyTorch kernel, not by {kernel.name!r} (no varlen support for "
-        "shared prefixes yet); set shared_prefix=False to use it.",
+        f"Shared-prefix rows are attended by the pure PyTorch kernel, not by {kernel.name!r}: this version does not "
+        "expose the varlen backward the shared-prefix merge needs; set shared_prefix=False to use it.",
         stacklevel=3,
     )
     return TorchBlockKernel()

@@ -122,11 +122,16 @@ bottom-right alignment per document (the flash-attn convention), grouped-query h
 
 class VarlenKernel:
     """Kernel on top of a variable-length attention function (flash-attn, torch's `varlen_attn`): one call per
-    head chunk, with per-document query/key boundaries from `RingAttentionMetadata.varlen_layout`."""
+    head chunk, with per-document query/key boundaries from `RingAttentionMetadata.varlen_layout`.
 
-    def __init__(self, name: str, fn: VarlenFunction):
+    `ops` (optional) are the same library's forward-with-log-sum-exp and backward-from-(out, lse) entry points; with
+    them, shared-prefix rows are attended by `SharedPrefixVarlenKernel` instead of the pure PyTorch kernel.
+    """
+
+    def __init__(self, name: str, fn: VarlenFunction, ops: VarlenOps | None = None):
         self.name = name
         self.fn = fn
+        self.ops = ops
 
     def _call(self, q, k, v, meta, scaling):
         cu_q, cu_k, max_q, max_k = meta.varlen_layout(q.device)
@@ -142,6 +147,266 @@ class VarlenKernel:
         with torch.enable_grad():
             out = self._call(q, k, v, meta, scaling)
         return torch.autograd.grad(out, (q, k, v), grad_out)
+
+
+class VarlenOps:
+    """The two entry points of a varlen attention library that a log-sum-exp merge needs (flash-attn's convention):
+
+    - `forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal) -> (out, lse)`: token-major q `[Tq, H, D]`, k/v
+      `[Tk, Hkv, D]`; `lse` is the natural-log softmax normaliser of every query, float32 `[H, Tq]`; `causal` is
+      bottom-right aligned per sequence (query i of nq sees key j of nk iff j <= i + nk - nq), else full.
+    - `backward(grad_out, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, causal) -> (dq, dk, dv)`: the gradients
+      of this call's keys given the *final* `out` and `lse` of the queries (which may also attend other keys): the
+      softmax is recomputed as `exp(s - lse)` and its Jacobian uses `rowsum(grad_out * out)`, so a query's attention
+      split over several calls and merged gets each call's exact share (as ring attention merges its blocks).
+    """
+
+    name = "varlen_ops"
+
+    def forward(self, q, k, v, cu_q, cu_k, max_q, max_k, scale, causal):
+        raise NotImplementedError
+
+    def backward(self, grad_out, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, causal):
+        raise NotImplementedError
+
+
+def _heads_first_lse(lse: torch.Tensor, q: torch.Tensor, library: str) -> torch.Tensor:
+    """The lse as float32 `[H, Tq]` (flash-attn 2 and torch's flash kernel give that; torch documents `[Tq, H]`)."""
+    tokens, heads = q.shape[0], q.shape[1]
+    if lse.shape == (heads, tokens):
+        return lse.float()
+    if lse.shape == (tokens, heads):
+        return lse.transpose(0, 1).float().contiguous()
+    raise RuntimeError(
+        f"{library} returned a log-sum-exp of shape {tuple(lse.shape)} for {tokens} queries of {heads} heads; the "
+        "shared-prefix varlen path needs [heads, tokens]. Set shared_prefix=False or ring_attn_backend='torch'."
+    )
+
+
+class FlashAttnVarlenOps(VarlenOps):
+    """flash-attn 2's varlen forward (public, `return_attn_probs=True` for the lse) and its varlen backward (the
+    private `_flash_attn_varlen_backward` that ring-flash-attention also calls; its signature is read at run time)."""
+
+    name = "flash_attn"
+
+    def __init__(self, backward_fn, backward_parameters):
+        self._backward_fn = backward_fn
+        self._backward_parameters = backward_parameters
+
+    @classmethod
+    def load(cls) -> FlashAttnVarlenOps | None:
+        """The ops when this flash-attn has a varlen backward whose arguments we know, else None."""
+        try:
+            from flash_attn import flash_attn_interface
+        except Exception:
+            return None
+        fn = getattr(flash_attn_interface, "_flash_attn_varlen_backward", None)
+        if fn is None:
+            return None
+        parameters = set(inspect.signature(fn).parameters)
+        needed = {"dout", "q", "k", "v", "out", "softmax_lse", "dq", "dk", "dv", "cu_seqlens_q", "cu_seqlens_k"}
+        if not needed <= parameters:
+            return None
+        return cls(fn, parameters)
+
+    def forward(self, q, k, v, cu_q, cu_k, max_q, max_k, scale, causal):
+        from flash_attn import flash_attn_varlen_func
+
+        with torch.no_grad():
+            out, lse, _ = flash_attn_varlen_func(
+                q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale=scale, causal=causal, return_attn_probs=True
+            )
+        return out, _heads_first_lse(lse, q, "flash-attn")
+
+    def backward(self, grad_out, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, causal):
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        kwargs = {
+            "dout": grad_out.contiguous(), "q": q, "k": k, "v": v, "out": out.contiguous(), "softmax_lse": lse,
+            "dq": dq, "dk": dk, "dv": dv, "cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k, "max_seqlen_q": max_q,
+            "max_seqlen_k": max_k, "dropout_p": 0.0, "softmax_scale": scale, "causal": causal,
+            "window_size": (-1, -1), "window_size_left": -1, "window_size_right": -1, "softcap": 0.0,
+            "alibi_slopes": None, "deterministic": False, "rng_state": None,
+        }  # fmt: skip
+        self._backward_fn(**{key: value for key, value in kwargs.items() if key in self._backward_parameters})
+        return dq, dk, dv
+
+
+class TorchVarlenOps(VarlenOps):
+    """torch's `varlen_attn` (`return_aux` for the lse) and the backward op its own autograd calls
+    (`torch.ops.torch_attn._varlen_attn_backward`), which takes the out and lse to use."""
+
+    name = "torch_varlen"
+
+    @classmethod
+    def load(cls) -> TorchVarlenOps | None:
+        try:
+            from torch.nn.attention.varlen import AuxRequest, varlen_attn  # noqa: F401
+
+            op = torch.ops.torch_attn._varlen_attn_backward
+        except (ImportError, AttributeError, RuntimeError):
+            return None
+        arguments = [argument.name for argument in op.default._schema.arguments]
+        expected = ["grad_out", "query", "key", "value", "out", "lse", "cu_seq_q", "cu_seq_k", "max_q", "max_k"]
+        if arguments[: len(expected)] != expected or "is_causal" not in arguments or "rng_state" not in arguments:
+            return None
+        return cls()
+
+    def forward(self, q, k, v, cu_q, cu_k, max_q, max_k, scale, causal):
+        from torch.nn.attention.varlen import AuxRequest, varlen_attn
+
+        with torch.no_grad():
+            out, lse = varlen_attn(
+                q, k, v, cu_q, cu_k, max_q, max_k, return_aux=AuxRequest(lse=True), scale=scale,
+                window_size=(-1, 0) if causal else (-1, -1), enable_gqa=q.shape[1] != k.shape[1],
+            )  # fmt: skip
+        return out, _heads_first_lse(lse, q, "torch varlen_attn")
+
+    def backward(self, grad_out, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, causal):
+        rng_state = torch.zeros(2, dtype=torch.uint64, device=q.device)  # no dropout
+        return torch.ops.torch_attn._varlen_attn_backward(
+            grad_out.contiguous(), q, k, v, out.contiguous(), lse, cu_q, cu_k, max_q, max_k, causal, rng_state,
+            scale=scale, window_size=[-1, 0] if causal else [-1, -1],
+        )  # fmt: skip
+
+
+class _SharedPrefixLayout:
+    """The two varlen calls that attend a shared-prefix slice exactly, without copying a prefix per response.
+
+    - Call A (causal): every local document piece against its own document's keys up to its last local query, as for
+      an ordinary packed row (a prefix attends only to itself; a response causally to itself).
+    - Call B (full): the local queries of the responses of one prefix, all of them as one query sequence, against
+      that prefix's (and its ancestors') keys, taken once per prefix.
+
+    A response's output is the log-sum-exp merge of its two calls. Indices are relative to the local queries and to
+    the keys `[kv_start, local_end)`.
+    """
+
+    def __init__(self, meta: RingAttentionMetadata, device: torch.device):
+        cu, offset = meta.cu_seqlens, meta.kv_start
+        documents = list(meta.local_documents())
+        self.keys_a_start = cu[documents[0]] - offset
+        cu_q_a, cu_k_a, max_q_a, max_k_a = [0], [0], 0, 0
+        sequences_b: list[tuple[tuple[int, ...], int, int]] = []  # (ancestors, q_lo, q_hi), local query indices
+        for doc in documents:
+            doc_start, doc_end = cu[doc], cu[doc + 1]
+            q_lo, q_hi = max(doc_start, meta.local_start), min(doc_end, meta.local_end)
+            cu_q_a.append(cu_q_a[-1] + q_hi - q_lo)
+            cu_k_a.append(cu_k_a[-1] + q_hi - doc_start)
+            max_q_a, max_k_a = max(max_q_a, q_hi - q_lo), max(max_k_a, q_hi - doc_start)
+            ancestors = tuple(meta.ancestors(doc))
+            if not ancestors:
+                continue
+            a, b = q_lo - meta.local_start, q_hi - meta.local_start
+            if sequences_b and sequences_b[-1][0] == ancestors and sequences_b[-1][2] == a:
+                sequences_b[-1] = (ancestors, sequences_b[-1][1], b)  # the next response of the same prefix
+            else:
+                sequences_b.append((ancestors, a, b))
+        as_int32 = lambda values: torch.tensor(values, dtype=torch.int32, device=device)  # noqa: E731
+        self.call_a = (as_int32(cu_q_a), as_int32(cu_k_a), max_q_a, max_k_a)
+        self.key_ranges_b = [
+            (cu[p] - offset, cu[p + 1] - offset) for ancestors, _, _ in sequences_b for p in ancestors
+        ]
+        cu_q_b, cu_k_b = [0], [0]
+        for ancestors, a, b in sequences_b:
+            cu_q_b.append(cu_q_b[-1] + b - a)
+            cu_k_b.append(cu_k_b[-1] + sum(cu[p + 1] - cu[p] for p in ancestors))
+        self.has_b = bool(sequences_b)
+        if self.has_b:
+            lengths_q = [cu_q_b[i + 1] - cu_q_b[i] for i in range(len(sequences_b))]
+            lengths_k = [cu_k_b[i + 1] - cu_k_b[i] for i in range(len(sequences_b))]
+            self.call_b = (as_int32(cu_q_b), as_int32(cu_k_b), max(lengths_q), max(lengths_k))
+            self.queries_b = torch.cat([torch.arange(a, b, device=device) for _, a, b in sequences_b])
+
+    @classmethod
+    def of(cls, meta: RingAttentionMetadata, device: torch.device) -> _SharedPrefixLayout:
+        key = ("shared_prefix_varlen", str(device))
+        if key not in meta._cache:
+            meta._cache[key] = cls(meta, device)
+        return meta._cache[key]
+
+    def keys_b(self, t: torch.Tensor) -> torch.Tensor:
+        return torch.cat([t[lo:hi] for lo, hi in self.key_ranges_b])
+
+    def forward(self, ops: VarlenOps, q, k, v, scale):
+        """`(out, lse)` of every local query over all the keys it sees."""
+        a = self.keys_a_start
+        out, lse = ops.forward(q, k[a:].contiguous(), v[a:].contiguous(), *self.call_a, scale, True)
+        if not self.has_b:
+            return out, lse
+        idx = self.queries_b
+        out_b, lse_b = ops.forward(q[idx], self.keys_b(k), self.keys_b(v), *self.call_b, scale, False)
+        lse_a = lse[:, idx]
+        merged = torch.logaddexp(lse_a, lse_b)
+        weight_a = torch.exp(lse_a - merged).transpose(0, 1).unsqueeze(-1)  # [n, H, 1]
+        weight_b = torch.exp(lse_b - merged).transpose(0, 1).unsqueeze(-1)
+        out = out.clone()
+        out[idx] = (out[idx].float() * weight_a + out_b.float() * weight_b).to(out.dtype)
+        lse = lse.clone()
+        lse[:, idx] = merged
+        return out, lse
+
+    def backward(self, ops: VarlenOps, grad_out, q, k, v, out, lse, scale):
+        a = self.keys_a_start
+        dq, dk_a, dv_a = ops.backward(grad_out, q, k[a:].contiguous(), v[a:].contiguous(), out, lse, *self.call_a,
+                                      scale, True)  # fmt: skip
+        dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+        dk[a:] += dk_a
+        dv[a:] += dv_a
+        if self.has_b:
+            idx = self.queries_b
+            dq_b, dk_b, dv_b = ops.backward(
+                grad_out[idx], q[idx], self.keys_b(k), self.keys_b(v), out[idx], lse[:, idx].contiguous(),
+                *self.call_b, scale, False,
+            )  # fmt: skip
+            dq = dq.index_add(0, idx, dq_b.to(dq.dtype))
+            at = 0
+            for lo, hi in self.key_ranges_b:  # each prefix once, with the gradient of all its responses' queries
+                dk[lo:hi] += dk_b[at : at + hi - lo]
+                dv[lo:hi] += dv_b[at : at + hi - lo]
+                at += hi - lo
+        return dq, dk, dv
+
+
+class _SharedPrefixVarlenFunction(torch.autograd.Function):
+    """Autograd over the two calls: saves q/k/v and the merged out/lse, so the backward recomputes nothing."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, layout, ops, scale):
+        out, lse = layout.forward(ops, q, k, v, scale)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.layout, ctx.ops, ctx.scale = layout, ops, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = ctx.layout.backward(ctx.ops, grad_out, q, k, v, out, lse, ctx.scale)
+        return dq, dk, dv, None, None, None
+
+
+class SharedPrefixVarlenKernel:
+    """A varlen library's kernels on a shared-prefix row: prefix and own keys attended by two calls and merged with
+    their log-sum-exp (see `_SharedPrefixLayout`), the backward of each call taking the merged out and lse. No
+    prefix's keys are copied per response: each is passed once per slice, for all of its responses."""
+
+    def __init__(self, ops: VarlenOps):
+        self.ops = ops
+        self.name = f"{ops.name}_shared_prefix"
+
+    @staticmethod
+    def _contiguous(*tensors):
+        # Head-chunk slices of transposed views: give the fused kernels plain contiguous [tokens, heads, dim] tensors.
+        return (t.contiguous() for t in tensors)
+
+    def forward(self, q, k, v, meta: RingAttentionMetadata, scaling: float) -> torch.Tensor:
+        layout = _SharedPrefixLayout.of(meta, q.device)
+        return _SharedPrefixVarlenFunction.apply(*self._contiguous(q, k, v), layout, self.ops, scaling)
+
+    def backward(self, q, k, v, grad_out, meta: RingAttentionMetadata, scaling: float):
+        layout = _SharedPrefixLayout.of(meta, q.device)
+        q, k, v = self._contiguous(q, k, v)
+        out, lse = layout.forward(self.ops, q, k, v, scaling)
+        return layout.backward(self.ops, grad_out, q, k, v, out, lse, scaling)
 
 
 def _flash_attn_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale):
@@ -190,15 +455,15 @@ def resolve_kernel(backend: str, device: torch.device, dtype: torch.dtype):
             raise ValueError(f"ring_attn_backend='flash_attn' runs on CUDA tensors only, got tensors on {device}.")
         if dtype not in _HALF_DTYPES:
             raise ValueError(f"ring_attn_backend='flash_attn' needs float16 or bfloat16 tensors, got {dtype}.")
-        return VarlenKernel("flash_attn", _flash_attn_varlen)
+        return VarlenKernel("flash_attn", _flash_attn_varlen, FlashAttnVarlenOps.load())
     if backend == "auto":
         if device.type == "cuda" and dtype in _HALF_DTYPES and is_flash_attn_available():
-            return VarlenKernel("flash_attn", _flash_attn_varlen)
+            return VarlenKernel("flash_attn", _flash_attn_varlen, FlashAttnVarlenOps.load())
         return resolve_kernel("torch", device, dtype)
     if backend == "torch":
         if device.type == "cuda" and dtype in _HALF_DTYPES:
             fn = _torch_varlen_function()
             if fn is not None:
-                return VarlenKernel("torch_varlen", fn)
+                return VarlenKernel("torch_varlen", fn, TorchVarlenOps.load())
         return TorchBlockKernel()
     raise ValueError(f"Unknown ring attention backend {backend!r}; expected 'auto', 'torch' or 'flash_attn'.")

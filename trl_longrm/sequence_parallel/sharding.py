@@ -122,7 +122,7 @@ class RingAttentionMetadata:
 
     @property
     def has_shared_prefixes(self) -> bool:
-        """Whether some document continues a shared prefix (only the pure PyTorch kernel attends such rows)."""
+        """Whether some document continues a shared prefix (its responses attend to it: no plain varlen layout)."""
         return self.segment_parents is not None
 
     def ancestors(self, document: int) -> list[int]:
@@ -189,7 +189,7 @@ class RingAttentionMetadata:
         keys being the global row's `[kv_start, local_end)`."""
         if self.segment_parents is not None:
             raise NotImplementedError(
-                "A row with shared prefixes has no varlen layout: only the pure PyTorch kernel attends it."
+                "A row with shared prefixes has no single varlen layout (see kernels.SharedPrefixVarlenKernel)."
             )
         key = ("varlen", str(device))
         if key not in self._cache:

@@ -22,6 +22,7 @@ from trl_longrm.data.stock_columns import (
     is_group_row,
     with_stock_columns,
 )
+from trl_longrm.sequence_parallel.kernels import FlashAttnVarlenOps, is_flash_attn_available
 
 
 logger = logging.getLogger(__name__)
@@ -84,8 +85,10 @@ SHARED_PREFIX_HELP = (
     "continuing from the prompt's length, each attending to the whole prompt and causally to itself, never to another "
     "response) instead of k + 1 sequences that each repeat the prompt. The log-probs, scores, losses and gradients "
     "equal those of the unshared layout; the prompt's tokens and its attention are computed once. Needs "
-    "`padding_free=True` (without it the unshared padded layout is used) and is attended by the pure PyTorch ring "
-    "kernel, also on CUDA (not flash-attn). `max_tokens_per_row` then counts the prompt once. Default {default}."
+    "`padding_free=True` (without it the unshared padded layout is used). Attended by the pure PyTorch ring kernel "
+    "on CPU; on CUDA by the varlen kernel (flash-attn or torch's varlen_attn) in two calls merged by their "
+    "log-sum-exp, each prompt's keys passed once for all its responses. `max_tokens_per_row` then counts the prompt "
+    "once. Default {default}."
 )
 
 
@@ -98,10 +101,16 @@ def check_shared_prefix_args(args) -> None:
     """Refuse combinations `shared_prefix` cannot honour, naming the fields (called by the configs)."""
     if getattr(args, "shared_prefix", False) and not args.padding_free:
         logger.info("shared_prefix=True needs padding_free=True: groups use the unshared padded layout.")
-    if uses_shared_prefix(args) and getattr(args, "ring_attn_backend", "auto") == "flash_attn":
+    if (
+        uses_shared_prefix(args)
+        and getattr(args, "ring_attn_backend", "auto") == "flash_attn"
+        and is_flash_attn_available()
+        and FlashAttnVarlenOps.load() is None
+    ):
         raise ValueError(
-            "shared_prefix=True rows are attended by the pure PyTorch ring kernel, but ring_attn_backend='flash_attn' "
-            "was requested: set shared_prefix=False to use flash-attn, or ring_attn_backend='auto'."
+            "shared_prefix=True with ring_attn_backend='flash_attn' needs flash-attn's varlen backward "
+            "(flash_attn_interface._flash_attn_varlen_backward taking out and softmax_lse), which this flash-attn "
+            "lacks: set shared_prefix=False, or ring_attn_backend='auto' (the pure PyTorch kernel for such rows)."
         )
 
 
