@@ -479,16 +479,23 @@ def test_shared_row_varlen_merge_single_process(row, monkeypatch):
 
 @pytest.mark.parametrize("row", ROWS, ids=["three_groups", "with_unshared_document"])
 @pytest.mark.parametrize("group_size", [2, 3, 4])
-def test_shared_row_varlen_merge_on_emulated_ring(row, group_size):
+@pytest.mark.parametrize("ops", ["reference", "cpu_flash_chunk_2", "cpu_flash"])
+def test_shared_row_varlen_merge_on_emulated_ring(row, group_size, ops):
     """The same merge slice by slice as ring ranks run it (kernel forward, and the recomputing backward the ring
-    uses): responses whose prompt lies on another rank, pieces starting inside their document."""
-    from trl_longrm.sequence_parallel.kernels import SharedPrefixVarlenKernel
+    uses): responses whose prompt lies on another rank, pieces starting inside their document. With the stand-in
+    of flash-attn's contract and with PyTorch's fused CPU attention (what CPU runs use), in query blocks of 2."""
+    from trl_longrm.sequence_parallel.kernels import SharedPrefixVarlenKernel, TorchCpuFlashOps
 
     lengths, parents, _ = shared_layout(row)
     length, scaling = sum(lengths), 0.25
     q, k, v, grad_out = random_problem(6, 3, length, seed=group_size)
     expected = reference(q, k, v, grad_out, row, scaling)
-    kernel = SharedPrefixVarlenKernel(ReferenceVarlenOps())
+    ops = {
+        "reference": ReferenceVarlenOps(),
+        "cpu_flash_chunk_2": TorchCpuFlashOps(query_chunk_size=2),
+        "cpu_flash": TorchCpuFlashOps(),
+    }[ops]
+    kernel = SharedPrefixVarlenKernel(ops)
     got, kv_starts = emulated_shared_ring(q, k, v, grad_out, lengths, parents, group_size, 1024, scaling, kernel)
     assert_all_close(got, expected, f"varlen merge, ring of {group_size}")
     local = -(-length // group_size)
@@ -527,14 +534,18 @@ def test_varlen_kernels_take_shared_rows_through_the_merge(tmp_path, monkeypatch
     from trl_longrm.trainers import common
 
     meta = shared_row_metadata(torch.tensor([3, 2, 2]), torch.tensor([-1, 0, 0]))
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
     with pytest.raises(NotImplementedError, match="varlen"):
-        meta.varlen_layout(torch.device("cpu"))
-    assert isinstance(_shared_prefix_kernel(meta, stand_in_varlen_kernel()), SharedPrefixVarlenKernel)
+        meta.varlen_layout(cpu)
+    assert isinstance(_shared_prefix_kernel(meta, stand_in_varlen_kernel(), cuda), SharedPrefixVarlenKernel)
+    on_cpu = _shared_prefix_kernel(meta, TorchBlockKernel(), cpu)
+    assert isinstance(on_cpu, SharedPrefixVarlenKernel) and on_cpu.ops.name == "torch_cpu_flash"
+    assert isinstance(_shared_prefix_kernel(meta, TorchBlockKernel(), cuda), TorchBlockKernel)  # fp32 on CUDA
     with pytest.warns(UserWarning, match="pure PyTorch kernel"):
-        assert isinstance(_shared_prefix_kernel(meta, VarlenKernel("torch_varlen", None)), TorchBlockKernel)
+        assert isinstance(_shared_prefix_kernel(meta, VarlenKernel("torch_varlen", None), cuda), TorchBlockKernel)
     meta.backend = "flash_attn"
     with pytest.raises(NotImplementedError, match="shared_prefix=False"):
-        _shared_prefix_kernel(meta, VarlenKernel("flash_attn", None))
+        _shared_prefix_kernel(meta, VarlenKernel("flash_attn", None), cuda)
     # The config refuses flash_attn + shared_prefix only where flash-attn is present without the backward we need.
     monkeypatch.setattr(common, "is_flash_attn_available", lambda: True)
     monkeypatch.setattr(common.FlashAttnVarlenOps, "load", classmethod(lambda cls: None))

@@ -11,9 +11,9 @@ documents being read from `position_ids`: trainers get one attention path for pa
 one process, the kernel (pure PyTorch, or a varlen kernel) then runs under plain autograd (no recompute in backward).
 
 A shared-prefix row (a group's prompt once, then each response attending to it) cannot be read from `position_ids`;
-it always comes with metadata carrying `segment_parents`. The pure PyTorch kernel attends it with block masks; a
-varlen kernel with two calls (each piece causally on its own, then responses against their prefix) merged by their
-log-sum-exp (`SharedPrefixVarlenKernel`).
+it always comes with metadata carrying `segment_parents`. It is attended in two calls (each piece causally on its own,
+then each prefix's responses against it) merged by their log-sum-exp (`SharedPrefixVarlenKernel`), with the varlen
+library on CUDA and PyTorch's fused CPU attention on CPU; the block-masked pure PyTorch kernel is the fallback.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import torch
 
 from .collectives import all_gather_dim0, reduce_scatter_dim0
 from .config import SequenceParallelConfig
-from .kernels import SharedPrefixVarlenKernel, TorchBlockKernel, resolve_kernel
+from .kernels import SharedPrefixVarlenKernel, TorchBlockKernel, TorchCpuFlashOps, resolve_kernel
 from .sharding import RingAttentionMetadata, packed_row_metadata
 from .validation import check_ring_head_stride, validate_ring_attention_model
 
@@ -127,11 +127,13 @@ def _check_call(module, query, key, attention_mask, dropout, kwargs):
         raise ValueError(f"{where}: {query.shape[1]} query heads are not a multiple of {key.shape[1]} KV heads.")
 
 
-def _shared_prefix_kernel(meta: RingAttentionMetadata, kernel):
-    """The kernel for a shared-prefix row when `kernel` (a varlen kernel) was resolved for ordinary rows."""
-    # A varlen call takes one contiguous key range per sequence, and a response needs its prefix's keys too: with the
-    # library's forward-with-lse and backward-from-(out, lse) entry points, two calls merged by their log-sum-exp
-    # serve it. Without them (an unknown flash-attn or torch version), the pure PyTorch kernel does, said once.
+def _shared_prefix_kernel(meta: RingAttentionMetadata, kernel, device: torch.device):
+    """The kernel for a shared-prefix row, `kernel` being the one resolved for ordinary rows."""
+    if isinstance(kernel, TorchBlockKernel):
+        # On CPU, PyTorch's fused CPU attention with its lse serves the merge below; its masked blocks (the block
+        # kernel's way of showing a response its prompt) would keep [queries, prompt] scores for the backward.
+        ops = TorchCpuFlashOps.load(meta.query_chunk_size) if device.type == "cpu" else None
+        return SharedPrefixVarlenKernel(ops) if ops is not None else kernel
     ops = getattr(kernel, "ops", None)
     if ops is not None:
         return SharedPrefixVarlenKernel(ops)
@@ -193,8 +195,8 @@ def ring_attention_forward(
     for b, meta in enumerate(metas):
         check_ring_head_stride(meta.ring_head_stride, key.shape[1])
         kernel = resolve_kernel(meta.backend, query.device, query.dtype)
-        if meta.has_shared_prefixes and not isinstance(kernel, TorchBlockKernel):
-            kernel = _shared_prefix_kernel(meta, kernel)
+        if meta.has_shared_prefixes:
+            kernel = _shared_prefix_kernel(meta, kernel, query.device)
         q, k, v = (t[b].transpose(0, 1) for t in (query, key, value))
         if meta.group is None:
             # One process: nothing to gather, so `_RingAttention` (whose backward recomputes each head chunk's
