@@ -85,9 +85,9 @@ SHARED_PREFIX_HELP = (
     "continuing from the prompt's length, each attending to the whole prompt and causally to itself, never to another "
     "response) instead of k + 1 sequences that each repeat the prompt. The log-probs, scores, losses and gradients "
     "equal those of the unshared layout; the prompt's tokens and its attention are computed once. Needs "
-    "`padding_free=True` (without it the unshared padded layout is used). Attended by the pure PyTorch ring kernel "
-    "on CPU; on CUDA by the varlen kernel (flash-attn or torch's varlen_attn) in two calls merged by their "
-    "log-sum-exp, each prompt's keys passed once for all its responses. `max_tokens_per_row` then counts the prompt "
+    "`padding_free=True` (without it the unshared padded layout is used). Attended in two calls merged by their "
+    "log-sum-exp (each piece causally, then each prompt's responses against the prompt's keys, passed once): "
+    "PyTorch's fused CPU attention on CPU, the varlen kernel (flash-attn or torch's varlen_attn) on CUDA. `max_tokens_per_row` then counts the prompt "
     "once. Default {default}."
 )
 
