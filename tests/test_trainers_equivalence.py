@@ -786,6 +786,35 @@ def test_models_with_attention_the_ring_cannot_run_train_padded(tmp_path, tokeni
         )
 
 
+def test_grm_moe_router_loss_added_as_stock(tmp_path, tokenizer, caplog):
+    """A Mixture-of-Experts model whose config asks for the router loss: stock CPOTrainer adds
+    `router_aux_loss_coef * aux_loss`; ours trains it through that path (logged), so the loss is stock's, router
+    term included (it differs from the loss without it)."""
+    from test_sft_parity import moe_model
+
+    data = Dataset.from_list(text_preference_rows())
+    common = cpu_args(tmp_path, max_length=256, beta=0.1, cpo_alpha=1.0, loss_type="simpo", simpo_gamma=0.5)
+    common["train_sampling_strategy"] = "sequential"
+    stock = CPOTrainer(model=moe_model(tokenizer), args=CPOConfig(**common), train_dataset=data, processing_class=tokenizer)
+    with caplog.at_level("WARNING"):
+        ours = SimPOGRMTrainer(
+            model=moe_model(tokenizer), args=SimPOGRMConfig(**common), train_dataset=data, processing_class=tokenizer
+        )
+    assert "stock TRL CPOTrainer's path" in caplog.text and "router loss" in caplog.text
+    stock_loss, stock_metrics = stock.get_batch_loss_metrics(stock.model, first_batch(stock))
+    loss, metrics = ours.get_batch_loss_metrics(ours.model, first_batch(ours))
+    torch.testing.assert_close(loss, stock_loss)
+    assert metrics == stock_metrics
+    stock.aux_loss_enabled = False  # not vacuous: the router term is part of that loss
+    without_router, _ = stock.get_batch_loss_metrics(stock.model, first_batch(stock))
+    assert abs(without_router.item() - stock_loss.item()) > 1e-4
+    # A router loss switched off (coefficient 0) is no reason to leave our path.
+    model = moe_model(tokenizer)
+    model.config.router_aux_loss_coef = 0.0
+    ours = SimPOGRMTrainer(model=model, args=SimPOGRMConfig(**common), train_dataset=data, processing_class=tokenizer)
+    assert not ours._stock_path
+
+
 def test_grm_models_our_lm_head_cannot_serve_train_as_stock(tmp_path, tokenizer, caplog):
     """An encoder-decoder (TRL's CPO tests use T5) trains through stock CPOTrainer's whole path, said in one logged
     line, with the stock loss; LongRM rows, which that path cannot read, and sequence parallelism are errors."""

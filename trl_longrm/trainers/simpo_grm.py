@@ -219,11 +219,19 @@ class SimPOGRMTrainer(SequenceParallelMixin, CPOTrainer):
 
     def _use_stock_path(self, model, args, train_dataset, eval_dataset) -> bool:
         """Whether this model needs stock CPOTrainer's own forward (an encoder-decoder, logit scaling or softcapping,
-        which our sparse LM head does not compute): then the whole of CPOTrainer's path trains it, said in one
+        which our sparse LM head does not compute; a Mixture-of-Experts router loss stock adds): then the whole of CPOTrainer's path trains it, said in one
         logged line. It takes TRL's preference formats with one rejected response; with sequence parallelism, or
         LongRM's rows, it is an error."""
         skeleton = model_skeleton(model, args) if isinstance(model, str) else model
         reasons = lm_head_reasons(skeleton, args) if skeleton is not None else []
+        config = getattr(skeleton, "config", None)
+        if getattr(config, "output_router_logits", False) and getattr(config, "router_aux_loss_coef", 0.0):
+            # Stock CPOTrainer adds the router's load-balancing loss (`router_aux_loss_coef * aux_loss`), which only
+            # the model's own forward returns.
+            reasons.append(
+                f"the model's Mixture-of-Experts router loss (output_router_logits=True, router_aux_loss_coef="
+                f"{config.router_aux_loss_coef}) comes from the model's own forward"
+            )
         if not reasons:
             return False
         if args.sequence_parallel_size > 1:
