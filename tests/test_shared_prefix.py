@@ -95,11 +95,11 @@ def assert_all_close(got, expected, label):
         torch.testing.assert_close(g, e, atol=1e-5, rtol=1e-5, msg=lambda m, n=name: f"{label} {n}: {m}")
 
 
-@pytest.mark.parametrize("row", ROWS, ids=["three_groups", "with_unshared_document"])
-def test_shared_row_attention_single_process(row):
+def single_process_shared_row(row, scaling):
+    """`(got, expected, problem)`: a shared row through `ring_attention_forward` on one process (out and the q/k/v
+    gradients) and the unshared reference of the same problem."""
     lengths, parents, _ = shared_layout(row)
-    length, scaling = sum(lengths), 0.3
-    q, k, v, grad_out = random_problem(4, 2, length, seed=len(row))
+    q, k, v, grad_out = random_problem(4, 2, sum(lengths), seed=len(row))
     expected = reference(q, k, v, grad_out, row, scaling)
     leaves = [t.clone()[None].requires_grad_() for t in (q, k, v)]
     meta = shared_row_metadata(torch.tensor(lengths), torch.tensor(parents))
@@ -107,6 +107,13 @@ def test_shared_row_attention_single_process(row):
     out, _ = ring_attention_forward(MODULE, *leaves, None, scaling=scaling, ring_attn_meta=meta)
     out.backward(grad_out[None])
     got = [out[0].detach(), *(t.grad[0].transpose(0, 1) for t in leaves)]
+    return got, expected, (q, k, v)
+
+
+@pytest.mark.parametrize("row", ROWS, ids=["three_groups", "with_unshared_document"])
+def test_shared_row_attention_single_process(row):
+    scaling = 0.3
+    got, expected, (q, k, v) = single_process_shared_row(row, scaling)
     assert_all_close(got, expected, "one process")
     # Not vacuous: reading the same row's documents from its position ids (each response continuing the previous
     # token) attends differently.
@@ -463,17 +470,9 @@ def test_shared_row_varlen_merge_single_process(row, monkeypatch):
 
     kernel = stand_in_varlen_kernel()
     monkeypatch.setattr(attention, "resolve_kernel", lambda *args: kernel)
-    lengths, parents, _ = shared_layout(row)
-    length, scaling = sum(lengths), 0.3
-    q, k, v, grad_out = random_problem(4, 2, length, seed=len(row))
-    expected = reference(q, k, v, grad_out, row, scaling)
-    leaves = [t.clone()[None].requires_grad_() for t in (q, k, v)]
-    meta = shared_row_metadata(torch.tensor(lengths), torch.tensor(parents))
-    out, _ = ring_attention_forward(MODULE, *leaves, None, scaling=scaling, ring_attn_meta=meta)
-    out.backward(grad_out[None])
-    got = [out[0].detach(), *(t.grad[0].transpose(0, 1) for t in leaves)]
+    got, expected, _ = single_process_shared_row(row, 0.3)
     assert_all_close(got, expected, "varlen merge, one process")
-    prompts = sum(prompt for prompt, _ in row)
+    length, prompts = sum(shared_layout(row)[0]), sum(prompt for prompt, _ in row)
     assert kernel.ops.key_tokens == {True: length, False: prompts}
 
 
