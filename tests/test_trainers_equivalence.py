@@ -795,7 +795,9 @@ def test_grm_moe_router_loss_added_as_stock(tmp_path, tokenizer, caplog):
     data = Dataset.from_list(text_preference_rows())
     common = cpu_args(tmp_path, max_length=256, beta=0.1, cpo_alpha=1.0, loss_type="simpo", simpo_gamma=0.5)
     common["train_sampling_strategy"] = "sequential"
-    stock = CPOTrainer(model=moe_model(tokenizer), args=CPOConfig(**common), train_dataset=data, processing_class=tokenizer)
+    stock = CPOTrainer(
+        model=moe_model(tokenizer), args=CPOConfig(**common), train_dataset=data, processing_class=tokenizer
+    )
     with caplog.at_level("WARNING"):
         ours = SimPOGRMTrainer(
             model=moe_model(tokenizer), args=SimPOGRMConfig(**common), train_dataset=data, processing_class=tokenizer

@@ -414,9 +414,8 @@ class _SharedPrefixLayout:
         merged = torch.logaddexp(lse_a, lse_b)
         weight_a = torch.exp(lse_a - merged).transpose(0, 1).unsqueeze(-1)  # [n, H, 1]
         weight_b = torch.exp(lse_b - merged).transpose(0, 1).unsqueeze(-1)
-        out = out.clone()
+        # The ops return fresh tensors: merge in place.
         out[idx] = (out[idx].float() * weight_a + out_b.float() * weight_b).to(out.dtype)
-        lse = lse.clone()
         lse[:, idx] = merged
         return out, lse
 

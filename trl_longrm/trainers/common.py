@@ -87,8 +87,8 @@ SHARED_PREFIX_HELP = (
     "equal those of the unshared layout; the prompt's tokens and its attention are computed once. Needs "
     "`padding_free=True` (without it the unshared padded layout is used). Attended in two calls merged by their "
     "log-sum-exp (each piece causally, then each prompt's responses against the prompt's keys, passed once): "
-    "PyTorch's fused CPU attention on CPU, the varlen kernel (flash-attn or torch's varlen_attn) on CUDA. `max_tokens_per_row` then counts the prompt "
-    "once. Default {default}."
+    "PyTorch's fused CPU attention on CPU, the varlen kernel (flash-attn or torch's varlen_attn) on CUDA. "
+    "`max_tokens_per_row` then counts the prompt once. Default {default}."
 )
 
 

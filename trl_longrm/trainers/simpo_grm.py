@@ -219,9 +219,9 @@ class SimPOGRMTrainer(SequenceParallelMixin, CPOTrainer):
 
     def _use_stock_path(self, model, args, train_dataset, eval_dataset) -> bool:
         """Whether this model needs stock CPOTrainer's own forward (an encoder-decoder, logit scaling or softcapping,
-        which our sparse LM head does not compute; a Mixture-of-Experts router loss stock adds): then the whole of CPOTrainer's path trains it, said in one
-        logged line. It takes TRL's preference formats with one rejected response; with sequence parallelism, or
-        LongRM's rows, it is an error."""
+        which our sparse LM head does not compute; a Mixture-of-Experts router loss, which stock adds): then the
+        whole of CPOTrainer's path trains it, said in one logged line. It takes TRL's preference formats with one
+        rejected response; with sequence parallelism, or LongRM's rows, it is an error."""
         skeleton = model_skeleton(model, args) if isinstance(model, str) else model
         reasons = lm_head_reasons(skeleton, args) if skeleton is not None else []
         config = getattr(skeleton, "config", None)
