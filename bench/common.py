@@ -50,6 +50,26 @@ def maxrss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def fix_mmap_threshold(threshold_bytes: int) -> None:
+    """Serve every allocation of at least `threshold_bytes` by its own mmap, returned to the system when freed.
+
+    glibc starts at a 128 KiB mmap threshold but raises it (up to 32 MiB) each time a mmapped block is freed; from then
+    on tensors under 32 MiB come from the heap, whose freed memory mostly stays resident. The peak RSS then counts
+    fragmentation as well as live tensors, and more so for a run whose activations are small (a shared-prefix row's
+    are a fifth of the unshared row's, so they fall under the raised threshold where the unshared ones do not).
+    Fixing the threshold (`mallopt(M_MMAP_THRESHOLD)`, which also stops the raising) makes the peak RSS follow the
+    live tensors in both. No-op where the C library is not glibc.
+    """
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return
+    m_mmap_threshold = -3  # <malloc.h>
+    libc.mallopt(m_mmap_threshold, int(threshold_bytes))
+
+
 def rss_bytes() -> int:
     """Current resident set size of this process."""
     with open("/proc/self/statm") as handle:
@@ -194,16 +214,18 @@ def build_model(task: str, tokenizer, seed: int = 0):
 
 
 def build_trainer(trainer: str, impl: str, model, tokenizer, groups: list[dict], output_dir: str, steps: int,
-                  callbacks=(), **overrides):
-    """One of the four trainers on `groups`: `trainer` in ('grm', 'disrm'), `impl` in ('ours', 'stock')."""
+                  callbacks=(), peft_config=None, **overrides):
+    """One of the four trainers on `groups`: `trainer` in ('grm', 'disrm'), `impl` in ('ours', 'stock'); with
+    `peft_config`, the trainer wraps the model in that adapter (as TRL trainers do)."""
     from transformers import PrinterCallback
 
-    instance = _build_trainer(trainer, impl, model, tokenizer, groups, output_dir, steps, callbacks, **overrides)
+    instance = _build_trainer(trainer, impl, model, tokenizer, groups, output_dir, steps, callbacks, peft_config,
+                              **overrides)
     instance.remove_callback(PrinterCallback)  # the final metrics dict of every run would clutter the output
     return instance
 
 
-def _build_trainer(trainer, impl, model, tokenizer, groups, output_dir, steps, callbacks, **overrides):
+def _build_trainer(trainer, impl, model, tokenizer, groups, output_dir, steps, callbacks, peft_config, **overrides):
     from datasets import Dataset
 
     max_length = max(group_tokens(g) for g in groups)  # no truncation, no filtering: every token is trained
@@ -214,7 +236,7 @@ def _build_trainer(trainer, impl, model, tokenizer, groups, output_dir, steps, c
 
         config = SimPOGRMConfig(nll_loss_weight=0.0, **args)  # cpo_alpha=0, as the stock run
         return SimPOGRMTrainer(model=model, args=config, train_dataset=Dataset.from_list(groups),
-                               processing_class=tokenizer, callbacks=callbacks)
+                               processing_class=tokenizer, callbacks=callbacks, peft_config=peft_config)
     if trainer == "grm" and impl == "stock":
         from trl.experimental.cpo import CPOConfig, CPOTrainer
 
@@ -227,19 +249,19 @@ def _build_trainer(trainer, impl, model, tokenizer, groups, output_dir, steps, c
         config = CPOConfig(loss_type="simpo", cpo_alpha=0.0, beta=2.5, simpo_gamma=0.5, remove_unused_columns=False,
                            **args)
         return PretokenisedCPOTrainer(model=model, args=config, train_dataset=Dataset.from_list(stock_cpo_rows(groups)),
-                                      processing_class=tokenizer, callbacks=callbacks)
+                                      processing_class=tokenizer, callbacks=callbacks, peft_config=peft_config)
     if trainer == "disrm" and impl == "ours":
         from trl_longrm import SimPODisRMConfig, SimPODisRMTrainer
 
         config = SimPODisRMConfig(**args)
         return SimPODisRMTrainer(model=model, args=config, train_dataset=Dataset.from_list(groups),
-                                 processing_class=tokenizer, callbacks=callbacks)
+                                 processing_class=tokenizer, callbacks=callbacks, peft_config=peft_config)
     if trainer == "disrm" and impl == "stock":
         from trl import RewardConfig, RewardTrainer
 
         config = RewardConfig(**args)
         return RewardTrainer(model=model, args=config, train_dataset=Dataset.from_list(stock_reward_rows(groups)),
-                             processing_class=tokenizer, callbacks=callbacks)
+                             processing_class=tokenizer, callbacks=callbacks, peft_config=peft_config)
     raise ValueError(f"unknown trainer {trainer!r} / impl {impl!r}")
 
 
