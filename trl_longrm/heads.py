@@ -71,7 +71,7 @@ def _logit_transform(config):
 
 
 class _LabelLogProb(torch.autograd.Function):
-    """`logits[n, labels[n]] - logsumexp(logits[n])` that never allocates another logits-sized buffer.
+    """`logits[n, labels[n]] - logsumexp(logits[n])`, allocating at most one logits-sized buffer (none in place).
 
     Autograd's own graph of the same expression keeps the logits for `logsumexp`, then allocates its `exp`, the product
     with the incoming gradient, the scattered gradient of `gather` and their sum: four to five logits-sized buffers at
@@ -88,8 +88,7 @@ class _LabelLogProb(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, overwrite: bool = False) -> torch.Tensor:
         rows = max(1, _LabelLogProb.BLOCK_ELEMENTS // max(1, logits.shape[-1]))
-        lse = torch.cat([torch.logsumexp(block, dim=-1) for block in logits.split(rows)]) if len(logits) else (
-            logits.new_zeros(0))
+        lse = torch.cat([torch.logsumexp(block, dim=-1) for block in logits.split(rows)])
         ctx.save_for_backward(logits, labels, lse)
         ctx.overwrite = overwrite
         return logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - lse
