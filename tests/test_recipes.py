@@ -302,7 +302,8 @@ def test_killed_run_resumes_with_the_same_command(tiny_assets, uninterrupted_run
     )
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     command = [sys.executable, "-c", kill_after_save, str(RECIPES / "tiny" / "sft.yaml"), *args]
-    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,
+                            preexec_fn=interruptible)
     assert result.returncode != 0, result.stderr[-3000:]
     assert (killed / f"checkpoint-{kill_step}").is_dir() and not (killed / "trainer_state.json").exists()
     newest = killed / f"checkpoint-{kill_step}"
@@ -329,6 +330,15 @@ def test_killed_run_resumes_with_the_same_command(tiny_assets, uninterrupted_run
         again = launch("cpu_single.yaml", "sft.yaml", *args, *extra)
         assert f"{killed} already holds the final model of a finished run (step 6 of 6)" in again.stdout
     assert (killed / "model.safetensors").stat().st_mtime_ns == mtime
+
+
+def interruptible():
+    """`preexec_fn` of a child that a test interrupts: SIGINT at its default, as in a terminal's foreground job. A
+    shell starts background jobs (`cmd &` without job control, as a CI runner may run the suite) with SIGINT ignored,
+    which their children inherit; Python then installs no KeyboardInterrupt handler, and the signal does nothing."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def trl_longrm_train(recipe, *args, env=None, **popen):
@@ -364,7 +374,7 @@ def ctrl_c_after_checkpoint_2(recipe, args, out_dir, tmp_path):
     (hook / "sitecustomize.py").write_text(PAUSE_AFTER_CHECKPOINT)
     env = {"PYTHONPATH": os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")]), "PAUSE_AFTER_CHECKPOINT": "2"}
     # Its own process group, as a terminal's foreground job: the SIGINT reaches it as a Ctrl-C does.
-    process = trl_longrm_train(recipe, *args, env=env, start_new_session=True)
+    process = trl_longrm_train(recipe, *args, env=env, start_new_session=True, preexec_fn=interruptible)
     deadline = time.monotonic() + 300
     while not (out_dir / "checkpoint-2" / "trainer_state.json").exists():
         assert process.poll() is None and time.monotonic() < deadline, process.communicate()[1][-3000:]
