@@ -102,7 +102,6 @@ def run_one(trainer: str, shared: bool, prompt_length: int, k: int, steps: int, 
     floor = timer.maxrss[0] - base
     return {
         "trainer": trainer,
-        "parameters": f"lora r={lora_r}" if lora_r else "full",
         "shared_prefix": shared,
         "prompt_length": prompt_length,
         "k": k,
