@@ -67,6 +67,10 @@ def main():
             "num_processes": trainer.accelerator.num_processes,
         }
         (Path(args.out_dir) / f"{args.kind}.json").write_text(json.dumps(result))
+    # As `trl_longrm.train` does: a gloo group left to static destructors can abort a rank at exit ("terminate called
+    # without an active exception") after everything was written.
+    trainer.accelerator.wait_for_everyone()
+    trainer.accelerator.end_training()
 
 
 if __name__ == "__main__":

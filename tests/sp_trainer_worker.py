@@ -270,6 +270,10 @@ def main() -> None:
     except Exception:
         traceback.print_exc()
         raise
+    finally:
+        # As `trl_longrm.train` does: a gloo group left to static destructors can abort a rank at exit.
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

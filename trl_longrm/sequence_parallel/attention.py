@@ -127,6 +127,22 @@ def _check_call(module, query, key, attention_mask, dropout, kwargs):
         raise ValueError(f"{where}: {query.shape[1]} query heads are not a multiple of {key.shape[1]} KV heads.")
 
 
+def _to_attention_dtype(query, key, value):
+    """q/k/v in the one dtype the kernels compute in.
+
+    Under autocast (TRL's default `bf16=True` on float32 weights, or the usual LoRA setup) the projections come out in
+    the autocast dtype, but a norm between projection and attention can return float32 (Qwen3's `q_norm`/`k_norm`
+    multiply by a float32 weight), so the three reach us in mixed dtypes. SDPA, which stock models call here, is on
+    autocast's lower-precision list and casts its inputs to the autocast dtype: so do we, which also picks the
+    kernel by that dtype. Without autocast the three are promoted to their common dtype."""
+    device_type = query.device.type
+    if torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+    else:
+        dtype = torch.promote_types(torch.promote_types(query.dtype, key.dtype), value.dtype)
+    return tuple(t if t.dtype == dtype else t.to(dtype) for t in (query, key, value))
+
+
 def _shared_prefix_kernel(meta: RingAttentionMetadata, kernel, device: torch.device):
     """The kernel for a shared-prefix row, `kernel` being the one resolved for ordinary rows."""
     if isinstance(kernel, TorchBlockKernel):
@@ -176,6 +192,7 @@ def ring_attention_forward(
     ```
     """
     _check_call(module, query, key, attention_mask, dropout, kwargs)
+    query, key, value = _to_attention_dtype(query, key, value)
     batch, _, length, head_dim = query.shape
     scaling = head_dim**-0.5 if scaling is None else scaling
     if ring_attn_meta is None:

@@ -203,7 +203,9 @@ class FlashAttnVarlenOps(VarlenOps):
         fn = getattr(flash_attn_interface, "_flash_attn_varlen_backward", None)
         if fn is None:
             return None
-        parameters = set(inspect.signature(fn).parameters)
+        # flash-attn >= 2.7 wraps it in `torch.library.custom_op`, whose own signature is `(*args, **kwargs)`: the
+        # real parameters are those of the wrapped function (what ring-flash-attention reads too).
+        parameters = set(inspect.signature(getattr(fn, "_init_fn", fn)).parameters)
         needed = {"dout", "q", "k", "v", "out", "softmax_lse", "dq", "dk", "dv", "cu_seqlens_q", "cu_seqlens_k"}
         if not needed <= parameters:
             return None
@@ -257,7 +259,7 @@ class TorchVarlenOps(VarlenOps):
         with torch.no_grad():
             out, lse = varlen_attn(
                 q, k, v, cu_q, cu_k, max_q, max_k, return_aux=AuxRequest(lse=True), scale=scale,
-                window_size=(-1, 0) if causal else (-1, -1), enable_gqa=q.shape[1] != k.shape[1],
+                window_size=(-1, 0) if causal else (-1, -1), **_torch_varlen_gqa_kwargs(varlen_attn, q, k),
             )  # fmt: skip
         return out, _heads_first_lse(lse, q, "torch varlen_attn")
 
@@ -496,15 +498,24 @@ def _torch_varlen_function() -> VarlenFunction | None:
     except ImportError:
         return None
     parameters = inspect.signature(varlen_attn).parameters
-    if "window_size" not in parameters or "enable_gqa" not in parameters or "scale" not in parameters:
+    if "window_size" not in parameters or "scale" not in parameters:
         return None
 
     def fn(q, k, v, cu_q, cu_k, max_q, max_k, scale):
         return varlen_attn(
-            q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, window_size=(-1, 0), enable_gqa=q.shape[1] != k.shape[1]
-        )
+            q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, window_size=(-1, 0),
+            **_torch_varlen_gqa_kwargs(varlen_attn, q, k),
+        )  # fmt: skip
 
     return fn
+
+
+def _torch_varlen_gqa_kwargs(varlen_attn, q, k) -> dict:
+    """`enable_gqa` where this torch's `varlen_attn` has it (2.13); torch 2.11's has no such argument and takes
+    grouped-query heads natively (fewer key/value heads than query heads)."""
+    if "enable_gqa" in inspect.signature(varlen_attn).parameters:
+        return {"enable_gqa": q.shape[1] != k.shape[1]}
+    return {}
 
 
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
