@@ -118,8 +118,9 @@ def machine_description() -> dict[str, object]:
 
 
 def random_groups(num_groups: int, prompt_length: int, response_length: int, eos_token_id: int, seed: int = 0,
-                  warmup_prompt_length: int | None = None, warmup_steps: int = 1):
-    """`num_groups` tokenised preference groups (k = 1) as python lists.
+                  warmup_prompt_length: int | None = None, warmup_steps: int = 1, num_rejected: int = 1):
+    """`num_groups` tokenised preference groups (`num_rejected` rejected responses, k = 1 by default: stock TRL's
+    formats) as python lists.
 
     Every prompt has exactly `prompt_length` tokens, except the first `warmup_steps` ones' when `warmup_prompt_length`
     is given: the warm-up steps (the first allocates the gradients and the optimizer state; none is timed) then train
@@ -139,7 +140,8 @@ def random_groups(num_groups: int, prompt_length: int, response_length: int, eos
     if warmup_prompt_length is not None:
         lengths[:warmup_steps] = [warmup_prompt_length] * warmup_steps
     return [
-        {"prompt_ids": ids(n), "chosen_completion_ids": response(), "rejected_completion_ids": [response()]}
+        {"prompt_ids": ids(n), "chosen_completion_ids": response(),
+         "rejected_completion_ids": [response() for _ in range(num_rejected)]}
         for n in lengths
     ]
 

@@ -1,13 +1,17 @@
-"""GPU benchmark (needs one CUDA device; NOT run for the committed results, see bench/results/README.md): the longest
-row that trains on one GPU, ours vs stock TRL, for a ~0.6B-parameter random-init model (Qwen3-0.6B's shape, bf16),
-and tokens/s of all four trainers at one fixed length.
+"""GPU benchmark (needs one CUDA device): ours vs stock TRL on one GPU for a ~0.6B-parameter random-init model
+(Qwen3-0.6B's shape, bf16, gradient checkpointing: TRL's defaults), writing one JSON report and `summary.json` beside it.
 
-Longest row: for each (trainer, implementation) the prompt length doubles from `--start-prompt-length` until a
-training run (two optimizer steps, gradient checkpointing on) raises CUDA out-of-memory, then `--bisect` halvings
-narrow the gap. Each attempt runs in a fresh process (`--attempt`), so a failed allocation leaves nothing behind.
-Peak memory is `torch.cuda.max_memory_allocated()` minus the allocation after the model was built.
+- Longest row: for each (trainer, implementation) the prompt length doubles from `--start-prompt-length` until a
+  training run (two optimizer steps) raises CUDA out-of-memory, then `--bisect` halvings narrow the gap.
+- Throughput: tokens/s and peak memory of each (trainer, implementation) at `--throughput-prompt-lengths`, k = 1;
+  ours alone at k = `--shared-k` rejected responses with shared prefixes; model FLOPs utilisation (MFU) of ours.
+- Each attempt runs in a fresh process (`--attempt`), so a failed allocation leaves nothing behind, and records the
+  attention kernels ours resolved to and every warning (a fallback warning is a failure to fix).
 
-    python bench/gpu_longest_row.py --out bench/results/gpu.json
+Peak memory is `torch.cuda.max_memory_allocated()` minus the allocation after the model was built. Tokens are the real
+tokens a group trains on in the unshared layout (`common.group_tokens`), the same count for ours and stock.
+
+    python bench/gpu_longest_row.py --out bench/results/gpu/gpu.json
     python bench/gpu_longest_row.py --trainers grm --impls ours --start-prompt-length 16384 --out /tmp/gpu.json
 """
 
@@ -42,38 +46,91 @@ QWEN3_0_6B = dict(
 )
 
 
-def attempt(trainer: str, impl: str, prompt_length: int, steps: int, response_length: int) -> dict:
+# bf16 dense peak of the GPUs this runs on (tensor cores, no sparsity), for the MFU.
+PEAK_BF16_FLOPS = {"H100": 989.4e12, "H200": 989.4e12, "A100": 312e12}
+
+
+def peak_flops(device_name: str) -> float | None:
+    return next((value for key, value in PEAK_BF16_FLOPS.items() if key in device_name), None)
+
+
+def model_flops(groups: list[dict], shared: bool, trainer: str, shape: dict = QWEN3_0_6B) -> float:
+    """Model FLOPs of a training step over `groups` (forward + backward = 3x forward, the recompute of gradient
+    checkpointing not counted, as MFU is defined): 6 x (non-embedding matmul parameters) per token processed, plus
+    12 x heads x head_dim per attended (query, key) pair per layer. The LM head counts only for stock GRM (ours
+    computes the label log-probs without the full logits) and not at all for DisRM (a one-column score)."""
+    hidden, layers = shape["hidden_size"], shape["num_hidden_layers"]
+    q_dim = shape["num_attention_heads"] * shape["head_dim"]
+    kv_dim = shape["num_key_value_heads"] * shape["head_dim"]
+    per_layer = hidden * (q_dim + 2 * kv_dim) + q_dim * hidden + 3 * hidden * shape["intermediate_size"]
+    tokens, pairs = 0, 0
+    for group in groups:
+        prompt = len(group["prompt_ids"])
+        responses = [len(r) for r in [group["chosen_completion_ids"], *group["rejected_completion_ids"]]]
+        if shared:
+            tokens += prompt + sum(responses)
+            pairs += prompt * (prompt + 1) // 2 + sum(r * prompt + r * (r + 1) // 2 for r in responses)
+        else:
+            tokens += sum(prompt + r for r in responses)
+            pairs += sum((prompt + r) * (prompt + r + 1) // 2 for r in responses)
+    flops = 6 * per_layer * layers * tokens + 12 * q_dim * pairs * layers
+    if trainer == "grm" and not shared:
+        flops += 6 * hidden * shape["vocab_size"] * tokens
+    return float(flops)
+
+
+def attempt(trainer: str, impl: str, prompt_length: int, steps: int, response_length: int,
+            num_rejected: int = 1) -> dict:
     """One training run in this process; returns its record (status 'oom' on CUDA out-of-memory)."""
+    import warnings
+
     import torch
 
     from trl_longrm.testing_utils import build_chat_tokenizer, build_tiny_model
 
+    sys.path.insert(0, str(HERE))
+    from gpu_defaults import record_kernels
+
+    kernels = record_kernels()
     tokenizer = build_chat_tokenizer()
     groups = common.random_groups(steps, prompt_length, response_length, tokenizer.eos_token_id,
-                                  warmup_prompt_length=None)
+                                  warmup_prompt_length=None, num_rejected=num_rejected)
     task = "causal-lm" if trainer == "grm" else "seq-cls"
-    model = build_tiny_model(common.ARCH, task, tokenizer, seed=0, dtype=torch.bfloat16, **QWEN3_0_6B).cuda()
+    with torch.device("cuda"):  # initialised on the GPU: seconds instead of a minute of CPU init per attempt
+        model = build_tiny_model(common.ARCH, task, tokenizer, seed=0, dtype=torch.bfloat16, **QWEN3_0_6B)
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     timer = CudaStepTimer()
-    record = {"trainer": trainer, "impl": impl, "prompt_length": prompt_length}
-    try:
-        with tempfile.TemporaryDirectory() as output_dir:
-            instance = common.build_trainer(trainer, impl, model, tokenizer, groups, output_dir, steps, [timer],
-                                            use_cpu=False, bf16=True)
-            instance.train()
-    except torch.OutOfMemoryError:
-        record.update(status="oom", peak_mem_bytes=torch.cuda.max_memory_allocated() - base)
-        return record
+    record = {"trainer": trainer, "impl": impl, "prompt_length": prompt_length, "num_rejected": num_rejected}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            with tempfile.TemporaryDirectory() as output_dir:
+                instance = common.build_trainer(trainer, impl, model, tokenizer, groups, output_dir, steps, [timer],
+                                                use_cpu=False, bf16=True)
+                shared = bool(getattr(instance.args, "shared_prefix", False) and instance.args.padding_free)
+                instance.train()
+        except torch.OutOfMemoryError:
+            record.update(status="oom", peak_mem_bytes=torch.cuda.max_memory_allocated() - base)
+            return record
     tokens = [common.group_tokens(g) for g in groups]
+    flops = [model_flops([g], shared, trainer) for g in groups]
+    timed = timer.times[1:]
+    device_peak = peak_flops(torch.cuda.get_device_name(0))
     record.update(
         status="ok",
+        shared_prefix=shared,
         tokens_per_step=tokens,
         step_seconds=timer.times,
-        tokens_per_s=sum(tokens[1:]) / sum(timer.times[1:]) if steps > 1 else None,
+        tokens_per_s=sum(tokens[1:]) / sum(timed) if steps > 1 else None,
+        model_flops_per_step=flops,
+        mfu=sum(flops[1:]) / sum(timed) / device_peak if steps > 1 and device_peak else None,
         peak_mem_bytes=torch.cuda.max_memory_allocated() - base,
         num_params=sum(p.numel() for p in model.parameters()),
+        kernels=sorted(kernels),
+        warnings=sorted({f"{w.category.__name__}: {w.message}"[:300] for w in caught
+                         if not issubclass(w.category, (DeprecationWarning, FutureWarning))}),
     )
     return record
 
@@ -94,10 +151,10 @@ class CudaStepTimer(common.StepTimer):
         super().on_step_end(args, state, control, **kwargs)
 
 
-def run_attempt(trainer: str, impl: str, prompt_length: int, steps: int, cli) -> dict:
+def run_attempt(trainer: str, impl: str, prompt_length: int, steps: int, cli, num_rejected: int = 1) -> dict:
     command = [sys.executable, __file__, "--attempt", f"--trainers={trainer}", f"--impls={impl}",
                f"--start-prompt-length={prompt_length}", f"--steps={steps}",
-               f"--response-length={cli.response_length}", "--out=-"]
+               f"--response-length={cli.response_length}", f"--shared-k={num_rejected}", "--out=-"]
     started = time.monotonic()
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=cli.timeout)
@@ -109,17 +166,25 @@ def run_attempt(trainer: str, impl: str, prompt_length: int, steps: int, cli) ->
                 "error_tail": done.stderr.strip().splitlines()[-5:]}
     record = json.loads(lines[-1][len("RESULT ") :])
     record["wall_seconds"] = round(time.monotonic() - started, 1)
-    print(f"{trainer:5s} {impl:5s} prompt {prompt_length:7d}: {record['status']}"
-          + (f", peak {record['peak_mem_bytes'] / 2**30:.1f} GiB" if "peak_mem_bytes" in record else ""), flush=True)
+    print(f"{trainer:5s} {impl:5s} k={num_rejected} prompt {prompt_length:7d}: {record['status']}"
+          + (f", peak {record['peak_mem_bytes'] / 2**30:.1f} GiB" if "peak_mem_bytes" in record else "")
+          + (f", {record['tokens_per_s']:.0f} tokens/s" if record.get("tokens_per_s") else "")
+          + (f", MFU {record['mfu']:.3f}" if record.get("mfu") else "")
+          + (f", kernels {record['kernels']}" if record.get("kernels") else "")
+          + (f", warnings {record['warnings']}" if record.get("warnings") else "")
+          + (f", error {record['error_tail']}" if record.get("error_tail") else ""), flush=True)
     return record
 
 
-def longest_row(trainer: str, impl: str, cli) -> dict:
-    """Doubling search, then `cli.bisect` bisection steps between the last success and the first failure."""
+def longest_row(trainer: str, impl: str, cli, known: list[dict] = ()) -> dict:
+    """Doubling search, then `cli.bisect` bisection steps between the last success and the first failure. A length
+    already tried by a throughput run (`known`, k = 1) is not run again."""
     attempts, good, bad = [], None, None
     length = cli.start_prompt_length
+    tried = {r["prompt_length"]: r for r in known
+             if (r["trainer"], r["impl"], r.get("num_rejected", 1)) == (trainer, impl, 1) and r["status"] in ("ok", "oom")}
     while length <= cli.max_prompt_length:
-        record = run_attempt(trainer, impl, length, 2, cli)
+        record = tried.get(length) or run_attempt(trainer, impl, length, 2, cli)
         attempts.append(record)
         if record["status"] != "ok":
             bad = length
@@ -141,24 +206,56 @@ def longest_row(trainer: str, impl: str, cli) -> dict:
     }
 
 
+def summary(report: dict) -> dict:
+    """The ratios issue 33 asks for (ours / stock) from a report."""
+    out = {"device": report["gpu"], "versions": report["versions"]}
+    longest = {(r["trainer"], r["impl"]): r for r in report["longest_row"]}
+    for trainer in common.TRAINERS:
+        ours, stock = longest.get((trainer, "ours")), longest.get((trainer, "stock"))
+        if ours and stock and ours["longest_prompt_length"] and stock["longest_prompt_length"]:
+            out[f"longest_row_ratio_{trainer}"] = ours["longest_prompt_length"] / stock["longest_prompt_length"]
+            # Ours may still train past the search's cap: then the ratio is a lower bound.
+            out[f"longest_row_ratio_{trainer}_is_lower_bound"] = ours["first_failing_prompt_length"] is None
+        ok = {(r["impl"], r["prompt_length"]): r for r in report["throughput"]
+              if r["trainer"] == trainer and r.get("num_rejected", 1) == 1 and r["status"] == "ok"}
+        both = sorted(length for impl, length in ok if impl == "ours" and ("stock", length) in ok)
+        if both:
+            length = both[-1]
+            out[f"tokens_per_s_ratio_{trainer}"] = ok[("ours", length)]["tokens_per_s"] / ok[("stock", length)][
+                "tokens_per_s"]
+            out[f"tokens_per_s_ratio_{trainer}_prompt_length"] = length
+        at_32k = ok.get(("ours", 32768))
+        if at_32k and at_32k.get("mfu"):
+            out[f"mfu_32k_{trainer}"] = at_32k["mfu"]
+    if "mfu_32k_grm" in out:
+        out["mfu_32k"] = out["mfu_32k_grm"]
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--trainers", nargs="+", choices=common.TRAINERS, default=list(common.TRAINERS))
     parser.add_argument("--impls", nargs="+", choices=common.IMPLS, default=list(common.IMPLS))
-    parser.add_argument("--start-prompt-length", type=int, default=4096, help="First prompt length tried.")
-    parser.add_argument("--max-prompt-length", type=int, default=262144, help="Stop doubling past this.")
-    parser.add_argument("--bisect", type=int, default=2, help="Bisection steps after the doubling search.")
-    parser.add_argument("--throughput-prompt-length", type=int, default=8192,
-                        help="Prompt length of the tokens/s comparison (0 to skip).")
-    parser.add_argument("--steps", type=int, default=4, help="Steps of the tokens/s runs (the first is not timed).")
+    parser.add_argument("--start-prompt-length", type=int, default=8192, help="First prompt length tried.")
+    parser.add_argument("--max-prompt-length", type=int, default=131072, help="Stop doubling past this.")
+    parser.add_argument("--bisect", type=int, default=1, help="Bisection steps after the doubling search.")
+    parser.add_argument("--throughput-prompt-lengths", type=int, nargs="*", default=[8192, 32768, 65536],
+                        help="Prompt lengths of the tokens/s comparison (none to skip).")
+    parser.add_argument("--shared-k", type=int, default=4,
+                        help="Rejected responses of ours' shared-prefix throughput runs (with --attempt: of this run).")
+    parser.add_argument("--skip-longest", action="store_true", help="Throughput runs only.")
+    parser.add_argument("--steps", type=int, default=3, help="Steps of the tokens/s runs (the first is not timed).")
     parser.add_argument("--response-length", type=int, default=256, help="Longest response (tokens).")
     parser.add_argument("--timeout", type=float, default=1800.0, help="Seconds before an attempt is given up.")
+    parser.add_argument("--resume", action="store_true",
+                        help="Read the report at --out and run only the attempts it does not hold yet.")
     parser.add_argument("--attempt", action="store_true", help="Internal: run one attempt and print its record.")
     parser.add_argument("--out", required=True, help="JSON file of the results ('-' with --attempt).")
     cli = parser.parse_args()
 
     if cli.attempt:
-        record = attempt(cli.trainers[0], cli.impls[0], cli.start_prompt_length, cli.steps, cli.response_length)
+        record = attempt(cli.trainers[0], cli.impls[0], cli.start_prompt_length, cli.steps, cli.response_length,
+                         cli.shared_k)
         print("RESULT " + json.dumps(record), flush=True)
         return
 
@@ -167,6 +264,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("gpu_longest_row.py needs a CUDA device; none is visible.")
     report = {
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "versions": common.software_versions(),
         "gpu": torch.cuda.get_device_name(0),
         "gpu_memory_gib": round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1),
@@ -174,23 +272,38 @@ def main() -> None:
         "longest_row": [],
         "throughput": [],
     }
+    out = Path(cli.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if cli.resume and out.exists():
+        previous = json.loads(out.read_text())
+        report["throughput"] = [r for r in previous["throughput"] if r["status"] in ("ok", "oom")]
+        report["longest_row"] = previous["longest_row"]
+    done = {(r["trainer"], r["impl"], r["prompt_length"], r.get("num_rejected", 1)) for r in report["throughput"]}
+    searched = {(r["trainer"], r["impl"]) for r in report["longest_row"]}
+
+    def save():
+        out.write_text(json.dumps(report, indent=1))
+        (out.parent / "summary.json").write_text(json.dumps(summary(report), indent=1))
+
     print(json.dumps({k: report[k] for k in ("versions", "gpu", "gpu_memory_gib")}), flush=True)
-    for trainer in cli.trainers:
-        for impl in cli.impls:
-            report["longest_row"].append(longest_row(trainer, impl, cli))
-            Path(cli.out).write_text(json.dumps(report, indent=1))
-    if cli.throughput_prompt_length:
+    for length in cli.throughput_prompt_lengths:
+        for trainer in cli.trainers:
+            runs = [(impl, 1) for impl in cli.impls]
+            runs += [("ours", cli.shared_k)] if "ours" in cli.impls and cli.shared_k > 1 else []
+            for impl, k in runs:
+                if (trainer, impl, length, k) not in done:
+                    report["throughput"].append(run_attempt(trainer, impl, length, cli.steps, cli, k))
+                    save()
+    if not cli.skip_longest:
         for trainer in cli.trainers:
             for impl in cli.impls:
-                report["throughput"].append(run_attempt(trainer, impl, cli.throughput_prompt_length, cli.steps, cli))
-                Path(cli.out).write_text(json.dumps(report, indent=1))
+                if (trainer, impl) not in searched:
+                    report["longest_row"].append(longest_row(trainer, impl, cli, report["throughput"]))
+                    save()
     for row in report["longest_row"]:
         print(f"longest row {row['trainer']:5s} {row['impl']:5s}: prompt {row['longest_prompt_length']} "
               f"({row['longest_row_tokens']} tokens per row); first failure at {row['first_failing_prompt_length']}")
-    for row in report["throughput"]:
-        if row.get("tokens_per_s"):
-            print(f"tokens/s {row['trainer']:5s} {row['impl']:5s} at prompt {row['prompt_length']}: "
-                  f"{row['tokens_per_s']:.0f}")
+    print(json.dumps(summary(report)))
 
 
 if __name__ == "__main__":

@@ -1,15 +1,21 @@
 """Shared builders for the trainer tests: tokenised preference groups and configs that run on CPU."""
 
+import os
 import random
 
 from datasets import Dataset
+
+
+# The device the trainer tests train on: CPU here and in CI; `TRL_LONGRM_TEST_DEVICE=cuda` runs the same comparisons
+# (ours vs stock, packed vs padded, shared vs unshared) on a GPU machine.
+TEST_DEVICE = os.environ.get("TRL_LONGRM_TEST_DEVICE", "cpu")
 
 
 def cpu_args(output_dir, **overrides):
     """Arguments every TRL config needs on this CPU-only machine, plus quiet, deterministic defaults."""
     args = dict(
         output_dir=str(output_dir),
-        use_cpu=True,
+        use_cpu=TEST_DEVICE == "cpu",
         bf16=False,
         report_to=[],
         gradient_checkpointing=False,
