@@ -116,7 +116,8 @@ def test_sft_adapters():
     messages = [USER, {"role": "assistant", "content": "hi"}, USER, {"role": "assistant", "content": "bye"}]
     assert normalize_sft_record({"messages": messages}) == {"messages": messages}
     conv_pc = normalize_sft_record({"prompt": [USER], "completion": [{"role": "assistant", "content": "ok"}]})
-    assert conv_pc == {"messages": [USER, {"role": "assistant", "content": "ok"}]}
+    # The prompt's length marks where the completion starts: stock SFTTrainer trains all of its rendering.
+    assert conv_pc == {"messages": [USER, {"role": "assistant", "content": "ok"}], "num_prompt_messages": 1}
     mixed_pc = normalize_sft_record({"prompt": [USER], "completion": "ok"})
     assert mixed_pc == conv_pc
     standard = normalize_sft_record({"prompt": "2 + 2 =", "completion": " 4"})

@@ -348,6 +348,8 @@ def pack_groups(dataset: Dataset, max_tokens_per_row: int, shared_prefix: bool =
 
 
 def pack_sft_examples(dataset: Dataset, max_tokens_per_row: int) -> Dataset:
-    """Bin tokenised SFT examples into packs of at most `max_tokens_per_row` tokens."""
+    """Bin tokenised SFT examples into packs of at most `max_tokens_per_row` tokens. Each pack also has stock
+    SFTTrainer's `seq_lengths` column (the token count of each of its examples), as TRL's packed datasets do."""
     sizes = [len(ids) for ids in dataset["input_ids"]]
-    return pack_examples(dataset, sizes, max_tokens_per_row, ("input_ids", "completion_mask"))
+    packed = pack_examples(dataset, sizes, max_tokens_per_row, ("input_ids", "completion_mask"))
+    return packed.add_column("seq_lengths", [[len(ids) for ids in pack] for pack in packed["input_ids"]])

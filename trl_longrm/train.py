@@ -14,6 +14,7 @@ python -m trl_longrm recipes/simpo_grm.yaml --learning_rate 1e-6 --dry_run
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -351,7 +352,7 @@ def prepare_data(stage: str, source: str, split: str | None, tokenizer, training
     try:
         if stage == "sft":
             rows = load_sft_dataset(source, split=split, prompt_key=args.prompt_key, completion_key=args.chosen_key)
-            tokenize = tokenize_sft_dataset
+            tokenize = functools.partial(tokenize_sft_dataset, assistant_only_loss=args.assistant_only_loss)
         else:
             rows = load_preference_dataset(
                 source,
@@ -360,7 +361,9 @@ def prepare_data(stage: str, source: str, split: str | None, tokenizer, training
                 chosen_key=args.chosen_key,
                 rejected_key=args.rejected_key,
             )
-            tokenize = tokenize_preference_dataset
+            # The EOS convention of the stock trainer the stage's trainer stands in for (CPOTrainer for SimPO-GRM).
+            convention = "reward" if STAGES[stage][2] == "seq-cls" else "cpo"
+            tokenize = functools.partial(tokenize_preference_dataset, eos_convention=convention)
         dataset, report = tokenize(
             rows,
             tokenizer,

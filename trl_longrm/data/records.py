@@ -443,7 +443,8 @@ def normalize_sft_record(
     """Normalise one SFT row to `{messages}` (conversational) or `{prompt, completion}` (standard strings).
 
     LongRM rows (`chat_template` + `golden`) get the answer appended as the final assistant turn; TRL conversational
-    prompt/completion rows are joined into `messages`.
+    prompt/completion rows are joined into `messages`, with `num_prompt_messages` saying where the completion starts
+    (its whole rendering is trained, as stock SFTTrainer trains it).
 
     Example:
     ```python
@@ -456,6 +457,7 @@ def normalize_sft_record(
     if layout is None:
         layout = check.layout(resolve_sft_layout, data_format, messages_key, prompt_key, completion_key)
 
+    num_prompt_messages = None
     if layout.messages_key is not None:
         key = layout.messages_key
         messages = check.messages(check.get(key), key)
@@ -473,9 +475,13 @@ def normalize_sft_record(
         if isinstance(completion, str):
             completion = [{"role": "assistant", "content": check.text(completion, layout.completion_key)}]
         messages = prompt + check.messages(completion, layout.completion_key)
+        num_prompt_messages = len(prompt)
 
     if messages[0]["role"] == "assistant":
         check.fail("the conversation must not start with an assistant message", key)
     if not any(message["role"] == "assistant" for message in messages):
         check.fail("the conversation has no assistant message, so there is nothing to learn", key)
+    if num_prompt_messages is not None:
+        # TRL's conversational prompt/completion: the completion is everything after the prompt (stock's mask)
+        return {"messages": messages, "num_prompt_messages": num_prompt_messages}
     return {"messages": messages}

@@ -1,15 +1,23 @@
 """Tokenisation of canonical preference groups and SFT examples, with an explicit policy for over-long rows.
 
 Preference group -> `prompt_ids`, `chosen_completion_ids`, `rejected_completion_ids` (and `margin` when present).
-Every completion token is a loss token: a completion is the response's tokens up to and including the EOS token.
-For conversational prompts the ids come from the tokenizer's chat template: `prompt_ids` is the prompt rendered with
-`add_generation_prompt=True`, and a completion is `render(prompt + [assistant response])[len(prompt_ids):]` cut after
-its first EOS (dropping what the template renders after it, such as a newline). The prompt rendering must be an exact
-token prefix of the full rendering; otherwise the row is rejected with an error instead of being mis-masked.
+Every completion token is a loss token. For conversational prompts the ids come from the tokenizer's chat template:
+`prompt_ids` is the prompt rendered with `add_generation_prompt=True`, and a completion is
+`render(prompt + response messages)[len(prompt_ids):]`, whole: what the template writes after the EOS (ChatML's
+newline after `<|im_end|>`) stays, as in the stock trainers' rows, so that the last token of a sequence (where a
+DisRM's score is read, by us and by every stock consumer) is the last token of the conversation as TRL renders it.
+The prompt rendering must be an exact token prefix of the full rendering; otherwise the row is rejected with an
+error instead of being mis-masked. Where an EOS is appended is the stock trainers' convention (`eos_convention`):
 
-SFT example -> `input_ids` and `completion_mask` (1 on assistant tokens including their EOS, 0 elsewhere), built by
-rendering the conversation turn by turn and checking the same prefix property at every turn, so templates without
-`{% generation %}` tags work too.
+- `"cpo"` (CPOTrainer, our SimPO-GRM): every completion ends with EOS, appended when it does not already end so;
+- `"reward"` (RewardTrainer and SFTTrainer, our DisRM): a plain-text completion gets EOS appended when it does not
+  end with it; a conversational completion is its rendering as it is.
+
+SFT example -> `input_ids` and `completion_mask`. Conversations (`messages`) train their assistant turns, each up to
+and including its EOS, built by rendering the conversation turn by turn and checking the same prefix property at
+every turn, so templates without `{% generation %}` tags work too. TRL's conversational prompt/completion rows train
+the whole rendering after the prompt, and plain-text ones the completion plus an EOS if it lacks one, as stock
+SFTTrainer does.
 
 Rows longer than `max_length` are dropped (`truncation="drop"`) or have the middle of their prompt's longest message
 cut out (`truncation="truncate_prompt"`). Either way the counts are logged once per dataset and returned in a
@@ -18,6 +26,7 @@ cut out (`truncation="truncate_prompt"`). Either way the counts are logged once 
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from dataclasses import asdict, dataclass, field
@@ -97,6 +106,11 @@ def _check_policy(max_length: int | None, truncation: str) -> None:
         raise ValueError(f"max_length must be a positive number of tokens or None, got {max_length}")
 
 
+# Whose EOS convention a preference group follows: CPOTrainer's (every completion ends with EOS) or RewardTrainer's
+# (plain-text completions only; a conversation is scored at the last token the chat template renders).
+EOS_CONVENTIONS = ("cpo", "reward")
+
+
 def _eos_id(tokenizer: PreTrainedTokenizerBase) -> int:
     if tokenizer.eos_token_id is None:
         raise ValueError("the tokenizer has no eos_token; completions must end with an EOS token")
@@ -109,12 +123,19 @@ class _Encoder:
     Texts are tokenised with `verbose=False`: the tokenizer's warning about sequences longer than the model's maximum
     would speak of the row before truncation, which `max_length` then bounds."""
 
-    def __init__(self, tokenizer, index, source, chat_template_kwargs):
+    def __init__(self, tokenizer, index, source, chat_template_kwargs, eos_convention: str = "reward"):
+        if eos_convention not in EOS_CONVENTIONS:
+            raise ValueError(f"eos_convention must be one of {EOS_CONVENTIONS}, got {eos_convention!r}")
         self.tokenizer = tokenizer
         self.index = index
         self.source = source
         self.template_kwargs = chat_template_kwargs or {}
         self.eos = _eos_id(tokenizer)
+        self.eos_convention = eos_convention
+
+    def with_eos(self, ids: list[int]) -> list[int]:
+        """`ids` ending with the EOS token (appended when they do not already end with it)."""
+        return ids if ids and ids[-1] == self.eos else ids + [self.eos]
 
     def fail(self, message: str, key: str | None) -> DataFormatError:
         return DataFormatError(message, source=self.source, index=self.index, key=key)
@@ -152,21 +173,29 @@ class _Encoder:
         return self.render(prompt, add_generation_prompt=True, key="prompt")
 
     def completion_ids(self, prompt, prompt_ids: list[int], response: str | list[dict], key: str) -> list[int]:
-        """A response's tokens after the prompt; a list of messages (tool calls, the tool's answer, the reply) is
-        rendered whole and cut after its last EOS, a plain response after its first."""
+        """A response's tokens after the prompt (a list of messages, such as a tool call, the tool's answer and the
+        reply, rendered whole), with an EOS where `eos_convention` puts one (see the module docstring)."""
         if isinstance(prompt, str):
-            return self.tokenizer(response, add_special_tokens=False, verbose=False)["input_ids"] + [self.eos]
+            return self.with_eos(self.tokenizer(response, add_special_tokens=False, verbose=False)["input_ids"])
         messages = response if isinstance(response, list) else [{"role": "assistant", "content": response}]
         full = self.render(prompt + messages, False, key)
         self.check_prefix(prompt_ids, full, key, "the prompt rendered with add_generation_prompt=True")
         tail = full[len(prompt_ids) :]
-        if isinstance(response, list):
-            last = len(tail) - 1 - tail[::-1].index(self.eos) if self.eos in tail else None
-            completion, has_eos = (tail, False) if last is None else (tail[: last + 1], True)
-        else:
-            completion, has_eos = self.cut_after_eos(tail)
-        # A template that closes turns without the EOS token still gets one, so the model learns to stop.
-        return completion if has_eos else completion + [self.eos]
+        return self.with_eos(tail) if self.eos_convention == "cpo" else tail
+
+    def completion_overhead(self, prompt) -> int:
+        """Tokens a completion has besides its response's own: measured on a one-word response to a one-word prompt
+        (the template's end of turn, an appended EOS), to budget a prompt cut before its completions are rendered."""
+        if isinstance(prompt, str):
+            return 1
+        probe = [{"role": "user", "content": "hello"}]
+        word = self.tokenizer("hello", add_special_tokens=False, verbose=False)["input_ids"]
+        try:
+            head = self.render(probe, True, "prompt")
+            completion = self.completion_ids(probe, head, "hello", "chosen")
+        except DataFormatError:  # a template that rejects the probe: the response's EOS alone
+            return 1
+        return max(1, len(completion) - len(word))
 
     def completions(self, prompt, prompt_ids: list[int], responses: list[str]) -> list[list[int]]:
         keys = ["chosen"] + [f"rejected[{j}]" for j in range(len(responses) - 1)]
@@ -199,8 +228,16 @@ class _Encoder:
 
     def prompt_completion(self, prompt: str, completion: str) -> tuple[list[int], list[int]]:
         prompt_ids = self.tokenizer(prompt, verbose=False)["input_ids"]
-        completion_ids = self.tokenizer(completion, add_special_tokens=False, verbose=False)["input_ids"] + [self.eos]
+        completion_ids = self.with_eos(self.tokenizer(completion, add_special_tokens=False, verbose=False)["input_ids"])
         return prompt_ids + completion_ids, [0] * len(prompt_ids) + [1] * len(completion_ids)
+
+    def prompt_completion_messages(self, messages: list[dict], num_prompt: int) -> tuple[list[int], list[int]]:
+        """TRL's conversational prompt/completion: the prompt rendered with the generation prompt, then the rest of
+        the rendering, all of it trained (stock SFTTrainer's `completion_mask`)."""
+        prompt_ids = self.render(messages[:num_prompt], True, "prompt")
+        full = self.render(messages, False, "completion")
+        self.check_prefix(prompt_ids, full, "completion", "the prompt rendered with add_generation_prompt=True")
+        return full, [0] * len(prompt_ids) + [1] * (len(full) - len(prompt_ids))
 
 
 def _require(record: dict, keys: tuple[str, ...], index, source) -> None:
@@ -215,12 +252,13 @@ def _require(record: dict, keys: tuple[str, ...], index, source) -> None:
             )
 
 
-def _tokenize_preference(record, tokenizer, max_length, truncation, index, source, chat_template_kwargs, precut=True):
+def _tokenize_preference(record, tokenizer, max_length, truncation, index, source, chat_template_kwargs, precut=True,
+                         eos_convention="reward"):
     _check_policy(max_length, truncation)
     _require(record, ("prompt", "chosen", "rejected"), index, source)
     if record.get("chat_template_kwargs"):  # the row's own `tools` / `chat_template_kwargs`, over the config's
         chat_template_kwargs = {**(chat_template_kwargs or {}), **json.loads(record["chat_template_kwargs"])}
-    encoder = _Encoder(tokenizer, index, source, chat_template_kwargs)
+    encoder = _Encoder(tokenizer, index, source, chat_template_kwargs, eos_convention)
     prompt = record["prompt"]
     if max_length is not None and precut:
         # Cut a huge prompt by characters first: tokenising it whole would cost time and memory of its raw size.
@@ -236,6 +274,9 @@ def _tokenize_preference(record, tokenizer, max_length, truncation, index, sourc
         return None, DROPPED
 
     status = KEPT
+    # Each round cuts the uncut prompt (deeper when the completions turned out longer than budgeted), so that a second
+    # round cuts the same message again rather than the next longest of an already cut prompt.
+    uncut, uncut_count = prompt, len(prompt_ids)
     # Every cut is measured, the last one too: MAX_TRUNCATION_ROUNDS cuts, then one final check.
     for cuts in range(MAX_TRUNCATION_ROUNDS + 1):
         if completions is not None:
@@ -247,8 +288,9 @@ def _tokenize_preference(record, tokenizer, max_length, truncation, index, sourc
             if cuts == MAX_TRUNCATION_ROUNDS:
                 return None, DROPPED_UNSETTLED
         else:
-            # The response's own tokens plus EOS: what a completion usually is. A wrong guess costs one more round.
-            longest = 1 + max(
+            # The response's own tokens plus what the template adds around one: what a completion usually is. A
+            # wrong guess costs one more round.
+            longest = encoder.completion_overhead(uncut) + max(
                 len(
                     tokenizer(r if isinstance(r, str) else json.dumps(r), add_special_tokens=False, verbose=False)[
                         "input_ids"
@@ -257,11 +299,11 @@ def _tokenize_preference(record, tokenizer, max_length, truncation, index, sourc
                 for r in responses
             )
         prompt = truncate_middle_to_fit(
-            prompt,
+            uncut,
             tokenizer,
             lambda p: len(encoder.prompt_ids(p)),
             max_tokens=max_length - longest,
-            num_tokens=len(prompt_ids),
+            num_tokens=uncut_count,
         )
         if prompt is None:  # the completions alone (nearly) fill max_length
             return None, DROPPED_NO_ROOM
@@ -279,11 +321,18 @@ def _tokenize_preference(record, tokenizer, max_length, truncation, index, sourc
     return out, status
 
 
-def _tokenize_sft(record, tokenizer, max_length, truncation, index, source, chat_template_kwargs, precut=True):
+def _tokenize_sft(record, tokenizer, max_length, truncation, index, source, chat_template_kwargs, precut=True,
+                  assistant_only_loss=None):
     _check_policy(max_length, truncation)
     encoder = _Encoder(tokenizer, index, source, chat_template_kwargs)
     if "messages" in record:
         prompt, encode = record["messages"], encoder.conversation
+        num_prompt = record.get("num_prompt_messages")
+        if num_prompt is not None and assistant_only_loss is not True:  # True: its assistant turns only, as stock
+
+            def encode(messages):
+                return encoder.prompt_completion_messages(messages, num_prompt)
+
         if max_length is not None and precut:  # as for preference prompts
             prompt = precut_middle(prompt, tokenizer, max_length)
 
@@ -335,22 +384,26 @@ def tokenize_preference_record(
     index: int | None = None,
     source: str = DEFAULT_SOURCE,
     chat_template_kwargs: dict[str, Any] | None = None,
+    eos_convention: str = "reward",
 ) -> dict[str, Any] | None:
     """Tokenise one canonical preference group; returns None when the group does not fit and is dropped.
 
     `max_length` bounds `len(prompt_ids) + len(longest completion)`. With `truncation="truncate_prompt"` the middle
     of the prompt's longest message is cut until it fits; a group is dropped only when its completions alone leave no
-    room for the prompt.
+    room for the prompt. `eos_convention` is the stock trainer whose EOS rule the completions follow: 'reward'
+    (RewardTrainer's, for a DisRM) or 'cpo' (CPOTrainer's, for a SimPO-GRM); see the module docstring.
 
     Example:
     ```python
     >>> record = {"prompt": [{"role": "user", "content": "Judge this."}], "chosen": "good", "rejected": ["bad"]}
     >>> out = tokenize_preference_record(record, tokenizer)
-    >>> tokenizer.decode(out["chosen_completion_ids"])
-    'good<|im_end|>'
+    >>> tokenizer.decode(out["chosen_completion_ids"])  # a ChatML template writes a newline after the EOS
+    'good<|im_end|>\n'
     ```
     """
-    out, _ = _tokenize_preference(record, tokenizer, max_length, truncation, index, source, chat_template_kwargs)
+    out, _ = _tokenize_preference(
+        record, tokenizer, max_length, truncation, index, source, chat_template_kwargs, eos_convention=eos_convention
+    )
     return out
 
 
@@ -362,19 +415,19 @@ def scoring_ids(
 ) -> list[list[int]]:
     """The tokens a DisRM reads to score each of `responses` to `prompt`: exactly the sequences it is trained on.
 
-    Each is `prompt_ids + completion_ids` as `tokenize_preference_record` builds them: the prompt rendered (once) with
-    the generation prompt, then the response's turn up to and including the EOS token, where the score is read. A
-    chat template that writes more after the EOS (Qwen's `<|im_end|>` is followed by a newline) does not move the
-    scored token, so an evaluation scores the token training taught.
+    Each is `prompt_ids + completion_ids` as `tokenize_preference_record` builds them for a DisRM (RewardTrainer's
+    EOS convention): the prompt rendered (once) with the generation prompt, then the response's turn as the chat
+    template renders it, whose last token is where the score is read, by our trainers and by every stock consumer
+    (transformers' sequence-classification pooling, RewardTrainer, GRPO's reward-model path).
 
     Example:
     ```python
     >>> [ids] = scoring_ids(tokenizer, [{"role": "user", "content": "Judge this."}], ["good"])
-    >>> tokenizer.decode(ids[-2:])
-    'good<|im_end|>'
+    >>> tokenizer.decode(ids[-3:])
+    'good<|im_end|>\n'
     ```
     """
-    encoder = _Encoder(tokenizer, None, DEFAULT_SOURCE, chat_template_kwargs)
+    encoder = _Encoder(tokenizer, None, DEFAULT_SOURCE, chat_template_kwargs, "reward")
     prompt_ids = encoder.prompt_ids(prompt)
     return [
         prompt_ids + encoder.completion_ids(prompt, prompt_ids, response, f"responses[{i}]")
@@ -390,11 +443,13 @@ def tokenize_sft_record(
     index: int | None = None,
     source: str = DEFAULT_SOURCE,
     chat_template_kwargs: dict[str, Any] | None = None,
+    assistant_only_loss: bool | None = None,
 ) -> dict[str, Any] | None:
     """Tokenise one canonical SFT example into `input_ids` and `completion_mask`; None when it is dropped.
 
     `max_length` bounds the whole sequence; `truncation="truncate_prompt"` cuts the middle of the longest
-    non-assistant message (assistant turns are targets and are never cut).
+    non-assistant message (assistant turns are targets and are never cut). A conversational prompt/completion trains
+    all of its completion's rendering, or with `assistant_only_loss=True` its assistant turns only (as stock).
 
     Example:
     ```python
@@ -404,7 +459,10 @@ def tokenize_sft_record(
     'A.<|im_end|>'
     ```
     """
-    out, _ = _tokenize_sft(record, tokenizer, max_length, truncation, index, source, chat_template_kwargs)
+    out, _ = _tokenize_sft(
+        record, tokenizer, max_length, truncation, index, source, chat_template_kwargs,
+        assistant_only_loss=assistant_only_loss,
+    )  # fmt: skip
     return out
 
 
@@ -467,11 +525,13 @@ def tokenize_preference_dataset(
     num_proc: int | None = None,
     source_name: str | None = None,
     chat_template_kwargs: dict[str, Any] | None = None,
+    eos_convention: str = "reward",
 ) -> tuple[Dataset, TokenizationReport]:
     """Tokenise canonical preference groups (see [`load_preference_dataset`]) with `datasets.map`.
 
     Returns the dataset with columns `prompt_ids`, `chosen_completion_ids`, `rejected_completion_ids` (and `margin`)
-    and a [`TokenizationReport`] with the dropped/truncated counts, which are also logged once.
+    and a [`TokenizationReport`] with the dropped/truncated counts, which are also logged once. `eos_convention`:
+    'reward' (a DisRM's data, RewardTrainer's rule) or 'cpo' (a SimPO-GRM's, CPOTrainer's); see the module docstring.
 
     Example:
     ```python
@@ -483,9 +543,11 @@ def tokenize_preference_dataset(
     features = {"prompt_ids": ids, "chosen_completion_ids": ids, "rejected_completion_ids": List(ids)}
     if "margin" in dataset.column_names:
         features["margin"] = Value("float64")
+    if eos_convention not in EOS_CONVENTIONS:
+        raise ValueError(f"eos_convention must be one of {EOS_CONVENTIONS}, got {eos_convention!r}")
     return _tokenize_dataset(
         dataset,
-        _tokenize_preference,
+        functools.partial(_tokenize_preference, eos_convention=eos_convention),
         features,
         tokenizer,
         max_length,
@@ -504,8 +566,10 @@ def tokenize_sft_dataset(
     num_proc: int | None = None,
     source_name: str | None = None,
     chat_template_kwargs: dict[str, Any] | None = None,
+    assistant_only_loss: bool | None = None,
 ) -> tuple[Dataset, TokenizationReport]:
-    """Tokenise canonical SFT examples (see [`load_sft_dataset`]) into `input_ids` and `completion_mask`.
+    """Tokenise canonical SFT examples (see [`load_sft_dataset`]) into `input_ids` and `completion_mask`
+    (`assistant_only_loss` as in [`tokenize_sft_record`]).
 
     Example:
     ```python
@@ -516,7 +580,7 @@ def tokenize_sft_dataset(
     features = {"input_ids": List(Value("int32")), "completion_mask": List(Value("int8"))}
     return _tokenize_dataset(
         dataset,
-        _tokenize_sft,
+        functools.partial(_tokenize_sft, assistant_only_loss=assistant_only_loss),
         features,
         tokenizer,
         max_length,

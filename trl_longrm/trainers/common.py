@@ -249,7 +249,7 @@ def prepare_preference_dataset(dataset, tokenizer, args, dataset_name: str, stoc
 
     With `stock_columns` ('reward' or 'cpo'), an unpacked dataset whose groups all have one rejected response gets
     that stock trainer's processed columns (`trl_longrm.data.stock_columns`); a dataset in them is recognised as
-    processed.
+    processed. Tokenisation follows that trainer's EOS convention (`trl_longrm.data.tokenization`).
     """
     from datasets import IterableDataset
 
@@ -282,6 +282,7 @@ def prepare_preference_dataset(dataset, tokenizer, args, dataset_name: str, stoc
             truncation=args.truncation,
             num_proc=args.dataset_num_proc,
             source_name=dataset_name,
+            eos_convention=stock_columns or "reward",
         )
     if args.max_tokens_per_row:
         if "prompt_ids" not in dataset.column_names:  # stock columns: back to groups, which are what is binned
@@ -372,8 +373,10 @@ def padded_fallback_args(model, args, trainer_name: str):
     return args
 
 
-def prepare_sft_dataset(dataset, tokenizer, args, dataset_name: str, packing_budget: int | None) -> Dataset:
-    """SFT counterpart of `prepare_preference_dataset` (columns `input_ids`, `completion_mask`)."""
+def prepare_sft_dataset(dataset, tokenizer, args, dataset_name: str, packing_budget: int | None,
+                        assistant_only_loss: bool | None = None) -> Dataset:
+    """SFT counterpart of `prepare_preference_dataset` (columns `input_ids`, `completion_mask`); `assistant_only_loss`
+    as the user set it (see `trl_longrm.data.tokenize_sft_record`)."""
     from trl_longrm.data import load_sft_dataset, tokenize_sft_dataset
     from trl_longrm.packing import pack_sft_examples
 
@@ -393,6 +396,7 @@ def prepare_sft_dataset(dataset, tokenizer, args, dataset_name: str, packing_bud
             truncation=args.truncation,
             num_proc=args.dataset_num_proc,
             source_name=dataset_name,
+            assistant_only_loss=assistant_only_loss,
         )
     if packing_budget:
         dataset = pack_sft_examples(dataset, packing_budget)

@@ -351,7 +351,7 @@ class LongSFTTrainer(SequenceParallelMixin, SFTTrainer):
                     "are cut per `truncation` ('truncate_prompt' keeps the head and tail, or 'drop')."
                 )
             try:
-                dataset = prepare_sft_dataset(dataset, tokenizer, args, dataset_name, None)
+                dataset = prepare_sft_dataset(dataset, tokenizer, args, dataset_name, None, assistant_only_loss)
             except DataFormatError as error:
                 # Stock masks with TRL's training template TRL conversations (`messages`, which we mask by assistant
                 # turn by default) and conversational prompt/completion rows when `assistant_only_loss=True`.
@@ -369,7 +369,9 @@ class LongSFTTrainer(SequenceParallelMixin, SFTTrainer):
                 every_token = assistant_only_loss is False
             if every_token:
                 dataset = dataset.map(lambda row: {"completion_mask": [1] * len(row["input_ids"])})
-        dataset = _as_stock_labels(prepare_sft_dataset(dataset, tokenizer, args, dataset_name, budget))
+        dataset = _as_stock_labels(
+            prepare_sft_dataset(dataset, tokenizer, args, dataset_name, budget, assistant_only_loss)
+        )
         if args.shuffle_dataset:
             dataset = dataset.shuffle(seed=args.seed)
         return dataset
