@@ -198,6 +198,59 @@ def test_prompt_completion_as_stock(tmp_path, tokenizer, completion_only_loss):
     assert all((0 in m) == (completion_only_loss is not False) for m in trained_masks(masks))
 
 
+@pytest.mark.parametrize("assistant_only_loss", [None, True])
+def test_conversational_prompt_completion_as_stock(tmp_path, tokenizer, assistant_only_loss):
+    """TRL's conversational prompt/completion rows: stock trains the whole rendering after the prompt (ChatML's newline
+    after `<|im_end|>` too); with `assistant_only_loss=True` the completion's assistant turns only."""
+    rows = [
+        {
+            "prompt": [{"role": "user", "content": sentence(i, 5)}],
+            "completion": [{"role": "assistant", "content": sentence(i + 1, 3 + i)}],
+        }
+        for i in range(4)
+    ]
+    data = Dataset.from_list(rows)
+    flags = dict(max_length=256, assistant_only_loss=assistant_only_loss)
+    stock = SFTTrainer(
+        model=model_for(tokenizer),
+        args=SFTConfig(**cpu_args(tmp_path, **{**flags, "assistant_only_loss": bool(assistant_only_loss)})),
+        train_dataset=data,
+        processing_class=tokenizer,
+    )
+    ours = unpacked_ours(tmp_path, tokenizer, data, **flags)
+    assert ours.train_dataset["input_ids"] == stock.train_dataset["input_ids"]
+    assert ours.train_dataset["labels"] == stock.train_dataset["labels"]
+    trained = [t for t, label in zip(ours.train_dataset[0]["input_ids"], ours.train_dataset[0]["labels"]) if label != -100]
+    assert tokenizer.decode(trained).endswith("<|im_end|>" + ("" if assistant_only_loss else "\n"))
+    packed_stock, packed_ours = stock_and_ours(
+        tmp_path,
+        tokenizer,
+        data,
+        max_length=256,
+        stock_overrides={"assistant_only_loss": bool(assistant_only_loss)},
+        ours_overrides={"assistant_only_loss": assistant_only_loss},
+    )
+    assert_same_step(packed_stock, packed_ours)
+
+
+def test_packed_dataset_has_stock_seq_lengths(tmp_path, tokenizer):
+    """Stock's packed datasets carry `seq_lengths` (each pack's sequence lengths); ours too, for the same sequences
+    in packs of at most `max_length` tokens."""
+    data = Dataset.from_list(text_rows(8))
+    common = cpu_args(tmp_path, max_length=40, packing=True)
+    stock = SFTTrainer(
+        model=model_for(tokenizer), args=SFTConfig(**common), train_dataset=data, processing_class=tokenizer
+    )
+    ours = LongSFTTrainer(
+        model=model_for(tokenizer), args=LongSFTConfig(**common), train_dataset=data, processing_class=tokenizer
+    )
+    ours_lengths = ours.train_dataset["seq_lengths"]
+    assert ours_lengths == [[len(ids) for ids in pack] for pack in ours.train_dataset["input_ids"]]
+    assert all(sum(pack) <= 40 for pack in ours_lengths)
+    assert sorted(sum(ours_lengths, [])) == sorted(sum(stock.train_dataset["seq_lengths"], []))
+    assert len(ours_lengths) == len(stock.train_dataset["seq_lengths"])
+
+
 def conversations():
     return Dataset.from_list(
         [

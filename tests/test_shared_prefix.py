@@ -121,6 +121,29 @@ def test_shared_row_attention_single_process(row):
     assert (plain[0] - expected[0]).abs().max() > 1e-2
 
 
+@pytest.mark.parametrize("shared", [True, False], ids=["shared_row", "packed_row"])
+def test_mixed_dtypes_under_autocast_reach_the_kernels_as_one(shared):
+    """TRL's default `bf16=True` on float32 weights: under autocast Qwen3's q/k norms return float32 while v comes out
+    of its projection in bfloat16. The attention computes in autocast's dtype, as SDPA does (the fused CPU op of
+    shared rows raised 'expected scalar type Float but found BFloat16'), and the gradients reach the float32 leaves."""
+    lengths, parents, _ = shared_layout(ROWS[0])
+    q, k, v, grad_out = random_problem(4, 2, sum(lengths), seed=3)
+    meta = shared_row_metadata(torch.tensor(lengths), torch.tensor(parents)) if shared else None
+    leaves = [q.clone()[None].requires_grad_(), k.clone()[None].requires_grad_(), v.bfloat16()[None].requires_grad_()]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, _ = ring_attention_forward(MODULE, *leaves, None, scaling=0.3, ring_attn_meta=meta)
+    assert out.dtype == torch.bfloat16
+    out.float().backward(grad_out[None])
+    assert [t.grad.dtype for t in leaves] == [torch.float32, torch.float32, torch.bfloat16]
+    # The same call on inputs already in bfloat16, without autocast: the same kernels, the same numbers.
+    same = [t.detach().bfloat16() for t in leaves]
+    expected, _ = ring_attention_forward(MODULE, *same, None, scaling=0.3, ring_attn_meta=meta)
+    torch.testing.assert_close(out, expected, atol=0, rtol=0)
+    # Without autocast, mixed inputs are promoted to their common dtype (float32 here).
+    promoted, _ = ring_attention_forward(MODULE, *(t.detach() for t in leaves), None, scaling=0.3, ring_attn_meta=meta)
+    assert promoted.dtype == torch.float32
+
+
 def emulated_shared_ring(q, k, v, grad_out, lengths, parents, group_size, chunk, scaling, kernel=None):
     """A kernel (default: the pure PyTorch one) slice by slice as each ring rank runs it (keys `[kv_start,
     local_end)` of the padded row), key/value gradients summed over the ranks like the reduce-scatter."""

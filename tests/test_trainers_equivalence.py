@@ -501,14 +501,23 @@ def test_tool_call_completions_tokenised_as_stock(tmp_path, tokenizer):
         load_preference_dataset(plain)
 
 
-def test_preference_rows_with_tools_and_template_kwargs_tokenised_as_stock(tmp_path, tokenizer):
+@pytest.mark.parametrize("tools_as", ["json", "structured"])
+def test_preference_rows_with_tools_and_template_kwargs_tokenised_as_stock(tmp_path, tokenizer, tools_as):
     """Each row's `tools` and `chat_template_kwargs` reach the chat template as in RewardTrainer (and, for
-    `chat_template_kwargs`, as in CPOTrainer, which does not read `tools`)."""
+    `chat_template_kwargs`, as in CPOTrainer, which does not read `tools`). `tools` as JSON text, or as a list of
+    dicts made by `Dataset.map` from it as TRL's `test_train_toolcall_data_as_json` makes them (Arrow then fills the
+    keys one row lacks with None)."""
     import copy
+    import json
 
     templated = copy.deepcopy(tokenizer)
     templated.chat_template = TOOLS_TEMPLATE
     rows = tool_preference_rows()
+    if tools_as == "structured":
+        rows[0]["tools"] = rows[0]["tools"].replace('"type": "object"', '"type": "object", "required": ["q"]')
+        structured = Dataset.from_list(rows).map(lambda row: {"tools": json.loads(row["tools"])})
+        assert structured[2]["tools"][0]["function"]["parameters"]["required"] is None  # filled by Arrow
+        rows = structured.to_list()
     common = cpu_args(tmp_path, eos_token="<|im_end|>", max_length=512)
     model = build_tiny_model("qwen3", "seq-cls", templated, seed=1)
     stock = RewardTrainer(
