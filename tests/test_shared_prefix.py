@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from datasets import Dataset
 from trainer_helpers import cpu_args, random_groups
+from varlen_reference import varlen_backward, varlen_forward, varlen_pieces
 
 from trl_longrm import SimPODisRMConfig, SimPODisRMTrainer, SimPOGRMConfig, SimPOGRMTrainer
 from trl_longrm.packing import PreferenceCollator, group_num_tokens, pack_groups
@@ -391,9 +392,10 @@ def test_evaluate_and_row_budget_count_placed_tokens(tmp_path, tokenizer, kind):
 
 
 class ReferenceVarlenOps(VarlenOps):
-    """flash-attn's varlen forward/backward contract in plain PyTorch math (fp32): the forward returns the lse
-    `[H, Tq]`; the backward recomputes the softmax from the lse it is *given* and uses `rowsum(grad_out * out)` of
-    the out it is given, as flash-attn's backward does (no autograd), so a wrong merge gives wrong gradients."""
+    """flash-attn's varlen forward/backward contract in plain PyTorch math (fp32, `varlen_reference`): the forward
+    returns the lse `[H, Tq]`; the backward recomputes the softmax from the lse it is *given* and uses
+    `rowsum(grad_out * out)` of the out it is given, as flash-attn's backward does (no autograd), so a wrong merge
+    gives wrong gradients."""
 
     name = "reference"
 
@@ -401,58 +403,28 @@ class ReferenceVarlenOps(VarlenOps):
         self.key_tokens = {True: 0, False: 0}  # keys passed to forward calls, causal and full
 
     @staticmethod
-    def _pieces(q, k, cu_q, cu_k, max_q, max_k, causal):
-        for i in range(len(cu_q) - 1):
-            qa, qb, ka, kb = int(cu_q[i]), int(cu_q[i + 1]), int(cu_k[i]), int(cu_k[i + 1])
-            nq, nk = qb - qa, kb - ka
-            assert 0 < nq <= max_q and 0 < nk <= max_k
-            mask = torch.ones(nq, nk, dtype=torch.bool)
-            if causal:  # bottom-right aligned
-                mask = torch.arange(nk)[None, :] <= torch.arange(nq)[:, None] + nk - nq
-            yield qa, qb, ka, kb, mask
-
-    @staticmethod
-    def _scores(q, k, scale, mask):
-        group = q.shape[1] // k.shape[1]
-        kk = k.repeat_interleave(group, 1)
-        scores = torch.einsum("qhd,khd->hqk", q, kk) * scale
-        return scores.masked_fill(~mask, float("-inf")), kk
+    def _check(cu_q, cu_k, max_q, max_k):
+        for qa, qb, ka, kb, _ in varlen_pieces(cu_q, cu_k, False):
+            assert 0 < qb - qa <= max_q and 0 < kb - ka <= max_k
 
     def forward(self, q, k, v, cu_q, cu_k, max_q, max_k, scale, causal):
+        self._check(cu_q, cu_k, max_q, max_k)
         self.key_tokens[causal] += k.shape[0]
-        out = torch.zeros(q.shape[0], q.shape[1], v.shape[2])
-        lse = torch.zeros(q.shape[1], q.shape[0])
-        group = q.shape[1] // k.shape[1]
-        for qa, qb, ka, kb, mask in self._pieces(q, k, cu_q, cu_k, max_q, max_k, causal):
-            scores, _ = self._scores(q[qa:qb], k[ka:kb], scale, mask)
-            lse[:, qa:qb] = torch.logsumexp(scores, -1)
-            probs = torch.exp(scores - lse[:, qa:qb, None])
-            out[qa:qb] = torch.einsum("hqk,khd->qhd", probs, v[ka:kb].repeat_interleave(group, 1))
-        return out, lse
+        return varlen_forward(q, k, v, cu_q, cu_k, scale, causal)
 
     def backward(self, grad_out, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, causal):
-        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        group = q.shape[1] // k.shape[1]
-        for qa, qb, ka, kb, mask in self._pieces(q, k, cu_q, cu_k, max_q, max_k, causal):
-            scores, kk = self._scores(q[qa:qb], k[ka:kb], scale, mask)
-            probs = torch.exp(scores - lse[:, qa:qb, None])  # [H, nq, nk] with the given lse
-            g, vv = grad_out[qa:qb], v[ka:kb].repeat_interleave(group, 1)
-            d_probs = torch.einsum("qhd,khd->hqk", g, vv)
-            d_scores = probs * (d_probs - (g * out[qa:qb]).sum(-1).transpose(0, 1)[..., None]) * scale
-            dq[qa:qb] = torch.einsum("hqk,khd->qhd", d_scores, kk)
-            kv_shape = (kb - ka, k.shape[1], group, k.shape[2])
-            dk[ka:kb] = torch.einsum("hqk,qhd->khd", d_scores, q[qa:qb]).reshape(kv_shape).sum(2)
-            dv[ka:kb] = torch.einsum("hqk,qhd->khd", probs, g).reshape(kv_shape).sum(2)
-        return dq, dk, dv
+        self._check(cu_q, cu_k, max_q, max_k)
+        return varlen_backward(grad_out, q, k, v, out, lse, cu_q, cu_k, scale, causal)
 
 
 def reference_varlen_fn(q, k, v, cu_q, cu_k, max_q, max_k, scale):
     """The plain (causal) varlen function of the same stand-in library, differentiable by autograd."""
     out = []
-    for qa, qb, ka, kb, mask in ReferenceVarlenOps._pieces(q, k, cu_q, cu_k, max_q, max_k, True):
-        scores, _ = ReferenceVarlenOps._scores(q[qa:qb], k[ka:kb], scale, mask)
-        v_heads = v[ka:kb].repeat_interleave(q.shape[1] // k.shape[1], 1)
-        out.append(torch.einsum("hqk,khd->qhd", torch.softmax(scores, -1), v_heads))
+    group = q.shape[1] // k.shape[1]
+    for qa, qb, ka, kb, mask in varlen_pieces(cu_q, cu_k, True):
+        kk, vv = k[ka:kb].repeat_interleave(group, 1), v[ka:kb].repeat_interleave(group, 1)
+        scores = (torch.einsum("qhd,khd->hqk", q[qa:qb], kk) * scale).masked_fill(~mask, float("-inf"))
+        out.append(torch.einsum("hqk,khd->qhd", torch.softmax(scores, -1), vv))
     return torch.cat(out)
 
 

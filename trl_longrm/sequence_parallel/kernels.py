@@ -19,14 +19,27 @@ from .sharding import RingAttentionMetadata
 
 
 def is_flash_attn_available() -> bool:
-    """Whether the `flash_attn` package can be imported."""
+    """Whether flash-attn 2's varlen interface can be imported. A flash-attn-4-only install (`flash_attn.cute`) makes
+    `import flash_attn` succeed as a namespace package without it, and counts as absent."""
     if importlib.util.find_spec("flash_attn") is None:
         return False
     try:
-        import flash_attn  # noqa: F401
-    except Exception:  # a broken build (e.g. CUDA mismatch) counts as absent
+        from flash_attn import flash_attn_varlen_func  # noqa: F401
+    except Exception:  # a broken build (e.g. CUDA mismatch), or no flash-attn 2 interface: absent
         return False
     return True
+
+
+def _deterministic() -> bool:
+    """flash-attn's `deterministic` backward where the user asked torch for deterministic algorithms."""
+    return torch.are_deterministic_algorithms_enabled()
+
+
+def _pad_head_dim(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Zero-pad the last dim to a multiple of 8, as flash-attn's public wrappers do before calling its kernels (which
+    refuse other head dims). Zeros change neither scores nor `rowsum(dout * out)`."""
+    pad = -tensors[0].shape[-1] % 8
+    return tensors if not pad else tuple(F.pad(t, (0, pad)) for t in tensors)
 
 
 class TorchBlockKernel:
@@ -221,16 +234,18 @@ class FlashAttnVarlenOps(VarlenOps):
         return out, _heads_first_lse(lse, q, "flash-attn")
 
     def backward(self, grad_out, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, causal):
+        head_dim = q.shape[-1]
+        grad_out, q, k, v, out = _pad_head_dim(grad_out.contiguous(), q, k, v, out.contiguous())
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         kwargs = {
-            "dout": grad_out.contiguous(), "q": q, "k": k, "v": v, "out": out.contiguous(), "softmax_lse": lse,
+            "dout": grad_out, "q": q, "k": k, "v": v, "out": out, "softmax_lse": lse,
             "dq": dq, "dk": dk, "dv": dv, "cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k, "max_seqlen_q": max_q,
             "max_seqlen_k": max_k, "dropout_p": 0.0, "softmax_scale": scale, "causal": causal,
             "window_size": (-1, -1), "window_size_left": -1, "window_size_right": -1, "softcap": 0.0,
-            "alibi_slopes": None, "deterministic": False, "rng_state": None,
+            "alibi_slopes": None, "deterministic": _deterministic(), "rng_state": None,
         }  # fmt: skip
         self._backward_fn(**{key: value for key, value in kwargs.items() if key in self._backward_parameters})
-        return dq, dk, dv
+        return dq[..., :head_dim], dk[..., :head_dim], dv[..., :head_dim]
 
 
 class TorchVarlenOps(VarlenOps):
@@ -488,7 +503,10 @@ class SharedPrefixVarlenKernel:
 def _flash_attn_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale):
     from flash_attn import flash_attn_varlen_func
 
-    return flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p=0.0, softmax_scale=scale, causal=True)
+    return flash_attn_varlen_func(
+        q, k, v, cu_q, cu_k, max_q, max_k, dropout_p=0.0, softmax_scale=scale, causal=True,
+        deterministic=_deterministic(),
+    )  # fmt: skip
 
 
 def _torch_varlen_function() -> VarlenFunction | None:
