@@ -58,7 +58,8 @@ def _gather_keys_values(k: torch.Tensor, v: torch.Tensor, meta: RingAttentionMet
 
 
 def _scatter_key_value_grads(dk: torch.Tensor, dv: torch.Tensor, meta: RingAttentionMetadata):
-    """Sum the gradients every rank computed for the gathered keys/values and return each owner its slice."""
+    """Sum the gradients every rank computed for the gathered keys/values and return each owner its slice (in the
+    kernels' float32: the sum over ranks is not rounded to half precision at each step)."""
     if meta.group is None:
         return dk, dv
     grads = []

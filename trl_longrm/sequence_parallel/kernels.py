@@ -3,7 +3,9 @@
 Tensors are token-major: queries `[local_length, Hq, D]`, keys/values `[local_end - kv_start, Hkv, D]` (the global
 row's keys from the start of the document of this rank's first token up to its last token; no local query sees keys
 outside that range). Query head `h` uses key/value head `h // (Hq / Hkv)` (grouped-query attention). Every kernel's
-backward recomputes the attention of its chunk, so that only the local q/k/v are kept between forward and backward.
+backward recomputes the attention of its chunk, so that only the local q/k/v are kept between forward and backward,
+and returns float32 gradients: they are summed over blocks here and over ranks by the ring in float32, then cast once
+to the inputs' dtype (as ring-flash-attention accumulates), since bf16 sums over 64 blocks lose ~1e-2 relative.
 """
 
 from __future__ import annotations
@@ -109,7 +111,7 @@ class TorchBlockKernel:
         return out
 
     def backward(self, q, k, v, grad_out, meta: RingAttentionMetadata, scaling: float):
-        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        dq, dk, dv = (_fp32_zeros(t) for t in (q, k, v))  # summed over blocks in float32, cast once by the caller
         for a, b, key_ranges, square in self._blocks(meta):
             # Each block's own slices are the leaves: differentiating the whole q/k/v instead would materialise and
             # add a full-size gradient per block (cost: blocks x row length, 7x the forward on a packed row).
@@ -126,6 +128,11 @@ class TorchBlockKernel:
                 dv[lo:hi] += dv_b[at : at + hi - lo]
                 at += hi - lo
         return dq, dk, dv
+
+
+def _fp32_zeros(t: torch.Tensor) -> torch.Tensor:
+    """A float32 accumulator for gradients of `t` (half-precision sums over blocks and ranks lose ~1e-2 relative)."""
+    return torch.zeros(t.shape, dtype=torch.float32, device=t.device)
 
 
 VarlenFunction = Callable[..., torch.Tensor]
@@ -159,7 +166,7 @@ class VarlenKernel:
         q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
         with torch.enable_grad():
             out = self._call(q, k, v, meta, scaling)
-        return torch.autograd.grad(out, (q, k, v), grad_out)
+        return tuple(grad.float() for grad in torch.autograd.grad(out, (q, k, v), grad_out))  # summed over ranks
 
 
 class VarlenOps:
@@ -348,7 +355,7 @@ class TorchCpuFlashOps(VarlenOps):
         return out, lse
 
     def backward(self, grad_out, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, causal):
-        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        dq, dk, dv = (_fp32_zeros(t) for t in (q, k, v))  # blocks of one sequence share keys: summed in float32
         for qa, qb, ka, kb, mode in self._blocks(cu_q, cu_k, causal):
             mask = self._mask(qb - qa, kb - ka, mode, q.dtype, q.device)
             dq_b, dk_b, dv_b = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
@@ -440,7 +447,10 @@ class _SharedPrefixLayout:
         a = self.keys_a_start
         dq, dk_a, dv_a = ops.backward(grad_out, q, k[a:].contiguous(), v[a:].contiguous(), out, lse, *self.call_a,
                                       scale, True)  # fmt: skip
-        dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+        # The two calls' gradients (and every response's share of its prefix's) are summed in float32; the caller
+        # casts once.
+        dq = dq.float()
+        dk, dv = _fp32_zeros(k), _fp32_zeros(v)
         dk[a:] += dk_a
         dv[a:] += dv_a
         if self.has_b:
@@ -449,7 +459,7 @@ class _SharedPrefixLayout:
                 grad_out[idx], q[idx], self.keys_b(k), self.keys_b(v), out[idx], lse[:, idx].contiguous(),
                 *self.call_b, scale, False,
             )  # fmt: skip
-            dq = dq.index_add(0, idx, dq_b.to(dq.dtype))
+            dq = dq.index_add(0, idx, dq_b.float())
             at = 0
             for lo, hi in self.key_ranges_b:  # each prefix once, with the gradient of all its responses' queries
                 dk[lo:hi] += dk_b[at : at + hi - lo]
@@ -472,7 +482,7 @@ class _SharedPrefixVarlenFunction(torch.autograd.Function):
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = ctx.layout.backward(ctx.ops, grad_out, q, k, v, out, lse, ctx.scale)
-        return dq, dk, dv, None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 
 class SharedPrefixVarlenKernel:
