@@ -168,3 +168,31 @@ def test_eval_dataset_dict_and_compute_metrics(tmp_path, tokenizer, model_paths,
     else:
         assert metrics["eval_accuracy"] == pytest.approx(float((chosen > rejected).mean()), rel=1e-5)
         assert metrics["eval_margin"] == pytest.approx(float((chosen - rejected).mean()), rel=1e-5)
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_packed_row_metadata_built_once_per_step_in_the_users_settings(tmp_path, tokenizer, model_paths, kind,
+                                                                       monkeypatch):  # fmt: skip
+    """On one process a packed row's attention metadata is built once per forward by the trainer (not in every layer
+    and every recompute of gradient checkpointing, with a host sync each), in the user's ring settings."""
+    from trl_longrm.sequence_parallel import attention
+    from trl_longrm.trainers import parallel
+
+    built = []
+    build = parallel.packed_row_metadata
+
+    def counted(position_ids, config=None):
+        built.append(build(position_ids, config))
+        return built[-1]
+
+    def per_layer(*args, **kwargs):
+        raise AssertionError("the attention derived a packed row's documents from position_ids itself")
+
+    monkeypatch.setattr(parallel, "packed_row_metadata", counted)
+    monkeypatch.setattr(attention, "packed_row_metadata", per_layer)
+    layout = {} if kind == "sft" else {"shared_prefix": False}  # plain packed rows (shared ones have their own)
+    trainer = make_trainer(kind, model_paths[KINDS[kind][2]], tmp_path, tokenizer, max_steps=2, gradient_checkpointing=True,
+                           ring_attn_backend="torch", ring_head_stride=1, **layout)  # fmt: skip
+    trainer.train()
+    assert len(built) == 2  # one forward per step
+    assert {(meta.backend, meta.ring_head_stride) for meta in built} == {("torch", 1)}

@@ -21,7 +21,6 @@ from trl_longrm.trainers.common import (
     LongContextDataArguments,
     attention_reasons,
     lm_head_reasons,
-    model_inputs,
     model_skeleton,
     pad_token_id_of,
     prepare_sft_dataset,
@@ -497,7 +496,7 @@ class LongSFTTrainer(SequenceParallelMixin, SFTTrainer):
         if self.sp_groups is not None:  # a ring: the arg-max and entropy of a split row are not gathered
             token_logps, label_mask = self.token_logps(model, batch)
             return token_logps, label_mask, None, None
-        out = model(**model_inputs(batch), logprob_labels=batch["labels"], logprob_metrics=True, use_cache=False)
+        out = model(**self._packed_row_inputs(batch), logprob_labels=batch["labels"], logprob_metrics=True)
         return out.token_logps, out.label_mask, out.is_top1, out.entropy
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -548,5 +547,5 @@ class LongSFTTrainer(SequenceParallelMixin, SFTTrainer):
                     "`prediction_loss_only=True`."
                 )
             # As TRL: the sparse head builds no logits, so they come from one more (plain) forward.
-            logits = model(**model_inputs(inputs), use_cache=False).logits
+            logits = model(**self._packed_row_inputs(inputs)).logits
         return loss.detach(), logits, inputs["labels"]

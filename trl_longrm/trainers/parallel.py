@@ -21,7 +21,7 @@ from trl_longrm.sequence_parallel import (
     validate_sequence_parallel_setup,
 )
 from trl_longrm.sequence_parallel.collectives import all_reduce_autograd
-from trl_longrm.sequence_parallel.sharding import shared_row_metadata
+from trl_longrm.sequence_parallel.sharding import packed_row_metadata, shared_row_metadata
 from trl_longrm.trainers.common import model_inputs
 
 
@@ -126,6 +126,18 @@ class SequenceParallelMixin:
             "use_cache": False,
         }
 
+    def _packed_row_inputs(self, batch) -> dict:
+        """Model inputs of a batch on one process. A packed row (padding-free, one row) comes with its attention
+        metadata, built once here in the user's ring settings (`ring_attn_backend`, ...): every layer, and the
+        recompute of gradient checkpointing, reads it instead of deriving the documents from `position_ids` again
+        (a host sync per layer)."""
+        inputs = {**model_inputs(batch), "use_cache": False}
+        position_ids = inputs.get("position_ids")
+        if self.args.padding_free and "attention_mask" not in inputs and position_ids is not None:
+            if position_ids.shape[0] == 1:
+                inputs[RING_META_KWARG] = packed_row_metadata(position_ids, self.args)
+        return inputs
+
     def forward_pair_logps(self, model, batch) -> torch.Tensor:
         """Log-prob of `logprob_targets[p]` at row position `logprob_positions[p]` of a shared-prefix batch, `[P]`,
         for the whole row even when it is split over a ring."""
@@ -156,7 +168,7 @@ class SequenceParallelMixin:
                 "A shared-prefix batch has no per-token labels: read its log-probs with forward_pair_logps."
             )
         if self.sp_groups is None:
-            output = model(**model_inputs(batch), logprob_labels=batch["labels"], use_cache=False)
+            output = model(**self._packed_row_inputs(batch), logprob_labels=batch["labels"])
             return output.token_logps, output.label_mask
         shard = self._shard(batch, batch["labels"])
         scored = shard.shift_labels != -100
@@ -180,7 +192,7 @@ class SequenceParallelMixin:
         if self.sp_groups is None:
             if is_shared_prefix_batch(batch):
                 return model(**self._shared_row_inputs(batch), score_positions=batch["score_positions"]).scores
-            return model(**model_inputs(batch), score_positions=batch["score_positions"], use_cache=False).scores
+            return model(**self._packed_row_inputs(batch), score_positions=batch["score_positions"]).scores
         shard = self._shard(batch)
         local = torch.arange(shard.input_ids.shape[1], device=shard.input_ids.device)
         local_scores = model(**shard.model_inputs(), score_positions=local).scores
