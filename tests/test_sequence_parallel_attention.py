@@ -366,3 +366,24 @@ def test_bf16_ring_gradients_as_accurate_as_one_process(tmp_path):
     errors = json.loads(result.read_text())
     for name, ring, single in zip(["dq", "dk", "dv"], errors["ring"], errors["one_process"]):
         assert ring <= 1.5 * single, f"{name}: ring of 4 error {ring:.2e}, one process {single:.2e}"
+
+
+def test_masked_gqa_blocks_repeat_key_value_heads_off_cpu(monkeypatch):
+    """A masked block (a piece entering from the previous rank, a response against its prompt) on CUDA: SDPA with a
+    mask and `enable_gqa=True` can only take the math backend (float32 scores of the whole block), so the block
+    kernel repeats the key/value heads instead. Checked on meta tensors (any device but CPU); CPU keeps GQA."""
+    from trl_longrm.sequence_parallel import kernels
+
+    calls = []
+
+    def recording(query, key, value, **kwargs):
+        calls.append((key.shape[1], kwargs["enable_gqa"], kwargs["attn_mask"] is not None))
+        return query.new_empty(query.shape)
+
+    monkeypatch.setattr(kernels.F, "scaled_dot_product_attention", recording)
+    for device in ("meta", "cpu"):
+        k, v = torch.empty(9, 2, 16, device=device), torch.empty(9, 2, 16, device=device)
+        TorchBlockKernel._block(torch.empty(5, 8, 16, device=device), k, v, False, 0.25)  # bottom-right mask
+        TorchBlockKernel._block(torch.empty(9, 8, 16, device=device), k, v, True, 0.25)  # is_causal, no mask
+    # (key/value heads passed, enable_gqa, masked)
+    assert calls == [(8, False, True), (2, True, False), (2, True, True), (2, True, False)]

@@ -93,14 +93,16 @@ class TorchBlockKernel:
         if not is_causal_square:
             m, n = q.shape[0], k.shape[0]
             mask = torch.arange(n, device=q.device)[None, :] <= torch.arange(n - m, n, device=q.device)[:, None]
+        gqa = q.shape[1] != k.shape[1]
+        if gqa and mask is not None and q.device.type != "cpu":
+            # On CUDA a masked call can only take the memory-efficient backend, which refuses `enable_gqa`: with it
+            # SDPA falls back to the math backend, which materialises float32 scores ([heads, m, n], 8 GiB for 16
+            # heads x 1K queries x 128K keys). Repeating the key/value heads keeps it on the fused kernel.
+            group = q.shape[1] // k.shape[1]
+            key, value = key.repeat_interleave(group, 1), value.repeat_interleave(group, 1)
+            gqa = False
         out = F.scaled_dot_product_attention(
-            query,
-            key,
-            value,
-            attn_mask=mask,
-            is_causal=is_causal_square,
-            scale=scaling,
-            enable_gqa=q.shape[1] != k.shape[1],
+            query, key, value, attn_mask=mask, is_causal=is_causal_square, scale=scaling, enable_gqa=gqa
         )
         return out[0].transpose(0, 1)
 
