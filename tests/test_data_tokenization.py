@@ -75,17 +75,17 @@ def test_conversational_group_ids_are_the_stock_trainers_sequences(tokenizer):
         "[Score: 2]" + EOS_TOKEN + "\n",
         "[Score: 4] longer answer" + EOS_TOKEN + "\n",
     ]
-    # CPOTrainer's (a SimPO-GRM's): the same, then an EOS, as `add_eos_token_if_needed` appends one.
-    cpo = tokenize_preference_record(record, tokenizer, eos_convention="cpo")
-    assert cpo["prompt_ids"] == out["prompt_ids"]
-    for response, completion, cpo_completion in zip(
+    # A judge's (SimPO-GRM's): what it generates, up to and including its EOS (not the newline after it).
+    judge = tokenize_preference_record(record, tokenizer, eos_convention="generation")
+    assert judge["prompt_ids"] == out["prompt_ids"]
+    for response, completion, judge_completion in zip(
         ["[Score: 9]", *record["rejected"]],
         [out["chosen_completion_ids"], *out["rejected_completion_ids"]],
-        [cpo["chosen_completion_ids"], *cpo["rejected_completion_ids"]],
+        [judge["chosen_completion_ids"], *judge["rejected_completion_ids"]],
     ):
         full = tokenizer.apply_chat_template(record["prompt"] + [{"role": "assistant", "content": response}])
         assert out["prompt_ids"] + completion == full["input_ids"]
-        assert cpo_completion == completion + [tokenizer.eos_token_id]
+        assert judge_completion == completion[:-1] and judge_completion[-1] == tokenizer.eos_token_id
     with pytest.raises(ValueError, match="eos_convention"):
         tokenize_preference_record(record, tokenizer, eos_convention="dpo")
 
@@ -115,14 +115,14 @@ def test_standard_string_group(tokenizer):
     assert tokenizer.decode(out["rejected_completion_ids"][0]) == " green." + EOS_TOKEN
 
 
-def test_template_without_eos_gets_one_appended_in_cpo_convention():
+def test_template_without_eos_gets_one_appended_for_a_judge():
     tokenizer = build_chat_tokenizer()
     tokenizer.chat_template = (
         "{% for m in messages %}{{ m['role'] + ':\\n' + m['content'] + '\\n\\n' }}{% endfor %}"
         "{% if add_generation_prompt %}{{ 'assistant:\\n' }}{% endif %}"
     )
     record = {"prompt": [USER], "chosen": "yes", "rejected": ["no"]}
-    out = tokenize_preference_record(record, tokenizer, eos_convention="cpo")
+    out = tokenize_preference_record(record, tokenizer, eos_convention="generation")
     assert tokenizer.decode(out["chosen_completion_ids"]) == "yes\n\n" + EOS_TOKEN
     assert tokenizer.decode(out["rejected_completion_ids"][0]) == "no\n\n" + EOS_TOKEN
     # RewardTrainer appends no EOS to a conversation: it is scored at the rendering's last token.

@@ -15,7 +15,10 @@ meets in all four combinations. Each case trains two steps with finite losses, a
 stock TRL trainer run on the same rows with the same factors (the stock trainer has no layout factor): float32 (A and
 B off) within 1e-5 relative; otherwise within the deviation stock itself shows between its runs in that precision
 and its runs of the same weights in float32 without autocast (see the test).
-Qwen3 is the architecture: its q/k norms return float32 under autocast on float32 weights.
+Qwen3 is the architecture: its q/k norms return float32 under autocast on float32 weights. The chat template is
+ChatML's (a newline after `<|im_end|>`), except for the GRM, whose template ends the assistant turn at its EOS: on
+ChatML, CPOTrainer appends a second EOS after that newline, which ours does not train (see
+`test_grm_completions_end_at_the_judges_eos_where_cpo_appends_one_after_the_newline`).
 """
 
 from __future__ import annotations
@@ -137,6 +140,16 @@ KIND = {
 }
 
 
+def ending_at_eos(tokenizer):
+    """The tokenizer with a ChatML template whose assistant turn ends at its EOS (no newline after it)."""
+    import copy
+
+    ends = copy.deepcopy(tokenizer)
+    ends.chat_template = tokenizer.chat_template.replace("{% endgeneration %}{{ '\\n' }}", "{% endgeneration %}")
+    assert ends.chat_template != tokenizer.chat_template
+    return ends
+
+
 def train(kind, impl, case, checkpoints, tokenizer, output_dir, float32_weights=False, seed=0, **extra):
     """Two steps of one trainer on one case (rows drawn with `seed`); returns the logged losses. `float32_weights`:
     the checkpoint's weights loaded in float32 (an instance), the reference a bfloat16 case is measured against."""
@@ -155,6 +168,7 @@ def train(kind, impl, case, checkpoints, tokenizer, output_dir, float32_weights=
         peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type=task_type)
     log = LossLog()
     if kind == "grm":
+        tokenizer = ending_at_eos(tokenizer)
         dataset = Dataset.from_list(preference_rows(seed))
         if impl == "ours":
             config = SimPOGRMConfig(shared_prefix=case["layout_on"], **args)
@@ -227,3 +241,23 @@ def test_trl_defaults_and_precision(kind, case, checkpoints, tokenizer, tmp_path
     label += f", stock's bf16 deviation {e:.2e}"
     assert abs(ours - exact) <= (2 * e + 1e-5) * abs(exact), label
     assert abs(ours - stock) <= (3 * e + 1e-5) * abs(stock), label
+
+
+def test_grm_completions_end_at_the_judges_eos_where_cpo_appends_one_after_the_newline(tmp_path, tokenizer):
+    """On ChatML, CPOTrainer's completion is the rendering's tail plus an EOS after the template's newline
+    (`<|im_end|>`, newline, `<|im_end|>`), teaching a judge to stop after a newline; ours ends at the EOS the judge
+    generates, stock's sequence less those two tokens. With a template ending the turn at its EOS they are equal."""
+    rows = preference_rows()
+    model = build_tiny_model("qwen3", "causal-lm", tokenizer, seed=0)
+    args = dict(output_dir=str(tmp_path), use_cpu=True, report_to=[])
+    for template, extra in ((tokenizer, 2), (ending_at_eos(tokenizer), 0)):
+        stock = CPOTrainer(model=model, args=CPOConfig(**args), train_dataset=Dataset.from_list(rows),
+                           processing_class=template)  # fmt: skip
+        ours = SimPOGRMTrainer(model=model, args=SimPOGRMConfig(**args), train_dataset=Dataset.from_list(rows),
+                               processing_class=template)  # fmt: skip
+        for s, o in zip(stock.train_dataset, ours.train_dataset):
+            for column in ("chosen_input_ids", "rejected_input_ids"):
+                assert o[column] == s[column][: len(s[column]) - extra]
+                assert o[column][-1] == tokenizer.eos_token_id
+            if extra:
+                assert tokenizer.decode(s["chosen_input_ids"][-3:]) == "<|im_end|>\n<|im_end|>"

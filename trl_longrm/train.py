@@ -361,8 +361,8 @@ def prepare_data(stage: str, source: str, split: str | None, tokenizer, training
                 chosen_key=args.chosen_key,
                 rejected_key=args.rejected_key,
             )
-            # The EOS convention of the stock trainer the stage's trainer stands in for (CPOTrainer for SimPO-GRM).
-            convention = "reward" if STAGES[stage][2] == "seq-cls" else "cpo"
+            # Where completions end: a DisRM's at the rendering's last token, a judge's at the EOS it generates.
+            convention = "reward" if STAGES[stage][2] == "seq-cls" else "generation"
             tokenize = functools.partial(tokenize_preference_dataset, eos_convention=convention)
         dataset, report = tokenize(
             rows,

@@ -3,15 +3,19 @@
 Preference group -> `prompt_ids`, `chosen_completion_ids`, `rejected_completion_ids` (and `margin` when present).
 Every completion token is a loss token. For conversational prompts the ids come from the tokenizer's chat template:
 `prompt_ids` is the prompt rendered with `add_generation_prompt=True`, and a completion is
-`render(prompt + response messages)[len(prompt_ids):]`, whole: what the template writes after the EOS (ChatML's
-newline after `<|im_end|>`) stays, as in the stock trainers' rows, so that the last token of a sequence (where a
-DisRM's score is read, by us and by every stock consumer) is the last token of the conversation as TRL renders it.
-The prompt rendering must be an exact token prefix of the full rendering; otherwise the row is rejected with an
-error instead of being mis-masked. Where an EOS is appended is the stock trainers' convention (`eos_convention`):
+`render(prompt + response messages)[len(prompt_ids):]`. The prompt rendering must be an exact token prefix of the
+full rendering; otherwise the row is rejected with an error instead of being mis-masked. Where a completion ends
+(`eos_convention`):
 
-- `"cpo"` (CPOTrainer, our SimPO-GRM): every completion ends with EOS, appended when it does not already end so;
-- `"reward"` (RewardTrainer and SFTTrainer, our DisRM): a plain-text completion gets EOS appended when it does not
-  end with it; a conversational completion is its rendering as it is.
+- `"reward"` (a DisRM's data, RewardTrainer's rows token for token): a conversation's whole rendering, what the
+  template writes after the EOS (ChatML's newline after `<|im_end|>`) included, so that the last token of a sequence,
+  where the score is read by us and by every stock consumer, is the last token of the conversation as TRL renders
+  it; a plain-text completion gets EOS appended when it does not end with it.
+- `"generation"` (a SimPO-GRM's data): what the judge generates, up to and including its EOS (the last one of a
+  completion of several messages), with an EOS appended when the template closes the turn without one. CPOTrainer
+  instead appends an EOS after the template's trailing newline (`<|im_end|>`, newline, `<|im_end|>` on ChatML),
+  which teaches a judge to stop after a newline: trained so, the demo's judge wrote 27 of 168 judgments without
+  their score.
 
 SFT example -> `input_ids` and `completion_mask`. Conversations (`messages`) train their assistant turns, each up to
 and including its EOS, built by rendering the conversation turn by turn and checking the same prefix property at
@@ -106,9 +110,9 @@ def _check_policy(max_length: int | None, truncation: str) -> None:
         raise ValueError(f"max_length must be a positive number of tokens or None, got {max_length}")
 
 
-# Whose EOS convention a preference group follows: CPOTrainer's (every completion ends with EOS) or RewardTrainer's
-# (plain-text completions only; a conversation is scored at the last token the chat template renders).
-EOS_CONVENTIONS = ("cpo", "reward")
+# Where a preference completion ends: "generation" (a SimPO-GRM's: what the judge generates, up to and including
+# its EOS) or "reward" (a DisRM's, RewardTrainer's: a conversation's whole rendering, scored at its last token).
+EOS_CONVENTIONS = ("generation", "reward")
 
 
 def _eos_id(tokenizer: PreTrainedTokenizerBase) -> int:
@@ -181,7 +185,13 @@ class _Encoder:
         full = self.render(prompt + messages, False, key)
         self.check_prefix(prompt_ids, full, key, "the prompt rendered with add_generation_prompt=True")
         tail = full[len(prompt_ids) :]
-        return self.with_eos(tail) if self.eos_convention == "cpo" else tail
+        if self.eos_convention == "reward":
+            return tail
+        if isinstance(response, list):  # the reply closes the completion: cut after its (last) EOS
+            cut = len(tail) - tail[::-1].index(self.eos) if self.eos in tail else len(tail)
+        else:
+            cut = tail.index(self.eos) + 1 if self.eos in tail else len(tail)
+        return self.with_eos(tail[:cut])
 
     def completion_overhead(self, prompt) -> int:
         """Tokens a completion has besides its response's own: measured on a one-word response to a one-word prompt
@@ -390,8 +400,8 @@ def tokenize_preference_record(
 
     `max_length` bounds `len(prompt_ids) + len(longest completion)`. With `truncation="truncate_prompt"` the middle
     of the prompt's longest message is cut until it fits; a group is dropped only when its completions alone leave no
-    room for the prompt. `eos_convention` is the stock trainer whose EOS rule the completions follow: 'reward'
-    (RewardTrainer's, for a DisRM) or 'cpo' (CPOTrainer's, for a SimPO-GRM); see the module docstring.
+    room for the prompt. `eos_convention` says where completions end: 'reward' (a DisRM's, RewardTrainer's) or
+    'generation' (a SimPO-GRM's, up to the judge's EOS); see the module docstring.
 
     Example:
     ```python
@@ -531,7 +541,8 @@ def tokenize_preference_dataset(
 
     Returns the dataset with columns `prompt_ids`, `chosen_completion_ids`, `rejected_completion_ids` (and `margin`)
     and a [`TokenizationReport`] with the dropped/truncated counts, which are also logged once. `eos_convention`:
-    'reward' (a DisRM's data, RewardTrainer's rule) or 'cpo' (a SimPO-GRM's, CPOTrainer's); see the module docstring.
+    'reward' (a DisRM's data, RewardTrainer's sequences) or 'generation' (a SimPO-GRM's, up to the judge's EOS); see
+    the module docstring.
 
     Example:
     ```python
