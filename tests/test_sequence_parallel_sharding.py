@@ -128,3 +128,26 @@ def test_metadata_rejects_inconsistent_geometry():
         RingAttentionMetadata(
             cu_seqlens=(0, 7), total_length=7, unpadded_length=7, local_start=0, local_length=3, group_size=2
         )
+
+
+def test_attention_work_sums_to_every_causal_pair_over_the_ring():
+    """`attention_work` (what bench/sp_balance.py spreads over ranks) against a hand count: over the ring's ranks the
+    work adds up to every document's causal pairs (plus each response's prefix pairs in a shared row), and the
+    contiguous placement of one document gives the last of P ranks (2P-1)/P of the mean."""
+    import importlib.util
+    from pathlib import Path
+
+    from trl_longrm.sequence_parallel.sharding import attention_work
+
+    spec = importlib.util.spec_from_file_location("sp_balance", Path(__file__).parents[1] / "bench" / "sp_balance.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    lengths = [37, 5, 90, 1]
+    pad = -sum(lengths) % 4  # the padding to a multiple of the ring size is attended as a document of its own
+    assert sum(bench.rank_work(lengths, 4)) == sum(n * (n + 1) // 2 for n in [*lengths, pad])
+    shared, parents = [40, 7, 9], [-1, 0, 0]
+    pairs = 40 * 41 // 2 + sum(n * (n + 1) // 2 + n * 40 for n in (7, 9))
+    assert sum(bench.rank_work(shared, 4, parents)) == pairs
+    assert attention_work(packed_row_metadata(torch.tensor([0, 1, 2, 0, 1]))) == 9
+    work = bench.rank_work([4096], 8)
+    assert bench.balance(work) == pytest.approx(15 / 8, rel=1e-3)  # the figure a balanced placement must beat

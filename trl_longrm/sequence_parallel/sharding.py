@@ -212,6 +212,26 @@ class RingAttentionMetadata:
         return self._cache[key]
 
 
+def attention_work(meta: RingAttentionMetadata) -> int:
+    """(query, key) pairs this rank's queries attend: each local query sees its document's earlier tokens and itself,
+    plus the whole of its shared prefixes. What the ring's placement should spread evenly over the ranks.
+
+    Example:
+    ```python
+    >>> attention_work(packed_row_metadata(torch.tensor([0, 1, 2, 0, 1])))  # 1 + 2 + 3 and 1 + 2
+    9
+    ```
+    """
+    cu, work = meta.cu_seqlens, 0
+    for doc in meta.local_documents():
+        doc_start = cu[doc]
+        q_lo, q_hi = max(doc_start, meta.local_start), min(cu[doc + 1], meta.local_end)
+        first, last = q_lo - doc_start + 1, q_hi - doc_start
+        work += (q_hi - q_lo) * (first + last) // 2
+        work += (q_hi - q_lo) * sum(cu[p + 1] - cu[p] for p in meta.ancestors(doc))
+    return work
+
+
 def _segment_boundaries(segment_lengths, length: int, source: str) -> list[int]:
     lengths = [int(n) for n in torch.as_tensor(segment_lengths).reshape(-1).tolist()]
     if any(n <= 0 for n in lengths) or sum(lengths) != length:
