@@ -1,7 +1,8 @@
 """Load balance of the ring's placement, and the bytes each rank moves per layer (no GPU, no processes: arithmetic on
 the metadata the trainers build).
 
-For rows laid over a ring of `--ring-size` ranks by `shard_packed_row` (the placement the trainers use), the causal
+For rows laid over a ring of `--ring-size` ranks by `shard_packed_row` (the placement the trainers use, and the
+contiguous one for comparison), the causal
 attention work of each rank is counted from its `RingAttentionMetadata`: every local query times the keys it
 attends (its document's earlier tokens and itself, plus, in a shared-prefix row, its whole prefix). The balance is
 max / mean over ranks (1.0 is perfect). Rows: one 131,072-token document; a packed row of several documents; a
@@ -46,14 +47,17 @@ class _Ring:
         self.sequence_parallel_size, self.ring_rank = size, rank
 
 
-def rank_work(lengths: list[int], size: int, parents: list[int] | None = None) -> list[int]:
-    """Attention work of each rank for a row of documents `lengths` (and shared-prefix `parents`)."""
+def rank_work(lengths: list[int], size: int, parents: list[int] | None = None, placement: str | None = None) -> list[int]:
+    """Attention work of each rank for a row of documents `lengths` (and shared-prefix `parents`), placed as the
+    trainers place it (`SequenceParallelConfig`'s default) or by `placement`."""
     positions = torch.cat([torch.arange(n) for n in lengths])[None]
     ids = torch.zeros_like(positions)
     segments = {}
     if parents is not None:
         segments = {"segment_lengths": torch.tensor(lengths), "segment_parents": torch.tensor(parents)}
     config = SequenceParallelConfig(sequence_parallel_size=size)
+    if placement is not None:
+        config.ring_placement = placement
     work = []
     for rank in range(size):
         shard = shard_packed_row(ids, positions, groups=_Ring(size, rank), config=config, verify_same_row=False,
@@ -92,6 +96,9 @@ def main() -> None:
     for name, (lengths, parents) in rows.items():
         report[f"sp{size}_attention_balance_{name}"] = round(balance(rank_work(lengths, size, parents)), 4)
     report[f"sp{size}_attention_balance"] = report[f"sp{size}_attention_balance_one_document"]
+    report[f"sp{size}_ring_placement"] = SequenceParallelConfig().ring_placement
+    report[f"sp{size}_attention_balance_one_document_contiguous"] = round(balance(rank_work([tokens], size,
+                                                                                         placement="contiguous")), 4)
     report.update({f"llama3_8b_{tokens // 1024}k_sp{size}_{k}": v for k, v in gathered_bytes(tokens, size).items()})
     print(json.dumps(report))
 

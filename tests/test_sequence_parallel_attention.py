@@ -261,34 +261,38 @@ def _check_ring_attention(rank, world_size, sequence_parallel_size):
         length = sum(docs)
         q, k, v, grad_out = random_problem(num_heads, num_kv_heads, length, seed=10 * case_index + shift)
         ref_out, ref_dq, ref_dk, ref_dv = reference_with_grads(q, k, v, grad_out, docs, scaling)
-        # Small query blocks for every stride; one run with a block longer than the slice.
-        for stride, chunk in [(s, 4) for s in strides(num_kv_heads)] + [(None, 1024)]:
+        # Small query blocks for every stride (zigzag placement); one run with a block longer than the slice, and one
+        # of the contiguous placement.
+        runs = [(s, 4, "zigzag") for s in strides(num_kv_heads)] + [(None, 1024, "zigzag"), (None, 4, "contiguous")]
+        for stride, chunk, placement in runs:
             config = SequenceParallelConfig(
-                sequence_parallel_size=sequence_parallel_size, ring_head_stride=stride, ring_query_chunk_size=chunk
-            )
+                sequence_parallel_size=sequence_parallel_size, ring_head_stride=stride, ring_query_chunk_size=chunk,
+                ring_placement=placement,
+            )  # fmt: skip
             shard = shard_packed_row(
                 torch.zeros(1, length, dtype=torch.long), positions(docs)[None], groups=groups, config=config
             )
             meta = shard.attention_meta
             pad = meta.num_padding
-            lo, hi = meta.local_start, meta.local_end
-            real = min(hi, length) - lo  # real tokens in this slice
+            index = meta.global_index()  # this rank's tokens by the placement (zigzag: two pieces)
+            real = index < length  # real tokens (not padding) among them
             # Padding gets random q/k/v: it must not leak into real tokens.
             noise = torch.Generator().manual_seed(99 + rank)
             qp, kp, vp = (
                 torch.cat([t, torch.randn(t.shape[0], pad, t.shape[2], generator=noise)], dim=1) for t in (q, k, v)
             )
-            ql, kl, vl = (t[None, :, lo:hi].clone().requires_grad_() for t in (qp, kp, vp))
-            dout = torch.zeros(hi - lo, num_heads, q.shape[2])
-            dout[:real] = grad_out[lo : lo + real]
+            ql, kl, vl = (t[None, :, index].clone().requires_grad_() for t in (qp, kp, vp))
+            dout = torch.zeros(index.numel(), num_heads, q.shape[2])
+            dout[real] = grad_out[index[real]]
             out, _ = ring_attention_forward(MODULE, ql, kl, vl, None, scaling=scaling, ring_attn_meta=meta)
             out.backward(dout[None])
-            label = f"rank {rank}/{world_size} sp={sequence_parallel_size} case {case_index} stride {stride}"
+            label = f"rank {rank}/{world_size} sp={sequence_parallel_size} case {case_index} stride {stride} {placement}"
+            mine = index[real]
             checks = [
-                ("out", out[0, :real].detach(), ref_out[lo : lo + real]),
-                ("dq", ql.grad[0, :, :real], ref_dq[:, lo : lo + real]),
-                ("dk", kl.grad[0, :, :real], ref_dk[:, lo : lo + real]),
-                ("dv", vl.grad[0, :, :real], ref_dv[:, lo : lo + real]),
+                ("out", out[0, real].detach(), ref_out[mine]),
+                ("dq", ql.grad[0][:, real], ref_dq[:, mine]),
+                ("dk", kl.grad[0][:, real], ref_dk[:, mine]),
+                ("dv", vl.grad[0][:, real], ref_dv[:, mine]),
             ]
             for name, got, expected in checks:
                 torch.testing.assert_close(
@@ -335,17 +339,17 @@ def _bf16_ring_worker(rank, world_size, result_path):
     shard = shard_packed_row(torch.zeros(1, length, dtype=torch.long), positions(doc_lengths)[None], groups=groups,
                              config=config)  # fmt: skip
     meta = shard.attention_meta
-    lo, hi = meta.local_start, meta.local_end
-    real = min(hi, length) - lo
+    index = meta.global_index()
+    real = index < length
     pad = meta.num_padding
-    local = [torch.cat([t, t.new_zeros(t.shape[0], pad, t.shape[2])], 1)[:, lo:hi] for t in (q, k, v)]
+    local = [torch.cat([t, t.new_zeros(t.shape[0], pad, t.shape[2])], 1)[:, index] for t in (q, k, v)]
     leaves = [t.bfloat16()[None].requires_grad_() for t in local]
-    dout = torch.zeros(hi - lo, q.shape[0], q.shape[2], dtype=torch.bfloat16)
-    dout[:real] = grad_out[lo : lo + real].bfloat16()
+    dout = torch.zeros(index.numel(), q.shape[0], q.shape[2], dtype=torch.bfloat16)
+    dout[real] = grad_out[index[real]].bfloat16()
     out, _ = ring_attention_forward(MODULE, *leaves, None, scaling=scaling, ring_attn_meta=meta)
     out.backward(dout[None])
     squares = torch.tensor(  # this rank's share of ||g - r||^2 for dq, dk, dv
-        [(t.grad[0, :, :real].float() - r[:, lo : lo + real]).square().sum().item()
+        [(t.grad[0][:, real].float() - r[:, index[real]]).square().sum().item()
          for t, r in zip(leaves, (ref_dq, ref_dk, ref_dv))], dtype=torch.float64,
     )  # fmt: skip
     torch.distributed.all_reduce(squares)

@@ -55,10 +55,11 @@ def test_document_boundaries_by_hand():
 
 @pytest.mark.parametrize("mask_kind", ["labels", "loss_mask"])
 def test_four_ranks_slices_padding_and_shifted_labels(mask_kind):
+    contiguous = SequenceParallelConfig(ring_placement="contiguous")
     if mask_kind == "labels":
-        parts = shards(4, labels=LABELS, extras={"weight": torch.arange(1.0, 10.0)[None]})
+        parts = shards(4, labels=LABELS, extras={"weight": torch.arange(1.0, 10.0)[None]}, config=contiguous)
     else:
-        parts = shards(4, loss_mask=LABELS != -100, extras={"weight": torch.arange(1.0, 10.0)[None]})
+        parts = shards(4, loss_mask=LABELS != -100, extras={"weight": torch.arange(1.0, 10.0)[None]}, config=contiguous)
     assert [p.input_ids.shape for p in parts] == [torch.Size([1, 3])] * 4
     assert torch.cat([p.input_ids for p in parts], 1).tolist() == [IDS[0].tolist() + [0, 0, 0]]
     assert torch.cat([p.position_ids for p in parts], 1).tolist() == [PADDED_POS]
@@ -83,8 +84,33 @@ def test_four_ranks_slices_padding_and_shifted_labels(mask_kind):
     assert inputs["input_ids"].tolist() == [[20, 21, 22]]
 
 
+def test_zigzag_placement_by_hand():
+    """The default placement: 9 tokens on 4 ranks are padded to 16 (a multiple of 2 x 4), cut into 8 chunks of 2, and
+    rank r holds chunks r and 7 - r; each piece is attended with its own metadata."""
+    parts = shards(4, labels=LABELS)
+    padded = IDS[0].tolist() + [0] * 7
+    chunks = [padded[2 * i : 2 * i + 2] for i in range(8)]
+    assert [p.input_ids[0].tolist() for p in parts] == [chunks[r] + chunks[7 - r] for r in range(4)]
+    metas = [p.attention_meta for p in parts]
+    assert all(m.placement == "zigzag" and m.total_length == 16 and m.cu_seqlens == (0, 3, 7, 9, 16) for m in metas)
+    assert [m.local_ranges() for m in metas] == [[(0, 2), (14, 16)], [(2, 4), (12, 14)], [(4, 6), (10, 12)],
+                                                  [(6, 8), (8, 10)]]  # fmt: skip
+    assert [[(o, p.local_start, p.local_length, p.kv_start) for o, p in m.pieces()] for m in metas][1] == [
+        (0, 2, 2, 0),  # tokens 2..3: document 0 starts at 0
+        (2, 12, 2, 9),  # tokens 12..13: in the padding document (9..15)
+    ]
+    # Global positions back to local indices (-1: another rank's), and the gathered row back in order.
+    assert metas[2].local_positions(torch.tensor([4, 5, 6, 10, 11, 12])).tolist() == [0, 1, -1, 2, 3, -1]
+    gathered = torch.cat([p.input_ids[0] for p in parts])
+    assert metas[0].to_global_order(gathered).tolist() == padded
+    assert metas[0].to_rank_major_order(torch.tensor(padded)).tolist() == gathered.tolist()
+    shifted = metas[0].to_global_order(torch.cat([p.shift_labels[0] for p in parts]))
+    assert shifted.tolist() == SHIFTED[:9] + [-100] * 7
+
+
 def test_config_travels_in_metadata():
-    config = SequenceParallelConfig(ring_head_stride=2, ring_attn_backend="torch", ring_query_chunk_size=7)
+    config = SequenceParallelConfig(ring_head_stride=2, ring_attn_backend="torch", ring_query_chunk_size=7,
+                                    ring_placement="contiguous")  # fmt: skip
     meta = shard_packed_row(IDS, POS, groups=ring(2, 1), verify_same_row=False, config=config).attention_meta
     assert (meta.ring_head_stride, meta.backend, meta.query_chunk_size) == (2, "torch", 7)
     # 9 tokens on 2 ranks: one padding token.
@@ -143,11 +169,17 @@ def test_attention_work_sums_to_every_causal_pair_over_the_ring():
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     lengths = [37, 5, 90, 1]
-    pad = -sum(lengths) % 4  # the padding to a multiple of the ring size is attended as a document of its own
+    pad = -sum(lengths) % 8  # the padding to a multiple of 2 x ring size is attended as a document of its own
     assert sum(bench.rank_work(lengths, 4)) == sum(n * (n + 1) // 2 for n in [*lengths, pad])
     shared, parents = [40, 7, 9], [-1, 0, 0]
     pairs = 40 * 41 // 2 + sum(n * (n + 1) // 2 + n * 40 for n in (7, 9))
     assert sum(bench.rank_work(shared, 4, parents)) == pairs
     assert attention_work(packed_row_metadata(torch.tensor([0, 1, 2, 0, 1]))) == 9
-    work = bench.rank_work([4096], 8)
-    assert bench.balance(work) == pytest.approx(15 / 8, rel=1e-3)  # the figure a balanced placement must beat
+    # The contiguous placement gives the last of P ranks (2P - 1) / P of the mean on one document; the zigzag one (the
+    # trainers' default) balances it, and a shared-prefix row.
+    assert bench.balance(bench.rank_work([4096], 8, placement="contiguous")) == pytest.approx(15 / 8, rel=1e-3)
+    assert bench.balance(bench.rank_work([4096], 8)) <= 1.10
+    assert bench.balance(bench.rank_work([4096 - 4 * 256] + [256] * 4, 8, [-1, 0, 0, 0, 0])) <= 1.10
+    assert sum(bench.rank_work(lengths, 4, placement="contiguous")) == sum(
+        n * (n + 1) // 2 for n in [*lengths, -sum(lengths) % 4]
+    )

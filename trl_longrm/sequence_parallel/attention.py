@@ -46,43 +46,51 @@ def _head_chunks(num_heads: int, num_kv_heads: int, stride: int | None):
 
 
 def _gather_keys_values(k: torch.Tensor, v: torch.Tensor, meta: RingAttentionMetadata):
-    """Keys/values `[local_end - kv_start, heads, D]` of the global row from the local `[local_length, heads, D]`."""
+    """Keys/values of the global row, in its order, over `meta.key_span()` (every key a local query sees), from the
+    local `[local_length, heads, D]`: `[span_end - span_start, heads, D]`."""
+    span = meta.key_span()
     if meta.group is None:
-        return k[meta.kv_start : meta.local_end], v[meta.kv_start : meta.local_end]
+        return k[span[0] : span[1]], v[span[0] : span[1]]
     if k.shape[-1] == v.shape[-1]:  # one collective for both
-        kv = all_gather_dim0(torch.cat([k, v], dim=1), meta.group)[meta.kv_start : meta.local_end]
+        kv = meta.to_global_order(all_gather_dim0(torch.cat([k, v], dim=1), meta.group), span=span)
         return kv[:, : k.shape[1]], kv[:, k.shape[1] :]
-    k_all = all_gather_dim0(k, meta.group)[meta.kv_start : meta.local_end]
-    v_all = all_gather_dim0(v, meta.group)[meta.kv_start : meta.local_end]
+    k_all = meta.to_global_order(all_gather_dim0(k, meta.group), span=span)
+    v_all = meta.to_global_order(all_gather_dim0(v, meta.group), span=span)
     return k_all, v_all
 
 
 def _scatter_key_value_grads(dk: torch.Tensor, dv: torch.Tensor, meta: RingAttentionMetadata):
-    """Sum the gradients every rank computed for the gathered keys/values and return each owner its slice (in the
-    kernels' float32: the sum over ranks is not rounded to half precision at each step)."""
+    """Sum the gradients every rank computed for the keys/values of its key span and return each owner its tokens (in
+    the kernels' float32: the sum over ranks is not rounded to half precision at each step)."""
     if meta.group is None:
         return dk, dv
+    start, end = meta.key_span()
     grads = []
     for grad in [torch.cat([dk, dv], dim=1)] if dk.shape[-1] == dv.shape[-1] else [dk, dv]:
         full = grad.new_zeros((meta.total_length, *grad.shape[1:]))
-        full[meta.kv_start : meta.local_end] = grad
-        grads.append(reduce_scatter_dim0(full, meta.group))
+        full[start:end] = grad
+        grads.append(reduce_scatter_dim0(meta.to_rank_major_order(full), meta.group))
     if len(grads) == 1:
         return grads[0][:, : dk.shape[1]], grads[0][:, dk.shape[1] :]
     return grads[0], grads[1]
 
 
 class _RingAttention(torch.autograd.Function):
-    """q `[local_length, H, D]`, k/v `[local_length, Hkv, D]` -> out `[local_length, H, D]`."""
+    """q `[local_length, H, D]`, k/v `[local_length, Hkv, D]` -> out `[local_length, H, D]`. Each contiguous piece of
+    the rank's tokens (`meta.pieces()`: two with the zigzag placement) is attended by the kernel on its own."""
 
     @staticmethod
     def forward(ctx, q, k, v, meta, scaling, kernel):
         ctx.save_for_backward(q, k, v)
         ctx.meta, ctx.scaling, ctx.kernel = meta, scaling, kernel
         out = q.new_empty(q.shape[0], q.shape[1], v.shape[2])
+        span_start = meta.key_span()[0]
         for kv_lo, kv_hi, q_lo, q_hi in _head_chunks(q.shape[1], k.shape[1], meta.ring_head_stride):
             k_all, v_all = _gather_keys_values(k[:, kv_lo:kv_hi], v[:, kv_lo:kv_hi], meta)
-            out[:, q_lo:q_hi] = kernel.forward(q[:, q_lo:q_hi], k_all, v_all, meta, scaling)
+            for offset, piece in meta.pieces():
+                rows = slice(offset, offset + piece.local_length)
+                keys = slice(piece.kv_start - span_start, piece.local_end - span_start)
+                out[rows, q_lo:q_hi] = kernel.forward(q[rows, q_lo:q_hi], k_all[keys], v_all[keys], piece, scaling)
             del k_all, v_all
         return out
 
@@ -91,12 +99,21 @@ class _RingAttention(torch.autograd.Function):
         q, k, v = ctx.saved_tensors
         meta, scaling, kernel = ctx.meta, ctx.scaling, ctx.kernel
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        span_start = meta.key_span()[0]
         for kv_lo, kv_hi, q_lo, q_hi in _head_chunks(q.shape[1], k.shape[1], meta.ring_head_stride):
             k_all, v_all = _gather_keys_values(k[:, kv_lo:kv_hi], v[:, kv_lo:kv_hi], meta)
-            dq_c, dk_all, dv_all = kernel.backward(
-                q[:, q_lo:q_hi], k_all, v_all, grad_out[:, q_lo:q_hi], meta, scaling
-            )
-            dq[:, q_lo:q_hi] = dq_c
+            # The key span's gradients, summed over the pieces and then over the ranks in float32.
+            dk_all = torch.zeros(k_all.shape, dtype=torch.float32, device=k_all.device)
+            dv_all = torch.zeros(v_all.shape, dtype=torch.float32, device=v_all.device)
+            for offset, piece in meta.pieces():
+                rows = slice(offset, offset + piece.local_length)
+                keys = slice(piece.kv_start - span_start, piece.local_end - span_start)
+                dq_c, dk_p, dv_p = kernel.backward(
+                    q[rows, q_lo:q_hi], k_all[keys], v_all[keys], grad_out[rows, q_lo:q_hi], piece, scaling
+                )
+                dq[rows, q_lo:q_hi] = dq_c
+                dk_all[keys] += dk_p
+                dv_all[keys] += dv_p
             dk[:, kv_lo:kv_hi], dv[:, kv_lo:kv_hi] = _scatter_key_value_grads(dk_all, dv_all, meta)
             del k_all, v_all, dk_all, dv_all
         return dq, dk, dv, None, None, None

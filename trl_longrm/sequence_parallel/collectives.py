@@ -129,7 +129,7 @@ def gather_sequence(local: torch.Tensor, meta, dim: int = 1, trim_padding: bool 
             f"gather_sequence: dimension {dim} has {local.shape[dim]} entries but this rank's slice has "
             f"{meta.local_length} tokens."
         )
-    full = local if meta.group is None else all_gather_autograd(local, meta.group, dim=dim)
+    full = local if meta.group is None else meta.to_global_order(all_gather_autograd(local, meta.group, dim=dim), dim)
     if trim_padding:
         full = full.narrow(dim, 0, meta.unpadded_length)
     return full

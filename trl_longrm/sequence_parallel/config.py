@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 
 RING_ATTENTION_BACKENDS = ("auto", "torch", "flash_attn")
+RING_PLACEMENTS = ("zigzag", "contiguous")
 
 
 @dataclass
@@ -56,7 +57,20 @@ class SequenceParallelConfig:
         },
     )
 
+    ring_placement: str = field(
+        default="zigzag",
+        metadata={
+            "help": "How a row's tokens are placed over the ring: 'zigzag' (default: the row is cut into 2 x ring size "
+            "chunks and rank r holds chunks r and 2 x size - 1 - r, so that every rank has the same causal attention "
+            "work, as ring-flash-attention's zigzag and torch's context parallelism place them) or 'contiguous' "
+            "(rank r holds the r-th slice; the last rank then does (2P - 1) / P of the mean work on one long "
+            "document)."
+        },
+    )
+
     def __post_init__(self):
+        if self.ring_placement not in RING_PLACEMENTS:
+            raise ValueError(f"ring_placement must be one of {RING_PLACEMENTS}, got {self.ring_placement!r}.")
         if not isinstance(self.sequence_parallel_size, int) or self.sequence_parallel_size < 1:
             raise ValueError(
                 f"sequence_parallel_size must be a positive integer, got {self.sequence_parallel_size!r}."

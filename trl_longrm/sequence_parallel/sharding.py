@@ -1,9 +1,12 @@
 """Split one packed row over a ring group, and the attention metadata that goes with the slices.
 
 A packed row (batch size 1) lays documents out contiguously, with `position_ids` restarting at 0 at each document. The
-row is padded to a multiple of the ring size, its document boundaries and shifted labels are computed on the *whole*
-row, and each rank receives one contiguous slice; documents cross slice boundaries. The attention needs the global
-boundaries and the slice's place in the row: they travel in a `RingAttentionMetadata` passed to `model(...)` as the
+row is padded to a multiple of the ring size (twice the ring size for the zigzag placement), its document boundaries
+and shifted labels are computed on the *whole* row, and each rank receives its tokens by the placement
+(`placement_ranges`, the one definition of where a token of the row lives): with 'zigzag' (the default) the row is
+cut into 2P chunks and rank r holds chunks r and 2P-1-r, so that every rank has the same causal attention work; with
+'contiguous' rank r holds the r-th slice. Documents cross piece boundaries. The attention needs the global boundaries
+and the pieces' places in the row: they travel in a `RingAttentionMetadata` passed to `model(...)` as the
 `ring_attn_meta` keyword, never through process-global state, so a gradient-checkpoint recompute always sees the
 boundaries of its own forward.
 """
@@ -11,6 +14,7 @@ boundaries of its own forward.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -55,12 +59,40 @@ def cu_seqlens_from_position_ids(position_ids: torch.Tensor) -> list[int]:
     return starts + [position_ids.numel()]
 
 
+def placement_ranges(placement: str, total_length: int, group_size: int, rank: int) -> list[tuple[int, int]]:
+    """The `(start, end)` ranges of the padded global row that `rank` holds, in the order of its local tokens.
+
+    Example:
+    ```python
+    >>> placement_ranges("zigzag", 16, 4, 1)  # 8 chunks of 2: rank 1 holds chunks 1 and 6
+    [(2, 4), (12, 14)]
+    >>> placement_ranges("contiguous", 16, 4, 1)
+    [(4, 8)]
+    ```
+    """
+    if placement == "contiguous" or group_size == 1:
+        local = total_length // group_size
+        return [(rank * local, (rank + 1) * local)]
+    if placement != "zigzag":
+        raise ValueError(f"Unknown ring placement {placement!r}; expected 'zigzag' or 'contiguous'.")
+    chunk = total_length // (2 * group_size)
+    mirror = 2 * group_size - 1 - rank
+    return [(rank * chunk, (rank + 1) * chunk), (mirror * chunk, (mirror + 1) * chunk)]
+
+
+def placement_multiple(placement: str, group_size: int) -> int:
+    """What the row's length is padded to a multiple of under `placement`."""
+    return 2 * group_size if placement == "zigzag" and group_size > 1 else group_size
+
+
 @dataclass(eq=False)
 class RingAttentionMetadata:
     """What the ring attention needs to know about the row a forward pass belongs to.
 
     All positions are indices in the padded global row. Build it with `shard_packed_row` (or `packed_row_metadata` for
-    one process) and pass it to the model as `model(..., ring_attn_meta=meta)`.
+    one process) and pass it to the model as `model(..., ring_attn_meta=meta)`. A rank's tokens are one or more
+    contiguous pieces of the row (`placement`); the kernels attend one piece at a time (`pieces()`), each a metadata
+    of one range, for which `local_start` / `local_end` / `kv_start` are defined.
 
     Example:
     ```python
@@ -93,6 +125,11 @@ class RingAttentionMetadata:
     """Shared-prefix rows only: for each document (span of `cu_seqlens`), the index of the document it continues
     (its shared prefix), or -1. A document with a parent attends to the whole parent (and the parent's ancestors)
     and causally to itself; None means every document stands alone (the ordinary packed row)."""
+    placement: str = "contiguous"
+    """How the row is placed over the ring (`placement_ranges`): 'contiguous' (one range per rank: `local_start`,
+    `local_length`) or 'zigzag' (two ranges per rank)."""
+    is_piece: bool = False
+    """A single range of a rank's tokens, as the kernels receive it (`pieces()`): its `local_length` is the piece's."""
     _cache: dict = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self):
@@ -101,10 +138,15 @@ class RingAttentionMetadata:
             raise ValueError(
                 f"cu_seqlens must start at 0 and end at total_length={self.total_length}, got {self.cu_seqlens}."
             )
-        if self.total_length != self.local_length * self.group_size:
+        if not self.is_piece and self.total_length != self.local_length * self.group_size:
             raise ValueError(
                 f"total_length={self.total_length} is not group_size={self.group_size} x "
                 f"local_length={self.local_length}: the row must be padded to a multiple of the ring size."
+            )
+        if not self.is_piece and self.total_length % placement_multiple(self.placement, self.group_size):
+            raise ValueError(
+                f"total_length={self.total_length} must be a multiple of "
+                f"{placement_multiple(self.placement, self.group_size)} for the {self.placement!r} placement."
             )
         if self.segment_parents is not None:
             self.segment_parents = tuple(int(x) for x in self.segment_parents)
@@ -137,6 +179,72 @@ class RingAttentionMetadata:
     @property
     def local_end(self) -> int:
         return self.local_start + self.local_length
+
+    def local_ranges(self, rank: int | None = None) -> list[tuple[int, int]]:
+        """The global `(start, end)` ranges held by `rank` (default: this rank), in local order."""
+        if self.is_piece:
+            return [(self.local_start, self.local_end)]
+        return placement_ranges(self.placement, self.total_length, self.group_size, self.rank if rank is None else rank)
+
+    def pieces(self) -> list[tuple[int, RingAttentionMetadata]]:
+        """`(offset in the local tokens, metadata of that one range)` for each contiguous piece of this rank's tokens:
+        what a kernel attends at a time. A contiguous placement has one piece, this metadata itself."""
+        if "pieces" not in self._cache:
+            ranges = self.local_ranges()
+            if len(ranges) == 1 and ranges[0] == (self.local_start, self.local_end):
+                self._cache["pieces"] = [(0, self)]
+            else:
+                pieces, offset = [], 0
+                for start, end in ranges:
+                    piece = dataclasses.replace(self, local_start=start, local_length=end - start, is_piece=True)
+                    pieces.append((offset, piece))
+                    offset += end - start
+                self._cache["pieces"] = pieces
+        return self._cache["pieces"]
+
+    def global_index(self, device: torch.device | str = "cpu", rank: int | None = None) -> torch.Tensor:
+        """Global positions of the local tokens of `rank` (default: this rank), in local order."""
+        return torch.cat([torch.arange(a, b, device=device) for a, b in self.local_ranges(rank)])
+
+    def local_positions(self, global_positions: torch.Tensor) -> torch.Tensor:
+        """Local index of each global position on this rank, -1 where another rank holds it."""
+        local = torch.full_like(global_positions, -1)
+        offset = 0
+        for start, end in self.local_ranges():
+            inside = (global_positions >= start) & (global_positions < end)
+            local = torch.where(inside, global_positions - start + offset, local)
+            offset += end - start
+        return local
+
+    def rank_major_order(self, device: torch.device | str = "cpu") -> torch.Tensor:
+        """Global positions of the tokens of an all-gather (rank 0's local tokens, then rank 1's, ...): `gathered`
+        holds the row as `row[order] = gathered`, and a row goes back to the ranks as `row[order]`."""
+        key = ("rank_major", str(device))
+        if key not in self._cache:
+            self._cache[key] = torch.cat([self.global_index(device, rank) for rank in range(self.group_size)])
+        return self._cache[key]
+
+    def key_span(self) -> tuple[int, int]:
+        """`(start, end)` of the global row holding every key the local queries see (all pieces')."""
+        pieces = [piece for _, piece in self.pieces()]
+        return min(piece.kv_start for piece in pieces), max(piece.local_end for piece in pieces)
+
+    def to_global_order(self, gathered: torch.Tensor, dim: int = 0, span: tuple[int, int] | None = None):
+        """A rank-major all-gather of per-token values (along `dim`) in the row's order, optionally only the global
+        positions `[start, end)` of `span`."""
+        start, end = span if span is not None else (0, self.total_length)
+        if self.placement == "contiguous" or self.group_size == 1:
+            return gathered.narrow(dim, start, end - start)
+        key = ("inverse", str(gathered.device))
+        if key not in self._cache:
+            self._cache[key] = torch.argsort(self.rank_major_order(gathered.device))
+        return gathered.index_select(dim, self._cache[key][start:end])
+
+    def to_rank_major_order(self, row: torch.Tensor, dim: int = 0) -> torch.Tensor:
+        """Per-token values of the whole row (along `dim`) in the order a reduce-scatter hands them to the ranks."""
+        if self.placement == "contiguous" or self.group_size == 1:
+            return row
+        return row.index_select(dim, self.rank_major_order(row.device))
 
     def local_documents(self) -> range:
         """Indices of the documents that have tokens on this rank."""
@@ -223,12 +331,13 @@ def attention_work(meta: RingAttentionMetadata) -> int:
     ```
     """
     cu, work = meta.cu_seqlens, 0
-    for doc in meta.local_documents():
-        doc_start = cu[doc]
-        q_lo, q_hi = max(doc_start, meta.local_start), min(cu[doc + 1], meta.local_end)
-        first, last = q_lo - doc_start + 1, q_hi - doc_start
-        work += (q_hi - q_lo) * (first + last) // 2
-        work += (q_hi - q_lo) * sum(cu[p + 1] - cu[p] for p in meta.ancestors(doc))
+    for _, piece in meta.pieces():
+        for doc in piece.local_documents():
+            doc_start = cu[doc]
+            q_lo, q_hi = max(doc_start, piece.local_start), min(cu[doc + 1], piece.local_end)
+            first, last = q_lo - doc_start + 1, q_hi - doc_start
+            work += (q_hi - q_lo) * (first + last) // 2
+            work += (q_hi - q_lo) * sum(cu[p + 1] - cu[p] for p in piece.ancestors(doc))
     return work
 
 
@@ -406,8 +515,9 @@ def shard_packed_row(
     segment_lengths: torch.Tensor | None = None,
     segment_parents: torch.Tensor | None = None,
 ) -> ShardedRow:
-    """Pad a packed row to a multiple of the ring size, compute its global boundaries and shifted labels, and return
-    this rank's contiguous slice with the attention metadata.
+    """Pad a packed row to a multiple of the ring size (twice that for the zigzag placement), compute its global
+    boundaries and shifted labels, and return this rank's tokens (by `config.ring_placement`) with the attention
+    metadata.
 
     Args:
         input_ids: `[1, L]` (or `[L]`) token ids of one packed row.
@@ -416,7 +526,7 @@ def shard_packed_row(
         loss_mask: alternative to `labels`: 1 where a token is a prediction target (labels = input_ids there).
         extras: other per-token tensors (`[1, L, ...]`), padded with zeros and sliced.
         groups: the ring; None (or a size-1 ring) keeps the whole row on this process.
-        config: ring head stride, kernel backend and query chunk size carried by the metadata.
+        config: ring placement, head stride, kernel backend and query chunk size carried by the metadata.
         pad_token_id: id of the padding tokens (they form their own document, with no loss).
         verify_same_row: check with one tiny collective that all ranks of the ring hold the same row.
         source: name of the data in error messages.
@@ -458,7 +568,8 @@ def shard_packed_row(
     if group is not None and verify_same_row:
         _verify_same_row(ids, group, source)
 
-    num_padding = -length % size
+    placement = getattr(config, "ring_placement", "zigzag")
+    num_padding = -length % placement_multiple(placement, size)
     total = length + num_padding
     # The padding is a document of its own (positions 0, 1, ...), so no real token attends to it.
     ids_p = _pad(ids, num_padding, pad_token_id)
@@ -484,14 +595,12 @@ def shard_packed_row(
     if num_padding:
         doc_ids[length:] = -1
 
-    local = total // size
-    lo, hi = rank * local, (rank + 1) * local
     meta = RingAttentionMetadata(
         cu_seqlens=tuple(cu_seqlens),
         total_length=total,
         unpadded_length=length,
-        local_start=lo,
-        local_length=local,
+        local_start=placement_ranges(placement, total, size, rank)[0][0],
+        local_length=total // size,
         group=group,
         group_size=size,
         rank=rank,
@@ -499,12 +608,14 @@ def shard_packed_row(
         backend=config.ring_attn_backend,
         query_chunk_size=config.ring_query_chunk_size,
         segment_parents=parents,
+        placement=placement if size > 1 else "contiguous",
     )
+    index = meta.global_index(ids.device)
     return ShardedRow(
-        input_ids=ids_p[lo:hi].unsqueeze(0),
-        position_ids=pos_p[lo:hi].unsqueeze(0),
-        shift_labels=shift[lo:hi].unsqueeze(0),
-        document_ids=doc_ids[lo:hi].unsqueeze(0),
-        extras={name: _pad(value, num_padding, 0)[lo:hi].unsqueeze(0) for name, value in extras.items()},
+        input_ids=ids_p[index].unsqueeze(0),
+        position_ids=pos_p[index].unsqueeze(0),
+        shift_labels=shift[index].unsqueeze(0),
+        document_ids=doc_ids[index].unsqueeze(0),
+        extras={name: _pad(value, num_padding, 0)[index].unsqueeze(0) for name, value in extras.items()},
         attention_meta=meta,
     )

@@ -147,8 +147,9 @@ class SequenceParallelMixin:
             return model(**inputs, logprob_positions=positions, logprob_targets=targets).token_logps
         shard = self._shard(batch)
         meta = shard.attention_meta
-        local = (positions >= meta.local_start) & (positions < meta.local_end)
-        local_positions, local_targets = positions[local] - meta.local_start, targets[local]
+        where = meta.local_positions(positions)  # this rank's index of each scored position, -1 elsewhere
+        local = where >= 0
+        local_positions, local_targets = where[local], targets[local]
         if not local.any():
             # As in `forward_token_logps`: a rank without any scored position must still take part in the attention's
             # backward collectives, so it scores a dummy position whose value is multiplied by zero.
