@@ -85,7 +85,8 @@ def _model_worker(rank, world_size, tokenizer):
             _enable_checkpointing(model)
         shard = shard_packed_row(ids, pos, labels, groups=groups, config=config, pad_token_id=tokenizer.pad_token_id)
         logits = model(**shard.model_inputs()).logits
-        assert logits.shape[1] == (sum(DOC_LENGTHS) + 1) // world_size
+        # The row is padded to a multiple of 2 x world_size (zigzag placement: two chunks per rank).
+        assert logits.shape[1] == -(-sum(DOC_LENGTHS) // (2 * world_size)) * 2
         logps = gather_sequence(token_logps(logits, shard.shift_labels), shard.attention_meta)
         full_labels = gather_sequence(shard.shift_labels, shard.attention_meta)
         torch.testing.assert_close(full_labels, reference_shift_labels(labels), rtol=0, atol=0)
