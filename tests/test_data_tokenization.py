@@ -39,26 +39,25 @@ def long_context(n_words, head="HEADSTART alpha beta", tail="question: which cit
 
 # ------------------------------------------------------------------------------------------- preference groups
 @pytest.mark.parametrize("prompt", [[SYSTEM, USER], "Is the sky blue? Response: yes it is."])
-def test_scoring_ids_are_the_training_sequences_as_stock_renders_them(tokenizer, prompt):
-    """What an evaluation scores (`scoring_ids`) is what DisRM training scores, and what a stock consumer reads: the
-    conversation's full chat rendering (ChatML writes a newline after the EOS), or plain text plus EOS."""
+def test_scoring_ids_are_the_training_sequences_ending_at_eos(tokenizer, prompt):
+    """What an evaluation scores (`scoring_ids`) is what DisRM training scores: prompt + completion up to the EOS."""
     record = group(prompt=prompt) if isinstance(prompt, list) else {"prompt": prompt, "chosen": "a", "rejected": ["b"]}
     responses = [record["chosen"], *record["rejected"]]
     out = tokenize_preference_record(record, tokenizer)
     expected = [out["prompt_ids"] + c for c in [out["chosen_completion_ids"], *out["rejected_completion_ids"]]]
     sequences = scoring_ids(tokenizer, prompt, responses)
     assert sequences == expected
+    eos = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
+    assert all(ids[-1] == eos for ids in sequences)
     if isinstance(prompt, list):
-        for response, ids in zip(responses, sequences):
-            full = render(tokenizer, [*prompt, {"role": "assistant", "content": response}])
-            assert ids == tokenizer(full, add_special_tokens=False)["input_ids"]
-            assert tokenizer.decode(ids[-2:]) == EOS_TOKEN + "\n"  # the scored token is the rendering's last
-    else:
-        eos = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
-        assert all(ids[-1] == eos for ids in sequences)
+        # The full chat rendering goes on after the EOS (a newline): that token is not the one scored.
+        full = tokenizer(
+            render(tokenizer, [*prompt, {"role": "assistant", "content": responses[0]}]), add_special_tokens=False
+        )
+        assert full["input_ids"][: len(sequences[0])] == sequences[0] and len(full["input_ids"]) > len(sequences[0])
 
 
-def test_conversational_group_ids_are_the_stock_trainers_sequences(tokenizer):
+def test_conversational_group_ids_decode_to_prompt_and_responses_with_eos(tokenizer):
     record = group(margin=1.5)
     out = tokenize_preference_record(record, tokenizer)
     assert set(out) == {"prompt_ids", "chosen_completion_ids", "rejected_completion_ids", "margin"}
@@ -68,31 +67,23 @@ def test_conversational_group_ids_are_the_stock_trainers_sequences(tokenizer):
     assert (
         out["prompt_ids"] == tokenizer.apply_chat_template(record["prompt"], add_generation_prompt=True)["input_ids"]
     )
-    # RewardTrainer's convention (the default, a DisRM's): each completion is the rest of the template's rendering,
-    # the newline after the EOS included.
-    assert tokenizer.decode(out["chosen_completion_ids"]) == "[Score: 9]" + EOS_TOKEN + "\n"
+    # Each completion is the response followed by EOS; the template's trailing newline is not a loss token.
+    assert tokenizer.decode(out["chosen_completion_ids"]) == "[Score: 9]" + EOS_TOKEN
     assert [tokenizer.decode(ids) for ids in out["rejected_completion_ids"]] == [
-        "[Score: 2]" + EOS_TOKEN + "\n",
-        "[Score: 4] longer answer" + EOS_TOKEN + "\n",
+        "[Score: 2]" + EOS_TOKEN,
+        "[Score: 4] longer answer" + EOS_TOKEN,
     ]
-    # A judge's (SimPO-GRM's): what it generates, up to and including its EOS (not the newline after it).
-    judge = tokenize_preference_record(record, tokenizer, eos_convention="generation")
-    assert judge["prompt_ids"] == out["prompt_ids"]
-    for response, completion, judge_completion in zip(
-        ["[Score: 9]", *record["rejected"]],
-        [out["chosen_completion_ids"], *out["rejected_completion_ids"]],
-        [judge["chosen_completion_ids"], *judge["rejected_completion_ids"]],
+    # Prompt + completion reproduces the template's full rendering, minus what follows the EOS.
+    for response, completion in zip(
+        ["[Score: 9]", *record["rejected"]], [out["chosen_completion_ids"], *out["rejected_completion_ids"]]
     ):
         full = tokenizer.apply_chat_template(record["prompt"] + [{"role": "assistant", "content": response}])
-        assert out["prompt_ids"] + completion == full["input_ids"]
-        assert judge_completion == completion[:-1] and judge_completion[-1] == tokenizer.eos_token_id
-    with pytest.raises(ValueError, match="eos_convention"):
-        tokenize_preference_record(record, tokenizer, eos_convention="dpo")
+        assert out["prompt_ids"] + completion == full["input_ids"][:-1]  # the last token is the trailing "\n"
+        assert completion[-1] == tokenizer.eos_token_id
 
 
-def test_completion_holds_the_template_assistant_mask(tokenizer):
-    # Independent reference: the template's own {% generation %} mask marks the completion's tokens up to the EOS; the
-    # rest of the completion is what the template writes after the assistant block.
+def test_completion_matches_the_template_assistant_mask(tokenizer):
+    # Independent reference: the template's own {% generation %} mask marks the same tokens as our completion.
     record = group()
     out = tokenize_preference_record(record, tokenizer)
     full = tokenizer.apply_chat_template(
@@ -101,9 +92,7 @@ def test_completion_holds_the_template_assistant_mask(tokenizer):
         return_assistant_tokens_mask=True,
     )
     masked = [t for t, m in zip(full["input_ids"], full["assistant_masks"]) if m]
-    completion = out["chosen_completion_ids"]
-    assert completion[: len(masked)] == masked and masked[-1] == tokenizer.eos_token_id
-    assert tokenizer.decode(completion[len(masked) :]) == "\n"
+    assert masked == out["chosen_completion_ids"]
 
 
 def test_standard_string_group(tokenizer):
@@ -115,19 +104,15 @@ def test_standard_string_group(tokenizer):
     assert tokenizer.decode(out["rejected_completion_ids"][0]) == " green." + EOS_TOKEN
 
 
-def test_template_without_eos_gets_one_appended_for_a_judge():
+def test_template_without_eos_gets_one_appended():
     tokenizer = build_chat_tokenizer()
     tokenizer.chat_template = (
         "{% for m in messages %}{{ m['role'] + ':\\n' + m['content'] + '\\n\\n' }}{% endfor %}"
         "{% if add_generation_prompt %}{{ 'assistant:\\n' }}{% endif %}"
     )
-    record = {"prompt": [USER], "chosen": "yes", "rejected": ["no"]}
-    out = tokenize_preference_record(record, tokenizer, eos_convention="generation")
+    out = tokenize_preference_record({"prompt": [USER], "chosen": "yes", "rejected": ["no"]}, tokenizer)
     assert tokenizer.decode(out["chosen_completion_ids"]) == "yes\n\n" + EOS_TOKEN
     assert tokenizer.decode(out["rejected_completion_ids"][0]) == "no\n\n" + EOS_TOKEN
-    # RewardTrainer appends no EOS to a conversation: it is scored at the rendering's last token.
-    out = tokenize_preference_record(record, tokenizer, eos_convention="reward")
-    assert tokenizer.decode(out["chosen_completion_ids"]) == "yes\n\n"
 
 
 def test_token_merge_across_the_prompt_boundary_is_detected():
@@ -237,7 +222,7 @@ def test_truncate_prompt_keeps_head_and_tail_and_reports_once(tokenizer, caplog)
         content
     )
     assert text.startswith(head + "HEADSTART alpha beta") and text.endswith("TAILEND" + tail)
-    assert tokenizer.decode(first["chosen_completion_ids"]) == "[Score: 9]" + EOS_TOKEN + "\n"
+    assert tokenizer.decode(first["chosen_completion_ids"]) == "[Score: 9]" + EOS_TOKEN
     # The short group is untouched.
     assert tokenized[1] == tokenize_preference_record(records[1], tokenizer)
 
@@ -361,7 +346,7 @@ def test_shared_sample_truncated_to_4096(shared_sample_path, tokenizer, caplog):
         completions = [row["chosen_completion_ids"], *row["rejected_completion_ids"]]
         assert len(completions) == 5
         assert len(row["prompt_ids"]) + max(map(len, completions)) <= 4096
-        assert tokenizer.decode(row["chosen_completion_ids"]) == record["chosen"] + EOS_TOKEN + "\n"
+        assert tokenizer.decode(row["chosen_completion_ids"]) == record["chosen"] + EOS_TOKEN
         text = tokenizer.decode(row["prompt_ids"])
         user = prompt[1]["content"]
         # The system rubric is intact; the user message keeps its head (context start) and tail (question, response).

@@ -16,9 +16,8 @@ stock TRL trainer run on the same rows with the same factors (the stock trainer 
 B off) within 1e-5 relative; otherwise within the deviation stock itself shows between its runs in that precision
 and its runs of the same weights in float32 without autocast (see the test).
 Qwen3 is the architecture: its q/k norms return float32 under autocast on float32 weights. The chat template is
-ChatML's (a newline after `<|im_end|>`), except for the GRM, whose template ends the assistant turn at its EOS: on
-ChatML, CPOTrainer appends a second EOS after that newline, which ours does not train (see
-`test_grm_completions_end_at_the_judges_eos_where_cpo_appends_one_after_the_newline`).
+ChatML's (a newline after `<|im_end|>`) for SFT; the preference trainers' template ends the assistant turn at its EOS,
+because on ChatML their sequences differ from stock's by design (`test_preference_sequences_end_at_the_eos`).
 """
 
 from __future__ import annotations
@@ -167,8 +166,9 @@ def train(kind, impl, case, checkpoints, tokenizer, output_dir, float32_weights=
     if case["lora"]:
         peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type=task_type)
     log = LossLog()
-    if kind == "grm":
+    if kind in ("grm", "disrm"):  # see the module docstring
         tokenizer = ending_at_eos(tokenizer)
+    if kind == "grm":
         dataset = Dataset.from_list(preference_rows(seed))
         if impl == "ours":
             config = SimPOGRMConfig(shared_prefix=case["layout_on"], **args)
@@ -243,21 +243,30 @@ def test_trl_defaults_and_precision(kind, case, checkpoints, tokenizer, tmp_path
     assert abs(ours - stock) <= (3 * e + 1e-5) * abs(stock), label
 
 
-def test_grm_completions_end_at_the_judges_eos_where_cpo_appends_one_after_the_newline(tmp_path, tokenizer):
-    """On ChatML, CPOTrainer's completion is the rendering's tail plus an EOS after the template's newline
-    (`<|im_end|>`, newline, `<|im_end|>`), teaching a judge to stop after a newline; ours ends at the EOS the judge
-    generates, stock's sequence less those two tokens. With a template ending the turn at its EOS they are equal."""
+def test_preference_sequences_end_at_the_eos(tmp_path, tokenizer):
+    """Our preference sequences end at the response's EOS. With a template that ends the assistant turn there, they
+    are the stock trainers' token for token. On ChatML (a newline after `<|im_end|>`) CPOTrainer's completion goes on
+    with that newline and an EOS appended after it (`<|im_end|>`, newline, `<|im_end|>`: it teaches a judge to stop
+    after a newline), and RewardTrainer's sequence ends with the newline, where stock consumers read a DisRM's score
+    (issue 30): ours is stock's less those two tokens, and that one."""
     rows = preference_rows()
-    model = build_tiny_model("qwen3", "causal-lm", tokenizer, seed=0)
+    causal = build_tiny_model("qwen3", "causal-lm", tokenizer, seed=0)
+    classifier = build_tiny_model("qwen3", "seq-cls", tokenizer, seed=0)
     args = dict(output_dir=str(tmp_path), use_cpu=True, report_to=[])
-    for template, extra in ((tokenizer, 2), (ending_at_eos(tokenizer), 0)):
-        stock = CPOTrainer(model=model, args=CPOConfig(**args), train_dataset=Dataset.from_list(rows),
-                           processing_class=template)  # fmt: skip
-        ours = SimPOGRMTrainer(model=model, args=SimPOGRMConfig(**args), train_dataset=Dataset.from_list(rows),
-                               processing_class=template)  # fmt: skip
+    for template, chatml in ((tokenizer, True), (ending_at_eos(tokenizer), False)):
+        data = Dataset.from_list(rows)
+        stock = CPOTrainer(model=causal, args=CPOConfig(**args), train_dataset=data, processing_class=template)
+        ours = SimPOGRMTrainer(model=causal, args=SimPOGRMConfig(**args), train_dataset=data, processing_class=template)
         for s, o in zip(stock.train_dataset, ours.train_dataset):
             for column in ("chosen_input_ids", "rejected_input_ids"):
-                assert o[column] == s[column][: len(s[column]) - extra]
+                assert o[column] == s[column][: len(s[column]) - 2 * chatml]
                 assert o[column][-1] == tokenizer.eos_token_id
-            if extra:
+            if chatml:
                 assert tokenizer.decode(s["chosen_input_ids"][-3:]) == "<|im_end|>\n<|im_end|>"
+        stock = RewardTrainer(model=classifier, args=RewardConfig(**args), train_dataset=data, processing_class=template)
+        ours = SimPODisRMTrainer(model=classifier, args=SimPODisRMConfig(**args), train_dataset=data,
+                                 processing_class=template)  # fmt: skip
+        for s, o in zip(stock.train_dataset, ours.train_dataset):
+            for column in ("chosen_ids", "rejected_ids"):
+                assert o[column] == s[column][: len(s[column]) - chatml]
+                assert o[column][-1] == tokenizer.eos_token_id

@@ -144,4 +144,3 @@ def test_training_two_replicas_of_two_ring_ranks_deepspeed_zero2(tmp_path, token
     for kind in kinds:
         state = torch.load(tmp_path / f"train_{kind}_deepspeed.pt", weights_only=False)
         check_training(state, single_process_training(kind, tmp_path, tokenizer), kind, "DEEPSPEED")
-

@@ -361,9 +361,7 @@ def prepare_data(stage: str, source: str, split: str | None, tokenizer, training
                 chosen_key=args.chosen_key,
                 rejected_key=args.rejected_key,
             )
-            # Where completions end: a DisRM's at the rendering's last token, a judge's at the EOS it generates.
-            convention = "reward" if STAGES[stage][2] == "seq-cls" else "generation"
-            tokenize = functools.partial(tokenize_preference_dataset, eos_convention=convention)
+            tokenize = tokenize_preference_dataset
         dataset, report = tokenize(
             rows,
             tokenizer,

@@ -91,8 +91,7 @@ def stream_preference_dataset(
     """Tokenised preference groups (`prompt_ids`, `chosen_completion_ids`, `rejected_completion_ids`[, `margin`]) of
     a stream, computed lazily as in [`tokenize_preference_dataset`], and the [`StreamTally`] that counts its rows.
     With `stock_columns` ('reward' or 'cpo'), a group with one rejected response comes in that stock trainer's
-    columns instead (see `trl_longrm.data.stock_columns`; a stream has no schema, so each row gets its own), and
-    its completions end as that trainer's do (`eos_convention` of `trl_longrm.data.tokenization`).
+    columns instead (see `trl_longrm.data.stock_columns`; a stream has no schema, so each row gets its own).
 
     The layout is resolved from the first row (read once here), so a column we cannot honour is refused before
     training; a malformed row fails when it is read, naming the stream and the row.
@@ -116,9 +115,8 @@ def stream_preference_dataset(
     def tokenize(row, index):
         record = normalize_preference_record(row, index=index, source=source, layout=layout)
         out, status = _tokenize_preference(
-            record, tokenizer, max_length, truncation, index, source, chat_template_kwargs,
-            eos_convention="generation" if stock_columns == "cpo" else "reward",
-        )  # fmt: skip
+            record, tokenizer, max_length, truncation, index, source, chat_template_kwargs
+        )
         tally.count(status, index)
         if out is None:
             return {"prompt_ids": [], "chosen_completion_ids": [], "rejected_completion_ids": [], _KEEP: False}

@@ -1,21 +1,15 @@
 """Tokenisation of canonical preference groups and SFT examples, with an explicit policy for over-long rows.
 
 Preference group -> `prompt_ids`, `chosen_completion_ids`, `rejected_completion_ids` (and `margin` when present).
-Every completion token is a loss token. For conversational prompts the ids come from the tokenizer's chat template:
-`prompt_ids` is the prompt rendered with `add_generation_prompt=True`, and a completion is
-`render(prompt + response messages)[len(prompt_ids):]`. The prompt rendering must be an exact token prefix of the
-full rendering; otherwise the row is rejected with an error instead of being mis-masked. Where a completion ends
-(`eos_convention`):
-
-- `"reward"` (a DisRM's data, RewardTrainer's rows token for token): a conversation's whole rendering, what the
-  template writes after the EOS (ChatML's newline after `<|im_end|>`) included, so that the last token of a sequence,
-  where the score is read by us and by every stock consumer, is the last token of the conversation as TRL renders
-  it; a plain-text completion gets EOS appended when it does not end with it.
-- `"generation"` (a SimPO-GRM's data): what the judge generates, up to and including its EOS (the last one of a
-  completion of several messages), with an EOS appended when the template closes the turn without one. CPOTrainer
-  instead appends an EOS after the template's trailing newline (`<|im_end|>`, newline, `<|im_end|>` on ChatML),
-  which teaches a judge to stop after a newline: trained so, the demo's judge wrote 27 of 168 judgments without
-  their score.
+Every completion token is a loss token: a completion is the response's tokens up to and including the EOS token.
+For conversational prompts the ids come from the tokenizer's chat template: `prompt_ids` is the prompt rendered with
+`add_generation_prompt=True`, and a completion is `render(prompt + [assistant response])[len(prompt_ids):]` cut after
+its first EOS (dropping what the template renders after it, such as a newline; a completion of several messages after
+its last). The prompt rendering must be an exact token prefix of the full rendering; otherwise the row is rejected with
+an error instead of being mis-masked. A plain-text response gets an EOS appended unless it ends with one, as TRL's
+trainers append it. (CPOTrainer appends an EOS after ChatML's trailing newline, `<|im_end|>`, newline, `<|im_end|>`,
+which teaches a judge to stop after a newline: trained so, the demo's judge wrote 27 of 168 judgments without their
+score. RewardTrainer scores a conversation at its rendering's last token, the newline: see README.)
 
 SFT example -> `input_ids` and `completion_mask`. Conversations (`messages`) train their assistant turns, each up to
 and including its EOS, built by rendering the conversation turn by turn and checking the same prefix property at
@@ -110,11 +104,6 @@ def _check_policy(max_length: int | None, truncation: str) -> None:
         raise ValueError(f"max_length must be a positive number of tokens or None, got {max_length}")
 
 
-# Where a preference completion ends: "generation" (a SimPO-GRM's: what the judge generates, up to and including
-# its EOS) or "reward" (a DisRM's, RewardTrainer's: a conversation's whole rendering, scored at its last token).
-EOS_CONVENTIONS = ("generation", "reward")
-
-
 def _eos_id(tokenizer: PreTrainedTokenizerBase) -> int:
     if tokenizer.eos_token_id is None:
         raise ValueError("the tokenizer has no eos_token; completions must end with an EOS token")
@@ -127,15 +116,12 @@ class _Encoder:
     Texts are tokenised with `verbose=False`: the tokenizer's warning about sequences longer than the model's maximum
     would speak of the row before truncation, which `max_length` then bounds."""
 
-    def __init__(self, tokenizer, index, source, chat_template_kwargs, eos_convention: str = "reward"):
-        if eos_convention not in EOS_CONVENTIONS:
-            raise ValueError(f"eos_convention must be one of {EOS_CONVENTIONS}, got {eos_convention!r}")
+    def __init__(self, tokenizer, index, source, chat_template_kwargs):
         self.tokenizer = tokenizer
         self.index = index
         self.source = source
         self.template_kwargs = chat_template_kwargs or {}
         self.eos = _eos_id(tokenizer)
-        self.eos_convention = eos_convention
 
     def with_eos(self, ids: list[int]) -> list[int]:
         """`ids` ending with the EOS token (appended when they do not already end with it)."""
@@ -177,21 +163,21 @@ class _Encoder:
         return self.render(prompt, add_generation_prompt=True, key="prompt")
 
     def completion_ids(self, prompt, prompt_ids: list[int], response: str | list[dict], key: str) -> list[int]:
-        """A response's tokens after the prompt (a list of messages, such as a tool call, the tool's answer and the
-        reply, rendered whole), with an EOS where `eos_convention` puts one (see the module docstring)."""
+        """A response's tokens after the prompt; a list of messages (tool calls, the tool's answer, the reply) is
+        rendered whole and cut after its last EOS, a plain response after its first."""
         if isinstance(prompt, str):
             return self.with_eos(self.tokenizer(response, add_special_tokens=False, verbose=False)["input_ids"])
         messages = response if isinstance(response, list) else [{"role": "assistant", "content": response}]
         full = self.render(prompt + messages, False, key)
         self.check_prefix(prompt_ids, full, key, "the prompt rendered with add_generation_prompt=True")
         tail = full[len(prompt_ids) :]
-        if self.eos_convention == "reward":
-            return tail
-        if isinstance(response, list):  # the reply closes the completion: cut after its (last) EOS
-            cut = len(tail) - tail[::-1].index(self.eos) if self.eos in tail else len(tail)
+        if isinstance(response, list):
+            last = len(tail) - 1 - tail[::-1].index(self.eos) if self.eos in tail else None
+            completion, has_eos = (tail, False) if last is None else (tail[: last + 1], True)
         else:
-            cut = tail.index(self.eos) + 1 if self.eos in tail else len(tail)
-        return self.with_eos(tail[:cut])
+            completion, has_eos = self.cut_after_eos(tail)
+        # A template that closes turns without the EOS token still gets one, so the model learns to stop.
+        return completion if has_eos else completion + [self.eos]
 
     def completion_overhead(self, prompt) -> int:
         """Tokens a completion has besides its response's own: measured on a one-word response to a one-word prompt
@@ -262,13 +248,12 @@ def _require(record: dict, keys: tuple[str, ...], index, source) -> None:
             )
 
 
-def _tokenize_preference(record, tokenizer, max_length, truncation, index, source, chat_template_kwargs, precut=True,
-                         eos_convention="reward"):
+def _tokenize_preference(record, tokenizer, max_length, truncation, index, source, chat_template_kwargs, precut=True):
     _check_policy(max_length, truncation)
     _require(record, ("prompt", "chosen", "rejected"), index, source)
     if record.get("chat_template_kwargs"):  # the row's own `tools` / `chat_template_kwargs`, over the config's
         chat_template_kwargs = {**(chat_template_kwargs or {}), **json.loads(record["chat_template_kwargs"])}
-    encoder = _Encoder(tokenizer, index, source, chat_template_kwargs, eos_convention)
+    encoder = _Encoder(tokenizer, index, source, chat_template_kwargs)
     prompt = record["prompt"]
     if max_length is not None and precut:
         # Cut a huge prompt by characters first: tokenising it whole would cost time and memory of its raw size.
@@ -394,26 +379,22 @@ def tokenize_preference_record(
     index: int | None = None,
     source: str = DEFAULT_SOURCE,
     chat_template_kwargs: dict[str, Any] | None = None,
-    eos_convention: str = "reward",
 ) -> dict[str, Any] | None:
     """Tokenise one canonical preference group; returns None when the group does not fit and is dropped.
 
     `max_length` bounds `len(prompt_ids) + len(longest completion)`. With `truncation="truncate_prompt"` the middle
     of the prompt's longest message is cut until it fits; a group is dropped only when its completions alone leave no
-    room for the prompt. `eos_convention` says where completions end: 'reward' (a DisRM's, RewardTrainer's) or
-    'generation' (a SimPO-GRM's, up to the judge's EOS); see the module docstring.
+    room for the prompt.
 
     Example:
     ```python
     >>> record = {"prompt": [{"role": "user", "content": "Judge this."}], "chosen": "good", "rejected": ["bad"]}
     >>> out = tokenize_preference_record(record, tokenizer)
-    >>> tokenizer.decode(out["chosen_completion_ids"])  # a ChatML template writes a newline after the EOS
-    'good<|im_end|>\n'
+    >>> tokenizer.decode(out["chosen_completion_ids"])
+    'good<|im_end|>'
     ```
     """
-    out, _ = _tokenize_preference(
-        record, tokenizer, max_length, truncation, index, source, chat_template_kwargs, eos_convention=eos_convention
-    )
+    out, _ = _tokenize_preference(record, tokenizer, max_length, truncation, index, source, chat_template_kwargs)
     return out
 
 
@@ -425,19 +406,19 @@ def scoring_ids(
 ) -> list[list[int]]:
     """The tokens a DisRM reads to score each of `responses` to `prompt`: exactly the sequences it is trained on.
 
-    Each is `prompt_ids + completion_ids` as `tokenize_preference_record` builds them for a DisRM (RewardTrainer's
-    EOS convention): the prompt rendered (once) with the generation prompt, then the response's turn as the chat
-    template renders it, whose last token is where the score is read, by our trainers and by every stock consumer
-    (transformers' sequence-classification pooling, RewardTrainer, GRPO's reward-model path).
+    Each is `prompt_ids + completion_ids` as `tokenize_preference_record` builds them: the prompt rendered (once) with
+    the generation prompt, then the response's turn up to and including the EOS token, where the score is read. A
+    chat template that writes more after the EOS (Qwen's `<|im_end|>` is followed by a newline) does not move the
+    scored token, so an evaluation scores the token training taught.
 
     Example:
     ```python
     >>> [ids] = scoring_ids(tokenizer, [{"role": "user", "content": "Judge this."}], ["good"])
-    >>> tokenizer.decode(ids[-3:])
-    'good<|im_end|>\n'
+    >>> tokenizer.decode(ids[-2:])
+    'good<|im_end|>'
     ```
     """
-    encoder = _Encoder(tokenizer, None, DEFAULT_SOURCE, chat_template_kwargs, "reward")
+    encoder = _Encoder(tokenizer, None, DEFAULT_SOURCE, chat_template_kwargs)
     prompt_ids = encoder.prompt_ids(prompt)
     return [
         prompt_ids + encoder.completion_ids(prompt, prompt_ids, response, f"responses[{i}]")
@@ -535,14 +516,11 @@ def tokenize_preference_dataset(
     num_proc: int | None = None,
     source_name: str | None = None,
     chat_template_kwargs: dict[str, Any] | None = None,
-    eos_convention: str = "reward",
 ) -> tuple[Dataset, TokenizationReport]:
     """Tokenise canonical preference groups (see [`load_preference_dataset`]) with `datasets.map`.
 
     Returns the dataset with columns `prompt_ids`, `chosen_completion_ids`, `rejected_completion_ids` (and `margin`)
-    and a [`TokenizationReport`] with the dropped/truncated counts, which are also logged once. `eos_convention`:
-    'reward' (a DisRM's data, RewardTrainer's sequences) or 'generation' (a SimPO-GRM's, up to the judge's EOS); see
-    the module docstring.
+    and a [`TokenizationReport`] with the dropped/truncated counts, which are also logged once.
 
     Example:
     ```python
@@ -554,11 +532,9 @@ def tokenize_preference_dataset(
     features = {"prompt_ids": ids, "chosen_completion_ids": ids, "rejected_completion_ids": List(ids)}
     if "margin" in dataset.column_names:
         features["margin"] = Value("float64")
-    if eos_convention not in EOS_CONVENTIONS:
-        raise ValueError(f"eos_convention must be one of {EOS_CONVENTIONS}, got {eos_convention!r}")
     return _tokenize_dataset(
         dataset,
-        functools.partial(_tokenize_preference, eos_convention=eos_convention),
+        _tokenize_preference,
         features,
         tokenizer,
         max_length,

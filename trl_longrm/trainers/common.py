@@ -249,7 +249,7 @@ def prepare_preference_dataset(dataset, tokenizer, args, dataset_name: str, stoc
 
     With `stock_columns` ('reward' or 'cpo'), an unpacked dataset whose groups all have one rejected response gets
     that stock trainer's processed columns (`trl_longrm.data.stock_columns`); a dataset in them is recognised as
-    processed. Completions end where that trainer's data does (`eos_convention` of `trl_longrm.data.tokenization`).
+    processed.
     """
     from datasets import IterableDataset
 
@@ -282,7 +282,6 @@ def prepare_preference_dataset(dataset, tokenizer, args, dataset_name: str, stoc
             truncation=args.truncation,
             num_proc=args.dataset_num_proc,
             source_name=dataset_name,
-            eos_convention="generation" if stock_columns == "cpo" else "reward",
         )
     if args.max_tokens_per_row:
         if "prompt_ids" not in dataset.column_names:  # stock columns: back to groups, which are what is binned
