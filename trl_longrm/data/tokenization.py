@@ -179,20 +179,6 @@ class _Encoder:
         # A template that closes turns without the EOS token still gets one, so the model learns to stop.
         return completion if has_eos else completion + [self.eos]
 
-    def completion_overhead(self, prompt) -> int:
-        """Tokens a completion has besides its response's own: measured on a one-word response to a one-word prompt
-        (the template's end of turn, an appended EOS), to budget a prompt cut before its completions are rendered."""
-        if isinstance(prompt, str):
-            return 1
-        probe = [{"role": "user", "content": "hello"}]
-        word = self.tokenizer("hello", add_special_tokens=False, verbose=False)["input_ids"]
-        try:
-            head = self.render(probe, True, "prompt")
-            completion = self.completion_ids(probe, head, "hello", "chosen")
-        except DataFormatError:  # a template that rejects the probe: the response's EOS alone
-            return 1
-        return max(1, len(completion) - len(word))
-
     def completions(self, prompt, prompt_ids: list[int], responses: list[str]) -> list[list[int]]:
         keys = ["chosen"] + [f"rejected[{j}]" for j in range(len(responses) - 1)]
         return [self.completion_ids(prompt, prompt_ids, r, k) for r, k in zip(responses, keys)]
@@ -269,9 +255,6 @@ def _tokenize_preference(record, tokenizer, max_length, truncation, index, sourc
         return None, DROPPED
 
     status = KEPT
-    # Each round cuts the uncut prompt (deeper when the completions turned out longer than budgeted), so that a second
-    # round cuts the same message again rather than the next longest of an already cut prompt.
-    uncut, uncut_count = prompt, len(prompt_ids)
     # Every cut is measured, the last one too: MAX_TRUNCATION_ROUNDS cuts, then one final check.
     for cuts in range(MAX_TRUNCATION_ROUNDS + 1):
         if completions is not None:
@@ -283,9 +266,8 @@ def _tokenize_preference(record, tokenizer, max_length, truncation, index, sourc
             if cuts == MAX_TRUNCATION_ROUNDS:
                 return None, DROPPED_UNSETTLED
         else:
-            # The response's own tokens plus what the template adds around one: what a completion usually is. A
-            # wrong guess costs one more round.
-            longest = encoder.completion_overhead(uncut) + max(
+            # The response's own tokens plus EOS: what a completion usually is. A wrong guess costs one more round.
+            longest = 1 + max(
                 len(
                     tokenizer(r if isinstance(r, str) else json.dumps(r), add_special_tokens=False, verbose=False)[
                         "input_ids"
@@ -294,11 +276,11 @@ def _tokenize_preference(record, tokenizer, max_length, truncation, index, sourc
                 for r in responses
             )
         prompt = truncate_middle_to_fit(
-            uncut,
+            prompt,
             tokenizer,
             lambda p: len(encoder.prompt_ids(p)),
             max_tokens=max_length - longest,
-            num_tokens=uncut_count,
+            num_tokens=len(prompt_ids),
         )
         if prompt is None:  # the completions alone (nearly) fill max_length
             return None, DROPPED_NO_ROOM
