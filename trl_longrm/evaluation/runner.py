@@ -233,7 +233,11 @@ def _check_run_identity(save_path: Path, identity: dict, write: bool = True):
                 f"{save_path} holds predictions of a different run ({details}); use another --save-path or delete it."
             )
     elif write:
-        path.write_text(json.dumps(identity, indent=2) + "\n", encoding="utf-8")
+        # Written whole or not at all: another process of the same run may read it at the same time (a partly
+        # written file made a late-starting rank fail its check).
+        partial = path.with_suffix(f".{os.getpid()}.tmp")
+        partial.write_text(json.dumps(identity, indent=2) + "\n", encoding="utf-8")
+        os.replace(partial, path)
 
 
 def _merge_shards(save_path: Path, store: PredictionStore):
