@@ -318,8 +318,11 @@ def _best_fit_decreasing(sizes: list[int], capacity: int) -> list[list[int]]:
     return [sorted(b) for b in bins]
 
 
-def pack_examples(dataset: Dataset, sizes: list[int], max_tokens_per_row: int, columns: tuple[str, ...]) -> Dataset:
-    """Bin rows of `dataset` (each of `sizes[i]` tokens) into packs of at most `max_tokens_per_row` tokens.
+def pack_examples(
+    dataset: Dataset, sizes: list[int], max_tokens_per_row: int, columns: tuple[str, ...], seq_lengths: bool = False
+) -> Dataset:
+    """Bin rows of `dataset` (each of `sizes[i]` tokens) into packs of at most `max_tokens_per_row` tokens; with
+    `seq_lengths`, each pack also lists its rows' sizes (stock SFTTrainer's column of that name).
 
     A row larger than the budget gets a pack of its own; how many did is logged.
     """
@@ -336,6 +339,8 @@ def pack_examples(dataset: Dataset, sizes: list[int], max_tokens_per_row: int, c
     data = {column: dataset[column] for column in present}
     packs = {column: [[data[column][i] for i in b] for b in bins] for column in present}
     packs["num_tokens"] = [sum(sizes[i] for i in b) for b in bins]
+    if seq_lengths:
+        packs["seq_lengths"] = [[sizes[i] for i in b] for b in bins]
     logger.info("Packed %d rows into %d rows of at most %d tokens.", len(sizes), len(bins), max_tokens_per_row)
     return Dataset.from_dict(packs)
 
@@ -351,5 +356,4 @@ def pack_sft_examples(dataset: Dataset, max_tokens_per_row: int) -> Dataset:
     """Bin tokenised SFT examples into packs of at most `max_tokens_per_row` tokens. Each pack also has stock
     SFTTrainer's `seq_lengths` column (the token count of each of its examples), as TRL's packed datasets do."""
     sizes = [len(ids) for ids in dataset["input_ids"]]
-    packed = pack_examples(dataset, sizes, max_tokens_per_row, ("input_ids", "completion_mask"))
-    return packed.add_column("seq_lengths", [[len(ids) for ids in pack] for pack in packed["input_ids"]])
+    return pack_examples(dataset, sizes, max_tokens_per_row, ("input_ids", "completion_mask"), seq_lengths=True)

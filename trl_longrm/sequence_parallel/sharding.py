@@ -568,7 +568,7 @@ def shard_packed_row(
     if group is not None and verify_same_row:
         _verify_same_row(ids, group, source)
 
-    placement = getattr(config, "ring_placement", "zigzag")
+    placement = config.ring_placement
     num_padding = -length % placement_multiple(placement, size)
     total = length + num_padding
     # The padding is a document of its own (positions 0, 1, ...), so no real token attends to it.

@@ -133,9 +133,9 @@ class SequenceParallelMixin:
         (a host sync per layer)."""
         inputs = {**model_inputs(batch), "use_cache": False}
         position_ids = inputs.get("position_ids")
-        if self.args.padding_free and "attention_mask" not in inputs and position_ids is not None:
-            if position_ids.shape[0] == 1:
-                inputs[RING_META_KWARG] = packed_row_metadata(position_ids, self.args)
+        packed_row = position_ids is not None and position_ids.shape[0] == 1 and "attention_mask" not in inputs
+        if self.args.padding_free and packed_row:
+            inputs[RING_META_KWARG] = packed_row_metadata(position_ids, self.args)
         return inputs
 
     def forward_pair_logps(self, model, batch) -> torch.Tensor:
