@@ -1,7 +1,9 @@
 """The ring attention function alone against an independent reference: per-document causal SDPA with the key/value
 heads repeated for grouped-query attention, outputs and q/k/v gradients."""
 
+import contextlib
 import types
+from unittest import mock
 
 import pytest
 import torch
@@ -16,6 +18,7 @@ from trl_longrm.sequence_parallel import (
 )
 from trl_longrm.sequence_parallel.kernels import TorchBlockKernel, VarlenKernel, resolve_kernel
 from trl_longrm.sequence_parallel.launch import run_on_gloo_ranks
+from trl_longrm.sequence_parallel import sharding
 from trl_longrm.sequence_parallel.sharding import RingAttentionMetadata
 
 
@@ -261,20 +264,29 @@ def _check_ring_attention(rank, world_size, sequence_parallel_size):
         length = sum(docs)
         q, k, v, grad_out = random_problem(num_heads, num_kv_heads, length, seed=10 * case_index + shift)
         ref_out, ref_dq, ref_dk, ref_dv = reference_with_grads(q, k, v, grad_out, docs, scaling)
-        # Small query blocks for every stride (zigzag placement); one run with a block longer than the slice, and one
-        # of the contiguous placement.
-        runs = [(s, 4, "zigzag") for s in strides(num_kv_heads)] + [(None, 1024, "zigzag"), (None, 4, "contiguous")]
+        # Small query blocks for every stride (the default, balanced placement); one run with a block longer than the
+        # slice; the zigzag and contiguous placements; and the balanced one cut as finely as it goes (8 chunks per
+        # rank of 1 or 2 tokens: many pieces per rank, documents crossing them).
+        runs = [(s, 4, "balanced") for s in strides(num_kv_heads)] + [
+            (None, 1024, "balanced"), (None, 4, "zigzag"), (None, 4, "contiguous"), (None, 4, "balanced_fine")
+        ]  # fmt: skip
         for stride, chunk, placement in runs:
             config = SequenceParallelConfig(
                 sequence_parallel_size=sequence_parallel_size, ring_head_stride=stride, ring_query_chunk_size=chunk,
-                ring_placement=placement,
+                ring_placement=placement.removesuffix("_fine"),
             )  # fmt: skip
-            shard = shard_packed_row(
-                torch.zeros(1, length, dtype=torch.long), positions(docs)[None], groups=groups, config=config
-            )
+            with contextlib.ExitStack() as stack:
+                if placement == "balanced_fine":
+                    stack.enter_context(mock.patch.object(sharding, "BALANCED_CHUNKS_PER_RANK", (8,)))
+                    stack.enter_context(mock.patch.object(sharding, "MIN_BALANCED_CHUNK", 1))
+                shard = shard_packed_row(
+                    torch.zeros(1, length, dtype=torch.long), positions(docs)[None], groups=groups, config=config
+                )
+            if placement == "balanced_fine":
+                assert shard.attention_meta.num_chunks == 8 * sequence_parallel_size
             meta = shard.attention_meta
             pad = meta.num_padding
-            index = meta.global_index()  # this rank's tokens by the placement (zigzag: two pieces)
+            index = meta.global_index()  # this rank's tokens by the placement (several pieces)
             real = index < length  # real tokens (not padding) among them
             # Padding gets random q/k/v: it must not leak into real tokens.
             noise = torch.Generator().manual_seed(99 + rank)
@@ -306,6 +318,94 @@ def test_ring_attention_on_gloo_matches_reference(world_size, sequence_parallel_
     """2- and 4-process rings, and two rings of 2 holding different rows (data x sequence parallel): every head
     stride, GQA, padding."""
     run_on_gloo_ranks(_ring_attention_worker, world_size, sequence_parallel_sizes, preload=PRELOAD)
+
+
+def _schedule_worker(rank, world_size, result_path):
+    """Record, on a ring of 2 with 4 key/value heads gathered one at a time, the order of the collectives (issued /
+    waited for) and of the kernel calls, with the real gloo collectives and PyTorch's fused CPU attention."""
+    import json
+
+    from trl_longrm.sequence_parallel import attention
+    from trl_longrm.sequence_parallel.kernels import TorchCpuFlashOps
+
+    log = []
+
+    class Recorded:
+        def __init__(self, work, name):
+            self.work, self.name = work, name
+
+        def wait(self):
+            log.append(self.name.lower())
+            return self.work.wait()
+
+    def recording(start, name):
+        def wrapper(*args, **kwargs):
+            log.append(name)
+            out, work = start(*args, **kwargs)
+            return out, Recorded(work, name)
+
+        return wrapper
+
+    def kernel_call(method, name):
+        def wrapper(*args, **kwargs):
+            log.append(name)
+            return method(*args, **kwargs)
+
+        return wrapper
+
+    groups = init_sequence_parallel_groups(world_size)
+    doc_lengths, scaling = [23, 9], 0.3
+    length = sum(doc_lengths)
+    q, k, v, grad_out = random_problem(8, 4, length, seed=3)
+    config = SequenceParallelConfig(sequence_parallel_size=world_size, ring_head_stride=1)
+    shard = shard_packed_row(torch.zeros(1, length, dtype=torch.long), positions(doc_lengths)[None], groups=groups,
+                             config=config)  # fmt: skip
+    meta = shard.attention_meta
+    index = meta.global_index()
+    real = index < length
+    local = [torch.cat([t, t.new_zeros(t.shape[0], meta.num_padding, t.shape[2])], 1)[:, index] for t in (q, k, v)]
+    leaves = [t[None].clone().requires_grad_() for t in local]
+    dout = torch.zeros(index.numel(), 8, q.shape[2])
+    dout[real] = grad_out[index[real]]
+    with contextlib.ExitStack() as stack:
+        patch = lambda *a: stack.enter_context(mock.patch.object(*a))  # noqa: E731
+        patch(attention, "start_all_gather_dim0", recording(attention.start_all_gather_dim0, "G"))
+        patch(attention, "start_reduce_scatter_dim0", recording(attention.start_reduce_scatter_dim0, "S"))
+        patch(TorchCpuFlashOps, "forward", kernel_call(TorchCpuFlashOps.forward, "F"))
+        patch(TorchCpuFlashOps, "backward", kernel_call(TorchCpuFlashOps.backward, "B"))
+        out, _ = ring_attention_forward(MODULE, *leaves, None, scaling=scaling, ring_attn_meta=meta)
+        forward_log = list(log)
+        log.clear()
+        out.backward(dout[None])
+    ref_out, ref_dq, ref_dk, ref_dv = reference_with_grads(q, k, v, grad_out, doc_lengths, scaling)
+    mine = index[real]
+    for got, expected in [(out[0, real].detach(), ref_out[mine]), (leaves[0].grad[0][:, real], ref_dq[:, mine]),
+                          (leaves[1].grad[0][:, real], ref_dk[:, mine]), (leaves[2].grad[0][:, real], ref_dv[:, mine])]:
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)  # fmt: skip
+    if rank == 0:
+        with open(result_path, "w") as handle:
+            json.dump({"forward": forward_log, "backward": log, "pieces": len(meta.pieces())}, handle)
+
+
+@pytest.mark.slow
+def test_ring_overlaps_gathers_and_reuses_the_forward(tmp_path):
+    """The next head chunk's all-gather is issued before the current chunk's is waited for and attended; the key/value
+    gradients' reduce-scatter of a chunk is waited for only after the next chunk's backward; the backward calls the
+    kernel's backward from the forward's out and lse, never its forward. Results equal the reference (1e-5)."""
+    import json
+
+    result = tmp_path / "schedule.json"
+    run_on_gloo_ranks(_schedule_worker, 2, str(result), preload=PRELOAD)
+    got = json.loads(result.read_text())
+    pieces, chunks = got["pieces"], 4
+    forward, backward = ["G"], ["G"]
+    for chunk in range(chunks):
+        issue_next = ["G"] if chunk + 1 < chunks else []
+        forward += issue_next + ["g"] + ["F"] * pieces
+        backward += issue_next + ["g"] + ["B"] * pieces + ["S"] + (["s"] if chunk > 0 else [])
+    backward += ["s"]
+    assert got["forward"] == forward
+    assert got["backward"] == backward
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -85,16 +85,16 @@ def test_four_ranks_slices_padding_and_shifted_labels(mask_kind):
 
 
 def test_zigzag_placement_by_hand():
-    """The default placement: 9 tokens on 4 ranks are padded to 16 (a multiple of 2 x 4), cut into 8 chunks of 2, and
-    rank r holds chunks r and 7 - r; each piece is attended with its own metadata."""
-    parts = shards(4, labels=LABELS)
+    """9 tokens on 4 ranks are padded to 16 (a multiple of 2 x 4), cut into 8 chunks of 2, and rank r holds chunks r
+    and 7 - r; each piece is attended with its own metadata."""
+    parts = shards(4, labels=LABELS, config=SequenceParallelConfig(ring_placement="zigzag"))
     padded = IDS[0].tolist() + [0] * 7
     chunks = [padded[2 * i : 2 * i + 2] for i in range(8)]
     assert [p.input_ids[0].tolist() for p in parts] == [chunks[r] + chunks[7 - r] for r in range(4)]
     metas = [p.attention_meta for p in parts]
     assert all(m.placement == "zigzag" and m.total_length == 16 and m.cu_seqlens == (0, 3, 7, 9, 16) for m in metas)
     assert [m.local_ranges() for m in metas] == [[(0, 2), (14, 16)], [(2, 4), (12, 14)], [(4, 6), (10, 12)],
-                                                  [(6, 8), (8, 10)]]  # fmt: skip
+                                                  [(6, 10)]]  # fmt: skip  (rank 3's chunks 3 and 4 are one piece)
     assert [[(o, p.local_start, p.local_length, p.kv_start) for o, p in m.pieces()] for m in metas][1] == [
         (0, 2, 2, 0),  # tokens 2..3: document 0 starts at 0
         (2, 12, 2, 9),  # tokens 12..13: in the padding document (9..15)
@@ -106,6 +106,37 @@ def test_zigzag_placement_by_hand():
     assert metas[0].to_rank_major_order(torch.tensor(padded)).tolist() == gathered.tolist()
     shifted = metas[0].to_global_order(torch.cat([p.shift_labels[0] for p in parts]))
     assert shifted.tolist() == SHIFTED[:9] + [-100] * 7
+
+
+def test_balanced_placement_by_hand():
+    """Chunks go, heaviest causal work first, to the least-loaded rank with room. One document: the zigzag placement.
+    Documents of 12 and 4 tokens on 2 ranks, chunks of 4 (works 10, 26, 42 | 10): zigzag gives 20 vs 68, the balanced
+    owners 52 vs 36; chunks of 2 (works 3, 7, 11, 15, 19, 23 | 3, 7): 44 vs 44."""
+    from trl_longrm.sequence_parallel.sharding import balanced_chunks_per_rank, chunk_owners, chunk_ranges, span_work
+
+    assert chunk_owners("balanced", 8, 4, cu_seqlens=(0, 16)) == chunk_owners("zigzag", 8, 4)
+    cu = (0, 12, 16)
+    assert [span_work(cu, (0, 0), 4 * c, 4 * c + 4) for c in range(4)] == [10, 26, 42, 10]
+    assert chunk_owners("zigzag", 4, 2) == [[0, 3], [1, 2]]
+    assert chunk_owners("balanced", 4, 2, cu_seqlens=cu) == [[2, 3], [0, 1]]
+    owners = chunk_owners("balanced", 8, 2, cu_seqlens=cu)
+    assert owners == [[0, 1, 2, 5], [3, 4, 6, 7]]
+    assert [chunk_ranges(o, 2) for o in owners] == [[(0, 6), (10, 12)], [(6, 10), (12, 16)]]  # adjacent chunks merge
+    # The fewest chunks per rank that balance within 5%, never chunks under MIN_BALANCED_CHUNK tokens beyond the first
+    # choice: the same row 64 times longer takes 4 per rank, the short one keeps 2.
+    assert balanced_chunks_per_rank([0, 12 * 64, 16 * 64], None, 16 * 64, 2) == 4
+    assert balanced_chunks_per_rank([0, 12, 16], None, 16, 2) == 2
+    assert balanced_chunks_per_rank([0, 16 * 64], None, 16 * 64, 2) == 2  # one document: zigzag is exact
+    # Through shard_packed_row: the ranks' pieces tile the row, and the metadata's work is the hand count.
+    ids = torch.arange(16 * 64)[None]
+    pos = torch.cat([torch.arange(12 * 64), torch.arange(4 * 64)])[None]
+    metas = [shard_packed_row(ids, pos, groups=ring(2, r), verify_same_row=False).attention_meta for r in range(2)]
+    assert all(m.placement == "balanced" and m.num_chunks == 8 for m in metas)
+    assert sorted(r for m in metas for r in m.local_ranges()) == [(0, 384), (384, 640), (640, 768), (768, 1024)]
+    from trl_longrm.sequence_parallel.sharding import attention_work
+
+    work = [attention_work(m) for m in metas]
+    assert sum(work) == 768 * 769 // 2 + 256 * 257 // 2 and max(work) / (sum(work) / 2) <= 1.05
 
 
 def test_config_travels_in_metadata():
@@ -169,17 +200,20 @@ def test_attention_work_sums_to_every_causal_pair_over_the_ring():
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     lengths = [37, 5, 90, 1]
-    pad = -sum(lengths) % 8  # the padding to a multiple of 2 x ring size is attended as a document of its own
-    assert sum(bench.rank_work(lengths, 4)) == sum(n * (n + 1) // 2 for n in [*lengths, pad])
+    for placement, pad in [("zigzag", -sum(lengths) % 8), ("contiguous", -sum(lengths) % 4)]:
+        # The padding to a multiple of the placement's chunk count is attended as a document of its own.
+        assert sum(bench.rank_work(lengths, 4, placement=placement)) == sum(n * (n + 1) // 2 for n in [*lengths, pad])
     shared, parents = [40, 7, 9], [-1, 0, 0]
     pairs = 40 * 41 // 2 + sum(n * (n + 1) // 2 + n * 40 for n in (7, 9))
     assert sum(bench.rank_work(shared, 4, parents)) == pairs
     assert attention_work(packed_row_metadata(torch.tensor([0, 1, 2, 0, 1]))) == 9
-    # The contiguous placement gives the last of P ranks (2P - 1) / P of the mean on one document; the zigzag one (the
-    # trainers' default) balances it, and a shared-prefix row.
+    # The contiguous placement gives the last of P ranks (2P - 1) / P of the mean on one document; the zigzag one
+    # balances it but not a packed row of unequal documents; the balanced one (the trainers' default) balances all
+    # three, and a shared-prefix row.
     assert bench.balance(bench.rank_work([4096], 8, placement="contiguous")) == pytest.approx(15 / 8, rel=1e-3)
-    assert bench.balance(bench.rank_work([4096], 8)) <= 1.10
+    assert bench.balance(bench.rank_work([4096], 8, placement="zigzag")) == pytest.approx(1.0)
+    packed = [2048, 1024, 512, 256, 256]
+    assert bench.balance(bench.rank_work(packed, 8, placement="zigzag")) > 1.4
+    assert bench.balance(bench.rank_work([4096], 8)) == pytest.approx(1.0)
+    assert bench.balance(bench.rank_work(packed, 8)) <= 1.05
     assert bench.balance(bench.rank_work([4096 - 4 * 256] + [256] * 4, 8, [-1, 0, 0, 0, 0])) <= 1.10
-    assert sum(bench.rank_work(lengths, 4, placement="contiguous")) == sum(
-        n * (n + 1) // 2 for n in [*lengths, -sum(lengths) % 4]
-    )

@@ -1,9 +1,11 @@
 """Exact attention over a packed row split across a ring group, as a transformers attention implementation.
 
 Each rank keeps the queries of its slice and all-gathers the keys/values of the whole ring, `ring_head_stride` key/value
-heads at a time (gather a chunk, attend with the query heads that use it, free it, next chunk), so the peak memory is
-one chunk of the gathered row. The backward gathers each chunk again, recomputes its attention and sends the key/value
-gradients back to their owners with a summing reduce-scatter. Masking is causal within each document, with the
+heads at a time (gather a chunk, attend with the query heads that use it, free it, next chunk; the next chunk's gather
+is in flight while the current one is attended), so the peak memory is two chunks of the gathered row. The backward
+gathers each chunk again, runs the kernel's backward from the forward's out and lse (the pure PyTorch fallback
+recomputes the attention) and sends the key/value gradients back to their owners with a summing reduce-scatter,
+overlapped with the next chunk. Masking is causal within each document, with the
 document boundaries of the global row and this rank's offset in it (from `RingAttentionMetadata`).
 
 Without metadata (`ring_attn_meta=None`) the same kernels attend a packed single-process batch document-causally, the
@@ -23,9 +25,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .collectives import all_gather_dim0, reduce_scatter_dim0
+from .collectives import start_all_gather_dim0, start_reduce_scatter_dim0
 from .config import SequenceParallelConfig
-from .kernels import SharedPrefixVarlenKernel, TorchBlockKernel, TorchCpuFlashOps, resolve_kernel
+from .kernels import SharedPrefixVarlenKernel, TorchBlockKernel, TorchCpuFlashOps, VarlenKernel, resolve_kernel
 from .sharding import RingAttentionMetadata, packed_row_metadata
 from .validation import check_ring_head_stride, validate_ring_attention_model
 
@@ -45,77 +47,139 @@ def _head_chunks(num_heads: int, num_kv_heads: int, stride: int | None):
         yield kv_lo, kv_hi, kv_lo * group, kv_hi * group
 
 
-def _gather_keys_values(k: torch.Tensor, v: torch.Tensor, meta: RingAttentionMetadata):
-    """Keys/values of the global row, in its order, over `meta.key_span()` (every key a local query sees), from the
-    local `[local_length, heads, D]`: `[span_end - span_start, heads, D]`."""
-    span = meta.key_span()
-    if meta.group is None:
-        return k[span[0] : span[1]], v[span[0] : span[1]]
-    if k.shape[-1] == v.shape[-1]:  # one collective for both
-        kv = meta.to_global_order(all_gather_dim0(torch.cat([k, v], dim=1), meta.group), span=span)
-        return kv[:, : k.shape[1]], kv[:, k.shape[1] :]
-    k_all = meta.to_global_order(all_gather_dim0(k, meta.group), span=span)
-    v_all = meta.to_global_order(all_gather_dim0(v, meta.group), span=span)
-    return k_all, v_all
+class _Gather:
+    """One head chunk's all-gather of keys/values, issued (`start`) and later read (`keys_values`)."""
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, meta: RingAttentionMetadata):
+        self.meta, self.split = meta, k.shape[1] if k.shape[-1] == v.shape[-1] else None
+        if meta.group is None:
+            self.local, self.pending = (k, v), None
+        elif self.split is not None:  # one collective for both
+            self.pending = [start_all_gather_dim0(torch.cat([k, v], dim=1), meta.group)]
+        else:
+            self.pending = [start_all_gather_dim0(k, meta.group), start_all_gather_dim0(v, meta.group)]
+
+    def keys_values(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys/values of the global row, in its order, over `meta.key_span()` (every key a local query sees):
+        `[span_end - span_start, heads, D]`."""
+        meta, span = self.meta, self.meta.key_span()
+        if self.pending is None:
+            k, v = self.local
+            return k[span[0] : span[1]], v[span[0] : span[1]]
+        for _, work in self.pending:
+            work.wait()
+        gathered = [meta.to_global_order(out, span=span) for out, _ in self.pending]
+        self.pending = None  # the rank-major buffers are freed once reordered
+        if self.split is not None:
+            return gathered[0][:, : self.split], gathered[0][:, self.split :]
+        return gathered[0], gathered[1]
 
 
-def _scatter_key_value_grads(dk: torch.Tensor, dv: torch.Tensor, meta: RingAttentionMetadata):
-    """Sum the gradients every rank computed for the keys/values of its key span and return each owner its tokens (in
-    the kernels' float32: the sum over ranks is not rounded to half precision at each step)."""
-    if meta.group is None:
-        return dk, dv
-    start, end = meta.key_span()
-    grads = []
-    for grad in [torch.cat([dk, dv], dim=1)] if dk.shape[-1] == dv.shape[-1] else [dk, dv]:
-        full = grad.new_zeros((meta.total_length, *grad.shape[1:]))
-        full[start:end] = grad
-        grads.append(reduce_scatter_dim0(meta.to_rank_major_order(full), meta.group))
-    if len(grads) == 1:
-        return grads[0][:, : dk.shape[1]], grads[0][:, dk.shape[1] :]
-    return grads[0], grads[1]
+def _gathered_head_chunks(q, k, v, meta: RingAttentionMetadata):
+    """`(kv_lo, kv_hi, q_lo, q_hi, k_all, v_all)` for each head chunk (`meta.ring_head_stride` key/value heads), the
+    next chunk's all-gather issued before the current chunk is handed out: the collective runs while the current
+    chunk is attended, so two chunks' gathered keys/values are alive at a time (the caller drops each when done)."""
+    chunks = list(_head_chunks(q.shape[1], k.shape[1], meta.ring_head_stride))
+    start = lambda c: _Gather(k[:, c[0] : c[1]], v[:, c[0] : c[1]], meta)  # noqa: E731
+    pending = start(chunks[0])
+    for index, chunk in enumerate(chunks):
+        current, pending = pending, start(chunks[index + 1]) if index + 1 < len(chunks) else None
+        k_all, v_all = current.keys_values()
+        del current
+        yield (*chunk, k_all, v_all)
+        del k_all, v_all
+
+
+class _Scatter:
+    """One head chunk's key/value gradients summed over the ranks and scattered to their owners, issued (`start`)
+    and later read (`result`). The sum over ranks stays in the kernels' float32 (not rounded to half precision at
+    each step)."""
+
+    def __init__(self, dk: torch.Tensor, dv: torch.Tensor, meta: RingAttentionMetadata):
+        self.split = dk.shape[1] if dk.shape[-1] == dv.shape[-1] else None
+        if meta.group is None:
+            self.local, self.pending = (dk, dv), None
+            return
+        start, end = meta.key_span()
+        self.pending = []
+        for grad in [torch.cat([dk, dv], dim=1)] if self.split is not None else [dk, dv]:
+            full = grad.new_zeros((meta.total_length, *grad.shape[1:]))
+            full[start:end] = grad
+            self.pending.append(start_reduce_scatter_dim0(meta.to_rank_major_order(full), meta.group))
+
+    def result(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's `(dk, dv)` summed over the ring."""
+        if self.pending is None:
+            return self.local
+        for _, work in self.pending:
+            work.wait()
+        grads = [out for out, _ in self.pending]
+        if self.split is not None:
+            return grads[0][:, : self.split], grads[0][:, self.split :]
+        return grads[0], grads[1]
 
 
 class _RingAttention(torch.autograd.Function):
     """q `[local_length, H, D]`, k/v `[local_length, Hkv, D]` -> out `[local_length, H, D]`. Each contiguous piece of
-    the rank's tokens (`meta.pieces()`: two with the zigzag placement) is attended by the kernel on its own."""
+    the rank's tokens (`meta.pieces()`: several with the balanced and zigzag placements) is attended by the kernel
+    on its own, against the keys of its documents.
+
+    With a fused library (`kernel.reuses_forward`) the forward keeps the local out and lse (the size of q) and the
+    backward calls the library's backward on them: the keys/values are gathered again (keeping them would cost the
+    whole row per layer) but the attention is not recomputed. The pure PyTorch block kernel recomputes it."""
 
     @staticmethod
     def forward(ctx, q, k, v, meta, scaling, kernel):
-        ctx.save_for_backward(q, k, v)
-        ctx.meta, ctx.scaling, ctx.kernel = meta, scaling, kernel
         out = q.new_empty(q.shape[0], q.shape[1], v.shape[2])
+        reuse = kernel.reuses_forward
+        lse = torch.empty(q.shape[1], q.shape[0], dtype=torch.float32, device=q.device) if reuse else None
         span_start = meta.key_span()[0]
-        for kv_lo, kv_hi, q_lo, q_hi in _head_chunks(q.shape[1], k.shape[1], meta.ring_head_stride):
-            k_all, v_all = _gather_keys_values(k[:, kv_lo:kv_hi], v[:, kv_lo:kv_hi], meta)
+        for kv_lo, kv_hi, q_lo, q_hi, k_all, v_all in _gathered_head_chunks(q, k, v, meta):
             for offset, piece in meta.pieces():
                 rows = slice(offset, offset + piece.local_length)
                 keys = slice(piece.kv_start - span_start, piece.local_end - span_start)
-                out[rows, q_lo:q_hi] = kernel.forward(q[rows, q_lo:q_hi], k_all[keys], v_all[keys], piece, scaling)
-            del k_all, v_all
+                args = (q[rows, q_lo:q_hi], k_all[keys], v_all[keys], piece, scaling)
+                if reuse:
+                    out[rows, q_lo:q_hi], lse[q_lo:q_hi, rows] = kernel.forward_lse(*args)
+                else:
+                    out[rows, q_lo:q_hi] = kernel.forward(*args)
+        ctx.save_for_backward(q, k, v, *((out, lse) if reuse else ()))
+        ctx.meta, ctx.scaling, ctx.kernel = meta, scaling, kernel
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v = ctx.saved_tensors
+        q, k, v, *saved = ctx.saved_tensors
         meta, scaling, kernel = ctx.meta, ctx.scaling, ctx.kernel
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         span_start = meta.key_span()[0]
-        for kv_lo, kv_hi, q_lo, q_hi in _head_chunks(q.shape[1], k.shape[1], meta.ring_head_stride):
-            k_all, v_all = _gather_keys_values(k[:, kv_lo:kv_hi], v[:, kv_lo:kv_hi], meta)
+        scatters = []
+        for kv_lo, kv_hi, q_lo, q_hi, k_all, v_all in _gathered_head_chunks(q, k, v, meta):
             # The key span's gradients, summed over the pieces and then over the ranks in float32.
             dk_all = torch.zeros(k_all.shape, dtype=torch.float32, device=k_all.device)
             dv_all = torch.zeros(v_all.shape, dtype=torch.float32, device=v_all.device)
             for offset, piece in meta.pieces():
                 rows = slice(offset, offset + piece.local_length)
                 keys = slice(piece.kv_start - span_start, piece.local_end - span_start)
-                dq_c, dk_p, dv_p = kernel.backward(
-                    q[rows, q_lo:q_hi], k_all[keys], v_all[keys], grad_out[rows, q_lo:q_hi], piece, scaling
-                )
+                inputs = (q[rows, q_lo:q_hi], k_all[keys], v_all[keys])
+                if saved:
+                    out, lse = saved
+                    dq_c, dk_p, dv_p = kernel.backward_from(
+                        *inputs, out[rows, q_lo:q_hi], lse[q_lo:q_hi, rows], grad_out[rows, q_lo:q_hi], piece, scaling
+                    )  # fmt: skip
+                else:
+                    dq_c, dk_p, dv_p = kernel.backward(*inputs, grad_out[rows, q_lo:q_hi], piece, scaling)
                 dq[rows, q_lo:q_hi] = dq_c
                 dk_all[keys] += dk_p
                 dv_all[keys] += dv_p
-            dk[:, kv_lo:kv_hi], dv[:, kv_lo:kv_hi] = _scatter_key_value_grads(dk_all, dv_all, meta)
-            del k_all, v_all, dk_all, dv_all
+            # The reduce-scatter runs while the next chunk is attended; at most two are in flight.
+            scatters.append(((kv_lo, kv_hi), _Scatter(dk_all, dv_all, meta)))
+            del dk_all, dv_all
+            if len(scatters) == 2:
+                (lo, hi), scatter = scatters.pop(0)
+                dk[:, lo:hi], dv[:, lo:hi] = scatter.result()
+        for (lo, hi), scatter in scatters:
+            dk[:, lo:hi], dv[:, lo:hi] = scatter.result()
         return dq, dk, dv, None, None, None
 
 
@@ -186,6 +250,17 @@ def _shared_prefix_kernel(meta: RingAttentionMetadata, kernel, device: torch.dev
     return TorchBlockKernel()
 
 
+def _ring_kernel(meta: RingAttentionMetadata, kernel, device: torch.device):
+    """The kernel a ring uses: on CPU, PyTorch's fused CPU attention with its lse (the ops SDPA dispatches to) in
+    place of the block kernel, so that the ring's backward reuses the forward's out and lse instead of recomputing
+    each block."""
+    if isinstance(kernel, TorchBlockKernel) and device.type == "cpu":
+        ops = TorchCpuFlashOps.load(meta.query_chunk_size)
+        if ops is not None:
+            return VarlenKernel(ops.name, None, ops)
+    return kernel
+
+
 def ring_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -234,13 +309,13 @@ def ring_attention_forward(
             kernel = _shared_prefix_kernel(meta, kernel, query.device)
         q, k, v = (t[b].transpose(0, 1) for t in (query, key, value))
         if meta.group is None:
-            # One process: nothing to gather, so `_RingAttention` (whose backward recomputes each head chunk's
-            # attention to bound the gathered memory) only costs time. All heads at once under plain autograd let
-            # the fused kernels' own backward (SDPA's, flash-attn's varlen) reuse the forward's log-sum-exp: ~30%
+            # One process: nothing to gather, so `_RingAttention` (which gathers each head chunk again in the
+            # backward to bound the gathered memory) only costs time. All heads at once under plain autograd let the
+            # fused kernels' own backward (SDPA's, flash-attn's varlen) reuse the forward's log-sum-exp: ~30%
             # shorter packed DisRM steps on CPU.
             outputs.append(kernel.forward(q, k, v, meta, scaling))
         else:
-            outputs.append(_RingAttention.apply(q, k, v, meta, scaling, kernel))
+            outputs.append(_RingAttention.apply(q, k, v, meta, scaling, _ring_kernel(meta, kernel, query.device)))
     return torch.stack(outputs), None
 
 

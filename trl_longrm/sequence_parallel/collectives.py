@@ -31,18 +31,30 @@ def collective_device(group: dist.ProcessGroup | None) -> torch.device:
 
 def all_gather_dim0(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """Concatenate equally shaped tensors of all ranks along dim 0 (no autograd)."""
-    size = dist.get_world_size(group)
-    out = torch.empty((size * tensor.shape[0], *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
-    _all_gather_single(out, tensor.contiguous(), group=group)
+    out, _ = start_all_gather_dim0(tensor, group, async_op=False)
     return out
 
 
 def reduce_scatter_dim0(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """Sum `tensor` over all ranks and return this rank's dim-0 slice (no autograd)."""
+    out, _ = start_reduce_scatter_dim0(tensor, group, async_op=False)
+    return out
+
+
+def start_all_gather_dim0(tensor: torch.Tensor, group: dist.ProcessGroup | None, async_op: bool = True):
+    """`all_gather_dim0` issued without waiting: `(out, work)`; `work.wait()` (None when `async_op=False`) before
+    reading `out`. What lets the ring gather the next head chunk while it attends the current one."""
+    size = dist.get_world_size(group)
+    out = torch.empty((size * tensor.shape[0], *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
+    return out, _all_gather_single(out, tensor.contiguous(), group=group, async_op=async_op)
+
+
+def start_reduce_scatter_dim0(tensor: torch.Tensor, group: dist.ProcessGroup | None, async_op: bool = True):
+    """`reduce_scatter_dim0` issued without waiting: `(out, work)`, as `start_all_gather_dim0`."""
     size = dist.get_world_size(group)
     out = torch.empty((tensor.shape[0] // size, *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
-    _reduce_scatter_single(out, tensor.contiguous(), op=dist.ReduceOp.SUM, group=group)
-    return out
+    work = _reduce_scatter_single(out, tensor.contiguous(), op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+    return out, work
 
 
 class _AllGatherDim0(torch.autograd.Function):

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 
 RING_ATTENTION_BACKENDS = ("auto", "torch", "flash_attn")
-RING_PLACEMENTS = ("zigzag", "contiguous")
+RING_PLACEMENTS = ("balanced", "zigzag", "contiguous")
 
 
 @dataclass
@@ -58,13 +58,15 @@ class SequenceParallelConfig:
     )
 
     ring_placement: str = field(
-        default="zigzag",
+        default="balanced",
         metadata={
-            "help": "How a row's tokens are placed over the ring: 'zigzag' (default: the row is cut into 2 x ring size "
-            "chunks and rank r holds chunks r and 2 x size - 1 - r, so that every rank has the same causal attention "
-            "work, as ring-flash-attention's zigzag and torch's context parallelism place them) or 'contiguous' "
-            "(rank r holds the r-th slice; the last rank then does (2P - 1) / P of the mean work on one long "
-            "document)."
+            "help": "How a row's tokens are placed over the ring, so that every rank does the same causal attention "
+            "work: 'balanced' (default: the row is cut into 2, 4 or 8 chunks per rank, the fewest whose max/mean "
+            "work per rank is at most 1.05, the chunks going by their attention work to the least-loaded rank; on one document this is "
+            "the zigzag placement, and it stays balanced on packed rows of documents of different lengths and on "
+            "shared-prefix rows), 'zigzag' (2 x ring size chunks, rank r holds chunks r and 2 x size - 1 - r, as "
+            "ring-flash-attention's zigzag and torch's context parallelism place one document) or 'contiguous' (rank "
+            "r holds the r-th slice; the last rank then does (2P - 1) / P of the mean work on one long document)."
         },
     )
 

@@ -2,10 +2,15 @@
 
 Tensors are token-major: queries `[local_length, Hq, D]`, keys/values `[local_end - kv_start, Hkv, D]` (the global
 row's keys from the start of the document of this rank's first token up to its last token; no local query sees keys
-outside that range). Query head `h` uses key/value head `h // (Hq / Hkv)` (grouped-query attention). Every kernel's
-backward recomputes the attention of its chunk, so that only the local q/k/v are kept between forward and backward,
-and returns float32 gradients: they are summed over blocks here and over ranks by the ring in float32, then cast once
-to the inputs' dtype (as ring-flash-attention accumulates), since bf16 sums over 64 blocks lose ~1e-2 relative.
+outside that range). Query head `h` uses key/value head `h // (Hq / Hkv)` (grouped-query attention).
+
+Kernels with a fused library's entry points (`reuses_forward`: flash-attn, torch's varlen, PyTorch's fused CPU
+attention) return the log-sum-exp with the output (`forward_lse`) and take both back in the backward
+(`backward_from`), as flash-attn's own autograd does: the ring keeps the local out and lse (the size of q) and never
+recomputes the attention. The pure PyTorch block kernel, the fallback where no such library serves the dtype and
+device, recomputes each block in its backward (`backward`). Gradients come back in float32: they are summed over
+blocks here and over ranks by the ring in float32, then cast once to the inputs' dtype (as ring-flash-attention
+accumulates), since bf16 sums over 64 blocks lose ~1e-2 relative.
 """
 
 from __future__ import annotations
@@ -58,6 +63,7 @@ class TorchBlockKernel:
     """
 
     name = "torch"
+    reuses_forward = False
 
     def _blocks(self, meta: RingAttentionMetadata):
         """`(a, b, key_ranges, is_causal_square)`: local queries `[a, b)` against the keys of `key_ranges`, a tuple
@@ -146,28 +152,49 @@ class VarlenKernel:
     """Kernel on top of a variable-length attention function (flash-attn, torch's `varlen_attn`): one call per
     head chunk, with per-document query/key boundaries from `RingAttentionMetadata.varlen_layout`.
 
-    `ops` (optional) are the same library's forward-with-log-sum-exp and backward-from-(out, lse) entry points; with
-    them, shared-prefix rows are attended by `SharedPrefixVarlenKernel` instead of the pure PyTorch kernel.
+    `fn` is the library's differentiable function (used under plain autograd on one process); `ops` (optional) are
+    its forward-with-log-sum-exp and backward-from-(out, lse) entry points: with them the ring's backward reuses the
+    forward's out and lse, and shared-prefix rows are attended by `SharedPrefixVarlenKernel` instead of the pure
+    PyTorch kernel. `fn=None` makes the forward the ops' (PyTorch's fused CPU attention on a ring).
     """
 
-    def __init__(self, name: str, fn: VarlenFunction, ops: VarlenOps | None = None):
+    def __init__(self, name: str, fn: VarlenFunction | None, ops: VarlenOps | None = None):
         self.name = name
         self.fn = fn
         self.ops = ops
 
-    def _call(self, q, k, v, meta, scaling):
-        cu_q, cu_k, max_q, max_k = meta.varlen_layout(q.device)
+    @property
+    def reuses_forward(self) -> bool:
+        return self.ops is not None
+
+    @staticmethod
+    def _contiguous(*tensors):
         # Head-chunk slices of transposed views: give the fused kernels plain contiguous [tokens, heads, dim] tensors.
-        q, k, v = (t.contiguous() for t in (q, k, v))
-        return self.fn(q, k, v, cu_q, cu_k, max_q, max_k, scaling)
+        return tuple(t.contiguous() for t in tensors)
 
     def forward(self, q, k, v, meta: RingAttentionMetadata, scaling: float) -> torch.Tensor:
-        return self._call(q, k, v, meta, scaling)
+        if self.fn is None:
+            return self.forward_lse(q, k, v, meta, scaling)[0]
+        return self.fn(*self._contiguous(q, k, v), *meta.varlen_layout(q.device), scaling)
+
+    def forward_lse(self, q, k, v, meta: RingAttentionMetadata, scaling: float):
+        """`(out, lse)`, lse float32 `[H, Tq]` (no autograd)."""
+        return self.ops.forward(*self._contiguous(q, k, v), *meta.varlen_layout(q.device), scaling, True)
+
+    def backward_from(self, q, k, v, out, lse, grad_out, meta: RingAttentionMetadata, scaling: float):
+        """float32 `(dq, dk, dv)` from the forward's `out` and `lse`: no attention is recomputed."""
+        grads = self.ops.backward(*self._contiguous(grad_out, q, k, v, out, lse), *meta.varlen_layout(q.device),
+                                  scaling, True)  # fmt: skip
+        return tuple(grad.float() for grad in grads)
 
     def backward(self, q, k, v, grad_out, meta: RingAttentionMetadata, scaling: float):
+        """float32 `(dq, dk, dv)` with the forward recomputed (what a caller that kept no out/lse calls)."""
+        if self.ops is not None:
+            out, lse = self.forward_lse(q, k, v, meta, scaling)
+            return self.backward_from(q, k, v, out, lse, grad_out, meta, scaling)
         q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
         with torch.enable_grad():
-            out = self._call(q, k, v, meta, scaling)
+            out = self.forward(q, k, v, meta, scaling)
         return tuple(grad.float() for grad in torch.autograd.grad(out, (q, k, v), grad_out))  # summed over ranks
 
 
@@ -492,24 +519,29 @@ class SharedPrefixVarlenKernel:
     their log-sum-exp (see `_SharedPrefixLayout`), the backward of each call taking the merged out and lse. No
     prefix's keys are copied per response: each is passed once per slice, for all of its responses."""
 
+    reuses_forward = True
+    _contiguous = staticmethod(VarlenKernel._contiguous)
+
     def __init__(self, ops: VarlenOps):
         self.ops = ops
         self.name = f"{ops.name}_shared_prefix"
-
-    @staticmethod
-    def _contiguous(*tensors):
-        # Head-chunk slices of transposed views: give the fused kernels plain contiguous [tokens, heads, dim] tensors.
-        return (t.contiguous() for t in tensors)
 
     def forward(self, q, k, v, meta: RingAttentionMetadata, scaling: float) -> torch.Tensor:
         layout = _SharedPrefixLayout.of(meta, q.device)
         return _SharedPrefixVarlenFunction.apply(*self._contiguous(q, k, v), layout, self.ops, scaling)
 
-    def backward(self, q, k, v, grad_out, meta: RingAttentionMetadata, scaling: float):
+    def forward_lse(self, q, k, v, meta: RingAttentionMetadata, scaling: float):
+        """`(out, lse)` merged over each query's prefix and own keys (no autograd)."""
+        return _SharedPrefixLayout.of(meta, q.device).forward(self.ops, *self._contiguous(q, k, v), scaling)
+
+    def backward_from(self, q, k, v, out, lse, grad_out, meta: RingAttentionMetadata, scaling: float):
+        """float32 `(dq, dk, dv)` from the merged `out` and `lse`: no attention is recomputed."""
         layout = _SharedPrefixLayout.of(meta, q.device)
-        q, k, v = self._contiguous(q, k, v)
-        out, lse = layout.forward(self.ops, q, k, v, scaling)
-        return layout.backward(self.ops, grad_out, q, k, v, out, lse, scaling)
+        return layout.backward(self.ops, *self._contiguous(grad_out, q, k, v, out, lse), scaling)
+
+    def backward(self, q, k, v, grad_out, meta: RingAttentionMetadata, scaling: float):
+        out, lse = self.forward_lse(q, k, v, meta, scaling)
+        return self.backward_from(q, k, v, out, lse, grad_out, meta, scaling)
 
 
 def _flash_attn_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale):

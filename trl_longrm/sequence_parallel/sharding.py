@@ -59,8 +59,104 @@ def cu_seqlens_from_position_ids(position_ids: torch.Tensor) -> list[int]:
     return starts + [position_ids.numel()]
 
 
+def span_work(cu_seqlens, prefix_lengths, start: int, end: int) -> int:
+    """Causal attention work of the queries `[start, end)` of a row: each query sees its document's earlier tokens
+    and itself, plus its whole shared prefix (`prefix_lengths[doc]` tokens, 0 for a document standing alone). The one
+    count the placement balances and `attention_work` reports.
+
+    Example:
+    ```python
+    >>> span_work((0, 3, 5), (0, 0), 0, 5)  # 1 + 2 + 3 and 1 + 2
+    9
+    ```
+    """
+    work = 0
+    doc = bisect.bisect_right(cu_seqlens, start) - 1
+    while start < end:
+        doc_start, doc_end = cu_seqlens[doc], cu_seqlens[doc + 1]
+        hi = min(end, doc_end)
+        n = hi - start
+        work += n * (start - doc_start + 1) + n * (n - 1) // 2 + n * prefix_lengths[doc]
+        start, doc = hi, doc + 1
+    return work
+
+
+def prefix_lengths(cu_seqlens, segment_parents) -> list[int]:
+    """Tokens each document attends to in full before its own (its shared prefix and the prefix's own), 0 without."""
+    lengths = [b - a for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:])]
+    out = []
+    for doc in range(len(lengths)):
+        total, parent = 0, segment_parents[doc] if segment_parents is not None else -1
+        while parent != -1:
+            total, parent = total + lengths[parent], segment_parents[parent]
+        out.append(total)
+    return out
+
+
+def placement_num_chunks(placement: str, group_size: int, chunks_per_rank: int = 2) -> int:
+    """How many equal chunks the padded row is cut into (the row is padded to a multiple of it): one per rank for
+    'contiguous', two for 'zigzag', `chunks_per_rank` for 'balanced'."""
+    if group_size == 1 or placement == "contiguous":
+        return group_size
+    return group_size * (2 if placement == "zigzag" else chunks_per_rank)
+
+
+def chunk_owners(
+    placement: str, num_chunks: int, group_size: int, cu_seqlens=None, segment_parents=None
+) -> list[list[int]]:
+    """For each rank, the (sorted) indices of the equal chunks of the padded row it holds.
+
+    'contiguous': rank r holds chunk r. 'zigzag': 2P chunks, rank r holds r and 2P - 1 - r (even causal work on one
+    document, as ring-flash-attention's zigzag and torch's context parallelism place it). 'balanced': the chunks go,
+    heaviest causal work first (`span_work`, shared prefixes counted), to the least-loaded rank that still has room
+    (every rank holds as many): on one document with 2 chunks per rank this is the zigzag placement, and it stays
+    balanced where documents of different lengths share the row, which a zigzag over the whole row is not. Every
+    rank computes the same owners from the row's boundaries.
+
+    Example:
+    ```python
+    >>> chunk_owners("zigzag", 8, 4)
+    [[0, 7], [1, 6], [2, 5], [3, 4]]
+    >>> chunk_owners("balanced", 8, 4, cu_seqlens=(0, 16))  # one document: the zigzag placement
+    [[0, 7], [1, 6], [2, 5], [3, 4]]
+    ```
+    """
+    if placement == "contiguous" or group_size == 1:
+        per_rank = num_chunks // group_size
+        return [list(range(r * per_rank, (r + 1) * per_rank)) for r in range(group_size)]
+    if placement == "zigzag":
+        return [[r, num_chunks - 1 - r] for r in range(group_size)]
+    if placement != "balanced":
+        raise ValueError(f"Unknown ring placement {placement!r}; expected 'balanced', 'zigzag' or 'contiguous'.")
+    if cu_seqlens is None:
+        raise ValueError("The 'balanced' placement needs the row's document boundaries (cu_seqlens).")
+    size, per_rank = cu_seqlens[-1] // num_chunks, num_chunks // group_size
+    extra = prefix_lengths(cu_seqlens, segment_parents)
+    works = [span_work(cu_seqlens, extra, c * size, (c + 1) * size) for c in range(num_chunks)]
+    load, owners = [0] * group_size, [[] for _ in range(group_size)]
+    for chunk in sorted(range(num_chunks), key=lambda c: (-works[c], c)):
+        rank = min((r for r in range(group_size) if len(owners[r]) < per_rank), key=lambda r: (load[r], r))
+        load[rank] += works[chunk]
+        owners[rank].append(chunk)
+    return [sorted(chunks) for chunks in owners]
+
+
+def chunk_ranges(owned: list[int], chunk_size: int) -> list[tuple[int, int]]:
+    """`(start, end)` row ranges of the sorted chunks `owned`, adjacent chunks merged into one range."""
+    ranges = []
+    for chunk in owned:
+        start = chunk * chunk_size
+        if ranges and ranges[-1][1] == start:
+            ranges[-1] = (ranges[-1][0], start + chunk_size)
+        else:
+            ranges.append((start, start + chunk_size))
+    return ranges
+
+
 def placement_ranges(placement: str, total_length: int, group_size: int, rank: int) -> list[tuple[int, int]]:
-    """The `(start, end)` ranges of the padded global row that `rank` holds, in the order of its local tokens.
+    """The `(start, end)` ranges of the padded global row that `rank` holds, in the order of its local tokens, for the
+    placements that depend on the row's length only ('contiguous', 'zigzag'); `RingAttentionMetadata.local_ranges`
+    covers 'balanced' too.
 
     Example:
     ```python
@@ -70,19 +166,45 @@ def placement_ranges(placement: str, total_length: int, group_size: int, rank: i
     [(4, 8)]
     ```
     """
-    if placement == "contiguous" or group_size == 1:
-        local = total_length // group_size
-        return [(rank * local, (rank + 1) * local)]
-    if placement != "zigzag":
-        raise ValueError(f"Unknown ring placement {placement!r}; expected 'zigzag' or 'contiguous'.")
-    chunk = total_length // (2 * group_size)
-    mirror = 2 * group_size - 1 - rank
-    return [(rank * chunk, (rank + 1) * chunk), (mirror * chunk, (mirror + 1) * chunk)]
+    num_chunks = placement_num_chunks(placement, group_size)
+    owned = chunk_owners(placement, num_chunks, group_size)[rank]
+    return chunk_ranges(owned, total_length // num_chunks)
 
 
-def placement_multiple(placement: str, group_size: int) -> int:
-    """What the row's length is padded to a multiple of under `placement`."""
-    return 2 * group_size if placement == "zigzag" and group_size > 1 else group_size
+BALANCE_TARGET = 1.05
+"""max / mean causal work over the ranks that the 'balanced' placement settles for before cutting finer chunks."""
+BALANCED_CHUNKS_PER_RANK = (2, 4, 8)
+"""Chunks per rank the 'balanced' placement tries, fewest first: more chunks balance rows of unequal documents
+better, but each contiguous piece is one more kernel call per layer."""
+MIN_BALANCED_CHUNK = 64
+"""Tokens below which a chunk is not cut finer: its kernel call would cost more than the imbalance it removes."""
+
+
+def balanced_chunks_per_rank(cu_seqlens, segment_parents, length: int, group_size: int) -> int:
+    """Chunks per rank for the 'balanced' placement of a row of `length` tokens (documents `cu_seqlens` ending at
+    `length`, before padding): the fewest of `BALANCED_CHUNKS_PER_RANK` whose placement reaches `BALANCE_TARGET`,
+    else the best of them (chunks never under `MIN_BALANCED_CHUNK` tokens beyond the first choice)."""
+    best = None
+    for per_rank in BALANCED_CHUNKS_PER_RANK:
+        num_chunks = group_size * per_rank
+        if best is not None and length < num_chunks * MIN_BALANCED_CHUNK:
+            break
+        total = length + (-length % num_chunks)
+        cu, parents = list(cu_seqlens), list(segment_parents) if segment_parents is not None else None
+        if total > length:
+            cu.append(total)
+            parents = parents + [-1] if parents is not None else None
+        extra = prefix_lengths(cu, parents)
+        loads = [
+            sum(span_work(cu, extra, start, end) for start, end in chunk_ranges(owned, total // num_chunks))
+            for owned in chunk_owners("balanced", num_chunks, group_size, cu, parents)
+        ]
+        imbalance = max(loads) * group_size / max(sum(loads), 1)
+        if best is None or imbalance < best[0] - 1e-9:
+            best = (imbalance, per_rank)
+        if imbalance <= BALANCE_TARGET:
+            break
+    return best[1]
 
 
 @dataclass(eq=False)
@@ -126,8 +248,11 @@ class RingAttentionMetadata:
     (its shared prefix), or -1. A document with a parent attends to the whole parent (and the parent's ancestors)
     and causally to itself; None means every document stands alone (the ordinary packed row)."""
     placement: str = "contiguous"
-    """How the row is placed over the ring (`placement_ranges`): 'contiguous' (one range per rank: `local_start`,
-    `local_length`) or 'zigzag' (two ranges per rank)."""
+    """How the row is placed over the ring (`chunk_owners`): 'contiguous' (one range per rank: `local_start`,
+    `local_length`), 'zigzag' (two ranges per rank) or 'balanced' (chunks assigned by their causal work)."""
+    num_chunks: int | None = None
+    """Equal chunks the row is cut into for the placement; None for the placement's default
+    (`placement_num_chunks` with two chunks per rank)."""
     is_piece: bool = False
     """A single range of a rank's tokens, as the kernels receive it (`pieces()`): its `local_length` is the piece's."""
     _cache: dict = field(default_factory=dict, init=False, repr=False)
@@ -143,10 +268,12 @@ class RingAttentionMetadata:
                 f"total_length={self.total_length} is not group_size={self.group_size} x "
                 f"local_length={self.local_length}: the row must be padded to a multiple of the ring size."
             )
-        if not self.is_piece and self.total_length % placement_multiple(self.placement, self.group_size):
+        if self.num_chunks is None:
+            self.num_chunks = placement_num_chunks(self.placement, self.group_size)
+        if not self.is_piece and (self.num_chunks % self.group_size or self.total_length % self.num_chunks):
             raise ValueError(
-                f"total_length={self.total_length} must be a multiple of "
-                f"{placement_multiple(self.placement, self.group_size)} for the {self.placement!r} placement."
+                f"total_length={self.total_length} must be a multiple of num_chunks={self.num_chunks}, itself a "
+                f"multiple of group_size={self.group_size}, for the {self.placement!r} placement."
             )
         if self.segment_parents is not None:
             self.segment_parents = tuple(int(x) for x in self.segment_parents)
@@ -184,7 +311,12 @@ class RingAttentionMetadata:
         """The global `(start, end)` ranges held by `rank` (default: this rank), in local order."""
         if self.is_piece:
             return [(self.local_start, self.local_end)]
-        return placement_ranges(self.placement, self.total_length, self.group_size, self.rank if rank is None else rank)
+        if "owners" not in self._cache:
+            self._cache["owners"] = chunk_owners(
+                self.placement, self.num_chunks, self.group_size, self.cu_seqlens, self.segment_parents
+            )
+        owned = self._cache["owners"][self.rank if rank is None else rank]
+        return chunk_ranges(owned, self.total_length // self.num_chunks)
 
     def pieces(self) -> list[tuple[int, RingAttentionMetadata]]:
         """`(offset in the local tokens, metadata of that one range)` for each contiguous piece of this rank's tokens:
@@ -330,15 +462,8 @@ def attention_work(meta: RingAttentionMetadata) -> int:
     9
     ```
     """
-    cu, work = meta.cu_seqlens, 0
-    for _, piece in meta.pieces():
-        for doc in piece.local_documents():
-            doc_start = cu[doc]
-            q_lo, q_hi = max(doc_start, piece.local_start), min(cu[doc + 1], piece.local_end)
-            first, last = q_lo - doc_start + 1, q_hi - doc_start
-            work += (q_hi - q_lo) * (first + last) // 2
-            work += (q_hi - q_lo) * sum(cu[p + 1] - cu[p] for p in piece.ancestors(doc))
-    return work
+    extra = prefix_lengths(meta.cu_seqlens, meta.segment_parents)
+    return sum(span_work(meta.cu_seqlens, extra, start, end) for start, end in meta.local_ranges())
 
 
 def _segment_boundaries(segment_lengths, length: int, source: str) -> list[int]:
@@ -568,27 +693,29 @@ def shard_packed_row(
     if group is not None and verify_same_row:
         _verify_same_row(ids, group, source)
 
-    placement = config.ring_placement
-    num_padding = -length % placement_multiple(placement, size)
-    total = length + num_padding
-    # The padding is a document of its own (positions 0, 1, ...), so no real token attends to it.
-    ids_p = _pad(ids, num_padding, pad_token_id)
-    pos_p = torch.cat([pos, torch.arange(num_padding, dtype=pos.dtype, device=pos.device)])
-    lab_p = _pad(lab, num_padding, IGNORE_INDEX)
-    parents = None
+    placement = config.ring_placement if size > 1 else "contiguous"
     if segment_lengths is not None:
         if segment_parents is None:
             raise ValueError(f"{source}: `segment_lengths` needs `segment_parents`.")
         cu_seqlens = _segment_boundaries(segment_lengths, length, source)
         parents = [int(p) for p in torch.as_tensor(segment_parents).reshape(-1).tolist()]
-        if num_padding:
-            cu_seqlens.append(total)
-            parents.append(-1)
-        starts = torch.zeros(total, dtype=torch.bool, device=ids.device)
-        starts[cu_seqlens[:-1]] = True
     else:
-        starts = document_starts(pos_p)
-        cu_seqlens = torch.nonzero(starts).flatten().tolist() + [total]
+        cu_seqlens, parents = cu_seqlens_from_position_ids(pos), None
+    chunks_per_rank = 2
+    if placement == "balanced":
+        chunks_per_rank = balanced_chunks_per_rank(cu_seqlens, parents, length, size)
+    num_chunks = placement_num_chunks(placement, size, chunks_per_rank)
+    num_padding = -length % num_chunks
+    total = length + num_padding
+    # The padding is a document of its own (positions 0, 1, ...), so no real token attends to it.
+    ids_p = _pad(ids, num_padding, pad_token_id)
+    pos_p = torch.cat([pos, torch.arange(num_padding, dtype=pos.dtype, device=pos.device)])
+    lab_p = _pad(lab, num_padding, IGNORE_INDEX)
+    if num_padding:
+        cu_seqlens.append(total)
+        parents = parents + [-1] if parents is not None else None
+    starts = torch.zeros(total, dtype=torch.bool, device=ids.device)
+    starts[cu_seqlens[:-1]] = True
     shift = torch.full_like(lab_p, IGNORE_INDEX)
     shift[:-1] = torch.where(starts[1:], torch.full_like(lab_p[1:], IGNORE_INDEX), lab_p[1:])
     doc_ids = torch.cumsum(starts.long(), 0) - 1
@@ -599,7 +726,8 @@ def shard_packed_row(
         cu_seqlens=tuple(cu_seqlens),
         total_length=total,
         unpadded_length=length,
-        local_start=placement_ranges(placement, total, size, rank)[0][0],
+        local_start=chunk_ranges(chunk_owners(placement, num_chunks, size, cu_seqlens, parents)[rank],
+                                 total // num_chunks)[0][0],
         local_length=total // size,
         group=group,
         group_size=size,
@@ -608,7 +736,8 @@ def shard_packed_row(
         backend=config.ring_attn_backend,
         query_chunk_size=config.ring_query_chunk_size,
         segment_parents=parents,
-        placement=placement if size > 1 else "contiguous",
+        placement=placement,
+        num_chunks=num_chunks,
     )
     index = meta.global_index(ids.device)
     return ShardedRow(
