@@ -39,22 +39,28 @@ def long_context(n_words, head="HEADSTART alpha beta", tail="question: which cit
 
 # ------------------------------------------------------------------------------------------- preference groups
 @pytest.mark.parametrize("prompt", [[SYSTEM, USER], "Is the sky blue? Response: yes it is."])
-def test_scoring_ids_are_the_training_sequences_ending_at_eos(tokenizer, prompt):
-    """What an evaluation scores (`scoring_ids`) is what DisRM training scores: prompt + completion up to the EOS."""
+def test_scoring_ids_are_the_reward_model_training_sequences(tokenizer, prompt):
+    """What an evaluation scores (`scoring_ids`) is what DisRM training scores (`whole_rendering=True`): the whole chat
+    rendering, ChatML's newline after the EOS included, as RewardTrainer and GRPO render it; a plain prompt and
+    response end at an EOS. A generative judge's completions (the default) end at the EOS."""
     record = group(prompt=prompt) if isinstance(prompt, list) else {"prompt": prompt, "chosen": "a", "rejected": ["b"]}
     responses = [record["chosen"], *record["rejected"]]
-    out = tokenize_preference_record(record, tokenizer)
+    out = tokenize_preference_record(record, tokenizer, whole_rendering=True)
     expected = [out["prompt_ids"] + c for c in [out["chosen_completion_ids"], *out["rejected_completion_ids"]]]
     sequences = scoring_ids(tokenizer, prompt, responses)
     assert sequences == expected
     eos = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
-    assert all(ids[-1] == eos for ids in sequences)
+    judged = tokenize_preference_record(record, tokenizer)
+    assert all(c[-1] == eos for c in [judged["chosen_completion_ids"], *judged["rejected_completion_ids"]])
     if isinstance(prompt, list):
-        # The full chat rendering goes on after the EOS (a newline): that token is not the one scored.
-        full = tokenizer(
-            render(tokenizer, [*prompt, {"role": "assistant", "content": responses[0]}]), add_special_tokens=False
-        )
-        assert full["input_ids"][: len(sequences[0])] == sequences[0] and len(full["input_ids"]) > len(sequences[0])
+        for ids, response in zip(sequences, responses):
+            full = tokenizer(
+                render(tokenizer, [*prompt, {"role": "assistant", "content": response}]), add_special_tokens=False
+            )
+            assert ids == full["input_ids"] and tokenizer.decode(ids[-2:]) == EOS_TOKEN + "\n"
+        assert judged["chosen_completion_ids"] == out["chosen_completion_ids"][:-1]  # the newline is cut
+    else:
+        assert all(ids[-1] == eos for ids in sequences) and judged == out
 
 
 def test_conversational_group_ids_decode_to_prompt_and_responses_with_eos(tokenizer):

@@ -16,8 +16,8 @@ stock TRL trainer run on the same rows with the same factors (the stock trainer 
 B off) within 1e-5 relative; otherwise within the deviation stock itself shows between its runs in that precision
 and its runs of the same weights in float32 without autocast (see the test).
 Qwen3 is the architecture: its q/k norms return float32 under autocast on float32 weights. The chat template is
-ChatML's (a newline after `<|im_end|>`) for SFT; the preference trainers' template ends the assistant turn at its EOS,
-because on ChatML their sequences differ from stock's by design (`test_preference_sequences_end_at_the_eos`).
+ChatML's (a newline after `<|im_end|>`) for SFT and DisRM; SimPO-GRM's template ends the assistant turn at its EOS,
+because on ChatML its sequences differ from CPOTrainer's by design (`test_preference_sequences_as_stock_or_at_the_eos`).
 """
 
 from __future__ import annotations
@@ -166,7 +166,7 @@ def train(kind, impl, case, checkpoints, tokenizer, output_dir, float32_weights=
     if case["lora"]:
         peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type=task_type)
     log = LossLog()
-    if kind in ("grm", "disrm"):  # see the module docstring
+    if kind == "grm":  # see the module docstring
         tokenizer = ending_at_eos(tokenizer)
     if kind == "grm":
         dataset = Dataset.from_list(preference_rows(seed))
@@ -243,12 +243,12 @@ def test_trl_defaults_and_precision(kind, case, checkpoints, tokenizer, tmp_path
     assert abs(ours - stock) <= (3 * e + 1e-5) * abs(stock), label
 
 
-def test_preference_sequences_end_at_the_eos(tmp_path, tokenizer):
-    """Our preference sequences end at the response's EOS. With a template that ends the assistant turn there, they
-    are the stock trainers' token for token. On ChatML (a newline after `<|im_end|>`) CPOTrainer's completion goes on
-    with that newline and an EOS appended after it (`<|im_end|>`, newline, `<|im_end|>`: it teaches a judge to stop
-    after a newline), and RewardTrainer's sequence ends with the newline, where stock consumers read a DisRM's score
-    (issue 30): ours is stock's less those two tokens, and that one."""
+def test_preference_sequences_as_stock_or_at_the_eos(tmp_path, tokenizer):
+    """A DisRM's sequences are RewardTrainer's token for token, on ChatML too (the rendering's newline after
+    `<|im_end|>` is where every consumer reads the score: `trl_longrm.scoring`). A generative judge's end at the
+    response's EOS: with a template that ends the assistant turn there, CPOTrainer's token for token; on ChatML
+    CPOTrainer's completion goes on with that newline and an EOS appended after it (`<|im_end|>`, newline,
+    `<|im_end|>`: it teaches a judge to stop after a newline), and ours is stock's less those two tokens."""
     rows = preference_rows()
     causal = build_tiny_model("qwen3", "causal-lm", tokenizer, seed=0)
     classifier = build_tiny_model("qwen3", "seq-cls", tokenizer, seed=0)
@@ -268,5 +268,6 @@ def test_preference_sequences_end_at_the_eos(tmp_path, tokenizer):
                                  processing_class=template)  # fmt: skip
         for s, o in zip(stock.train_dataset, ours.train_dataset):
             for column in ("chosen_ids", "rejected_ids"):
-                assert o[column] == s[column][: len(s[column]) - chatml]
-                assert o[column][-1] == tokenizer.eos_token_id
+                assert o[column] == s[column]
+                assert o[column][-1 - chatml] == tokenizer.eos_token_id
+                assert not chatml or tokenizer.decode(o[column][-1:]) == "\n"

@@ -148,25 +148,26 @@ def test_disrm_scores_match_single_sequence_forward(paths):
     outputs = DiscriminativeJudge(model, tokenizer, batch_size=4).judge(requests)
     for request, output in zip(requests, outputs):
         assert len(output.scores) == 2 and output.text is None
-        # The reference is the sequence DisRM training scores: the tokenised preference group's prompt + completion,
-        # which ends at the EOS token (the chat template's rendering goes on with a newline after it).
+        # The reference is the sequence DisRM training scores (the tokenised preference group's prompt + completion,
+        # the whole chat rendering: ChatML's newline after the EOS included), scored alone at its last token: what
+        # transformers' pooling reads there, and not the EOS before the newline.
         group = tokenize_preference_record(
             {"prompt": request.prompt_messages, "chosen": request.responses[0], "rejected": request.responses[1:]},
             tokenizer,
+            whole_rendering=True,
         )
         completions = [group["chosen_completion_ids"], *group["rejected_completion_ids"]]
         for response, completion, score in zip(request.responses, completions, output.scores):
             ids = group["prompt_ids"] + completion
-            assert ids[-1] == tokenizer.eos_token_id
             rendered = tokenizer.apply_chat_template(
                 request.prompt_messages + [{"role": "assistant", "content": response}]
             )
-            assert rendered["input_ids"][: len(ids)] == ids and len(rendered["input_ids"]) > len(ids)
+            assert rendered["input_ids"] == ids and ids[-2] == tokenizer.eos_token_id
             with torch.no_grad():
                 reference = model(torch.tensor([ids])).logits[0, 0].item()
-                after_eos = model(torch.tensor([rendered["input_ids"]])).logits[0, 0].item()
+                at_eos = model(torch.tensor([ids[:-1]])).logits[0, 0].item()
             assert score == pytest.approx(reference, abs=1e-5)
-            assert abs(score - after_eos) > 1e-4  # the token after the EOS would give another score
+            assert abs(score - at_eos) > 1e-4  # the EOS before the newline would give another score
 
 
 @pytest.mark.parametrize("max_length", [131072, 200])

@@ -180,11 +180,16 @@ DEMO_VOCAB_SIZE = 1024
 
 
 def demo_tokenizer():
-    """The tiny chat tokenizer, trained with text of the synthetic suite so that its words are single tokens."""
-    from trl_longrm.synthetic.suite import tokenizer_corpus
-    from trl_longrm.testing_utils import build_chat_tokenizer
+    """The tiny chat tokenizer, trained with text of the synthetic suite so that its words are single tokens.
 
-    return build_chat_tokenizer(DEMO_VOCAB_SIZE, tokenizer_corpus())
+    Its template ends a conversation at its EOS (ChatML's tokens, the newline written before each message instead of
+    after it), so the DisRM's scored token, its sequence's last, is the EOS: with ChatML's trailing newline scored
+    instead, the 2-layer demo DisRM of seed 1 stayed under its floor (72%), and the demo's figures were measured with
+    the EOS scored."""
+    from trl_longrm.synthetic.suite import tokenizer_corpus
+    from trl_longrm.testing_utils import CHAT_TEMPLATE_ENDING_AT_EOS, build_chat_tokenizer
+
+    return build_chat_tokenizer(DEMO_VOCAB_SIZE, tokenizer_corpus(), chat_template=CHAT_TEMPLATE_ENDING_AT_EOS)
 
 
 def _has_model(path: Path) -> bool:

@@ -52,6 +52,24 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 
+# The same ChatML layout with the newline written *before* each message instead of after it: a conversation's rendering
+# ends at its last `<|im_end|>` (as Llama-3's ends at `<|eot_id|>`), so a reward model's last token is its EOS. Between
+# messages the tokens are ChatML's.
+CHAT_TEMPLATE_ENDING_AT_EOS = (
+    "{% for message in messages %}"
+    "{% if message['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{ raise_exception('Unknown role: ' + message['role']) }}"
+    "{% endif %}"
+    "{% if not loop.first %}{{ '\n' }}{% endif %}"
+    "{% if message['role'] == 'assistant' %}"
+    "{{ '<|im_start|>assistant\n' }}{% generation %}{{ message['content'] + '<|im_end|>' }}{% endgeneration %}"
+    "{% else %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' }}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{% if messages %}{{ '\n' }}{% endif %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
 _WORDS = (
     "the of and to in is was for on that with as by at from it an be this which or are have has had not but "
     "were one all their been there would can will more when who what about out up into them some could other "
@@ -91,8 +109,11 @@ def _trained_tokenizer_json(vocab_size: int, corpus: tuple[str, ...] = ()) -> st
     return tokenizer.to_str()
 
 
-def build_chat_tokenizer(vocab_size: int = 512, corpus: tuple[str, ...] | list[str] = ()) -> PreTrainedTokenizerFast:
-    """A byte-level BPE tokenizer (any text round-trips) with a ChatML chat template, EOS and pad tokens.
+def build_chat_tokenizer(
+    vocab_size: int = 512, corpus: tuple[str, ...] | list[str] = (), chat_template: str = CHAT_TEMPLATE
+) -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer (any text round-trips) with a ChatML chat template (`CHAT_TEMPLATE`, or
+    `CHAT_TEMPLATE_ENDING_AT_EOS`), EOS and pad tokens.
 
     The BPE merges are learnt in code from a fixed word list, plus the lines of `corpus` when given (the demo passes
     text of its synthetic suite, so that its words become single tokens and its sequences get shorter), so the
@@ -105,7 +126,7 @@ def build_chat_tokenizer(vocab_size: int = 512, corpus: tuple[str, ...] | list[s
         bos_token=None,
         model_max_length=1_000_000,
     )
-    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.chat_template = chat_template
     return tokenizer
 
 

@@ -361,7 +361,8 @@ def prepare_data(stage: str, source: str, split: str | None, tokenizer, training
                 chosen_key=args.chosen_key,
                 rejected_key=args.rejected_key,
             )
-            tokenize = tokenize_preference_dataset
+            # A reward model's sequences keep the template's whole rendering, where the score is read.
+            tokenize = functools.partial(tokenize_preference_dataset, whole_rendering=stage == "simpo_disrm")
         dataset, report = tokenize(
             rows,
             tokenizer,
@@ -580,8 +581,9 @@ def typical_group_layout(script_args, training_args, model_args, sample: int = 6
     )
     rows = rows.select(range(min(sample, len(rows))))
     groups, _ = tokenize_preference_dataset(
-        rows, tokenizer, max_length=args.max_length, truncation=args.truncation, source_name=script_args.dataset_name
-    )
+        rows, tokenizer, max_length=args.max_length, truncation=args.truncation, source_name=script_args.dataset_name,
+        whole_rendering=script_args.stage == "simpo_disrm",
+    )  # fmt: skip
     if len(groups) == 0:
         return {"sampled_groups": 0}
     sizes = sorted((group_num_tokens(g, True), group_num_tokens(g, False)) for g in groups)

@@ -87,9 +87,11 @@ def stream_preference_dataset(
     data_format: str = "auto",
     chat_template_kwargs: dict[str, Any] | None = None,
     stock_columns: str | None = None,
+    whole_rendering: bool = False,
 ) -> tuple[IterableDataset, StreamTally]:
     """Tokenised preference groups (`prompt_ids`, `chosen_completion_ids`, `rejected_completion_ids`[, `margin`]) of
-    a stream, computed lazily as in [`tokenize_preference_dataset`], and the [`StreamTally`] that counts its rows.
+    a stream, computed lazily as in [`tokenize_preference_dataset`] (`whole_rendering` too), and the [`StreamTally`]
+    that counts its rows.
     With `stock_columns` ('reward' or 'cpo'), a group with one rejected response comes in that stock trainer's
     columns instead (see `trl_longrm.data.stock_columns`; a stream has no schema, so each row gets its own).
 
@@ -115,8 +117,9 @@ def stream_preference_dataset(
     def tokenize(row, index):
         record = normalize_preference_record(row, index=index, source=source, layout=layout)
         out, status = _tokenize_preference(
-            record, tokenizer, max_length, truncation, index, source, chat_template_kwargs
-        )
+            record, tokenizer, max_length, truncation, index, source, chat_template_kwargs,
+            whole_rendering=whole_rendering,
+        )  # fmt: skip
         tally.count(status, index)
         if out is None:
             return {"prompt_ids": [], "chosen_completion_ids": [], "rejected_completion_ids": [], _KEEP: False}

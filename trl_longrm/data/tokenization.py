@@ -1,15 +1,21 @@
 """Tokenisation of canonical preference groups and SFT examples, with an explicit policy for over-long rows.
 
 Preference group -> `prompt_ids`, `chosen_completion_ids`, `rejected_completion_ids` (and `margin` when present).
-Every completion token is a loss token: a completion is the response's tokens up to and including the EOS token.
 For conversational prompts the ids come from the tokenizer's chat template: `prompt_ids` is the prompt rendered with
-`add_generation_prompt=True`, and a completion is `render(prompt + [assistant response])[len(prompt_ids):]` cut after
-its first EOS (dropping what the template renders after it, such as a newline; a completion of several messages after
-its last). The prompt rendering must be an exact token prefix of the full rendering; otherwise the row is rejected with
-an error instead of being mis-masked. A plain-text response gets an EOS appended unless it ends with one, as TRL's
-trainers append it. (CPOTrainer appends an EOS after ChatML's trailing newline, `<|im_end|>`, newline, `<|im_end|>`,
-which teaches a judge to stop after a newline: trained so, the demo's judge wrote 27 of 168 judgments without their
-score. RewardTrainer scores a conversation at its rendering's last token, the newline: see README.)
+`add_generation_prompt=True`, and a completion is `render(prompt + [assistant response])[len(prompt_ids):]`. The
+prompt rendering must be an exact token prefix of the full rendering; otherwise the row is rejected with an error
+instead of being mis-masked. A plain-text response gets an EOS appended unless it ends with one, as TRL's trainers
+append it.
+
+What a completion keeps of the rendering depends on what it is for (`whole_rendering`):
+- a reward model's sequence (DisRM, `whole_rendering=True`) is the whole rendering, as RewardTrainer tokenises it and
+  as every consumer of a reward model renders a conversation (transformers' pooling, GRPO/RLOO's reward models): the
+  score is read at its last token (`trl_longrm.scoring`), ChatML's newline after `<|im_end|>` included;
+- a judgment a generative judge learns to write (`whole_rendering=False`) is cut after its first EOS (a completion of
+  several messages after its last), every token a loss token: what the template writes after the EOS is not the
+  judge's to generate. (CPOTrainer appends an EOS after ChatML's trailing newline, `<|im_end|>`, newline,
+  `<|im_end|>`, which teaches a judge to stop after a newline: trained so, the demo's judge wrote 27 of 168 judgments
+  without their score.)
 
 SFT example -> `input_ids` and `completion_mask`. Conversations (`messages`) train their assistant turns, each up to
 and including its EOS, built by rendering the conversation turn by turn and checking the same prefix property at
@@ -116,7 +122,8 @@ class _Encoder:
     Texts are tokenised with `verbose=False`: the tokenizer's warning about sequences longer than the model's maximum
     would speak of the row before truncation, which `max_length` then bounds."""
 
-    def __init__(self, tokenizer, index, source, chat_template_kwargs):
+    def __init__(self, tokenizer, index, source, chat_template_kwargs, whole_rendering: bool = False):
+        self.whole_rendering = whole_rendering
         self.tokenizer = tokenizer
         self.index = index
         self.source = source
@@ -163,14 +170,16 @@ class _Encoder:
         return self.render(prompt, add_generation_prompt=True, key="prompt")
 
     def completion_ids(self, prompt, prompt_ids: list[int], response: str | list[dict], key: str) -> list[int]:
-        """A response's tokens after the prompt; a list of messages (tool calls, the tool's answer, the reply) is
-        rendered whole and cut after its last EOS, a plain response after its first."""
+        """A response's tokens after the prompt: the whole rendering's (`whole_rendering`), else a list of messages
+        (tool calls, the tool's answer, the reply) cut after its last EOS, a plain response after its first."""
         if isinstance(prompt, str):
             return self.with_eos(self.tokenizer(response, add_special_tokens=False, verbose=False)["input_ids"])
         messages = response if isinstance(response, list) else [{"role": "assistant", "content": response}]
         full = self.render(prompt + messages, False, key)
         self.check_prefix(prompt_ids, full, key, "the prompt rendered with add_generation_prompt=True")
         tail = full[len(prompt_ids) :]
+        if self.whole_rendering:  # as RewardTrainer and every reward-model consumer render it
+            return tail
         if isinstance(response, list):
             last = len(tail) - 1 - tail[::-1].index(self.eos) if self.eos in tail else None
             completion, has_eos = (tail, False) if last is None else (tail[: last + 1], True)
@@ -234,12 +243,13 @@ def _require(record: dict, keys: tuple[str, ...], index, source) -> None:
             )
 
 
-def _tokenize_preference(record, tokenizer, max_length, truncation, index, source, chat_template_kwargs, precut=True):
+def _tokenize_preference(record, tokenizer, max_length, truncation, index, source, chat_template_kwargs, precut=True,
+                         whole_rendering=False):
     _check_policy(max_length, truncation)
     _require(record, ("prompt", "chosen", "rejected"), index, source)
     if record.get("chat_template_kwargs"):  # the row's own `tools` / `chat_template_kwargs`, over the config's
         chat_template_kwargs = {**(chat_template_kwargs or {}), **json.loads(record["chat_template_kwargs"])}
-    encoder = _Encoder(tokenizer, index, source, chat_template_kwargs)
+    encoder = _Encoder(tokenizer, index, source, chat_template_kwargs, whole_rendering)
     prompt = record["prompt"]
     if max_length is not None and precut:
         # Cut a huge prompt by characters first: tokenising it whole would cost time and memory of its raw size.
@@ -361,8 +371,12 @@ def tokenize_preference_record(
     index: int | None = None,
     source: str = DEFAULT_SOURCE,
     chat_template_kwargs: dict[str, Any] | None = None,
+    whole_rendering: bool = False,
 ) -> dict[str, Any] | None:
     """Tokenise one canonical preference group; returns None when the group does not fit and is dropped.
+
+    `whole_rendering=True` keeps what the chat template writes after a response's EOS (a reward model's sequences, see
+    the module's docstring); by default a completion ends at its EOS (a generative judge's judgments).
 
     `max_length` bounds `len(prompt_ids) + len(longest completion)`. With `truncation="truncate_prompt"` the middle
     of the prompt's longest message is cut until it fits; a group is dropped only when its completions alone leave no
@@ -376,7 +390,8 @@ def tokenize_preference_record(
     'good<|im_end|>'
     ```
     """
-    out, _ = _tokenize_preference(record, tokenizer, max_length, truncation, index, source, chat_template_kwargs)
+    out, _ = _tokenize_preference(record, tokenizer, max_length, truncation, index, source, chat_template_kwargs,
+                                  whole_rendering=whole_rendering)  # fmt: skip
     return out
 
 
@@ -388,19 +403,20 @@ def scoring_ids(
 ) -> list[list[int]]:
     """The tokens a DisRM reads to score each of `responses` to `prompt`: exactly the sequences it is trained on.
 
-    Each is `prompt_ids + completion_ids` as `tokenize_preference_record` builds them: the prompt rendered (once) with
-    the generation prompt, then the response's turn up to and including the EOS token, where the score is read. A
-    chat template that writes more after the EOS (Qwen's `<|im_end|>` is followed by a newline) does not move the
-    scored token, so an evaluation scores the token training taught.
+    Each is `prompt_ids + completion_ids` as `tokenize_preference_record(..., whole_rendering=True)` builds them: the
+    conversation as the chat template renders it (the prompt once, with the generation prompt, then the response's
+    turn and whatever the template writes after it), or a plain prompt and response with an EOS. The score is read at
+    the last token (`trl_longrm.scoring.score_index`), where transformers' sequence classification, RewardTrainer and
+    GRPO read it.
 
     Example:
     ```python
     >>> [ids] = scoring_ids(tokenizer, [{"role": "user", "content": "Judge this."}], ["good"])
-    >>> tokenizer.decode(ids[-2:])
-    'good<|im_end|>'
+    >>> tokenizer.decode(ids[-3:])  # a ChatML template writes a newline after the EOS
+    'good<|im_end|>\n'
     ```
     """
-    encoder = _Encoder(tokenizer, None, DEFAULT_SOURCE, chat_template_kwargs)
+    encoder = _Encoder(tokenizer, None, DEFAULT_SOURCE, chat_template_kwargs, whole_rendering=True)
     prompt_ids = encoder.prompt_ids(prompt)
     return [
         prompt_ids + encoder.completion_ids(prompt, prompt_ids, response, f"responses[{i}]")
@@ -498,8 +514,10 @@ def tokenize_preference_dataset(
     num_proc: int | None = None,
     source_name: str | None = None,
     chat_template_kwargs: dict[str, Any] | None = None,
+    whole_rendering: bool = False,
 ) -> tuple[Dataset, TokenizationReport]:
-    """Tokenise canonical preference groups (see [`load_preference_dataset`]) with `datasets.map`.
+    """Tokenise canonical preference groups (see [`load_preference_dataset`]) with `datasets.map`; `whole_rendering`
+    as in [`tokenize_preference_record`] (True for a reward model's sequences).
 
     Returns the dataset with columns `prompt_ids`, `chosen_completion_ids`, `rejected_completion_ids` (and `margin`)
     and a [`TokenizationReport`] with the dropped/truncated counts, which are also logged once.
@@ -516,7 +534,7 @@ def tokenize_preference_dataset(
         features["margin"] = Value("float64")
     return _tokenize_dataset(
         dataset,
-        _tokenize_preference,
+        functools.partial(_tokenize_preference, whole_rendering=whole_rendering),
         features,
         tokenizer,
         max_length,

@@ -239,6 +239,7 @@ def _stream_preference_dataset(dataset, tokenizer, args, dataset_name: str, stoc
         chosen_key=args.chosen_key,
         rejected_key=args.rejected_key,
         stock_columns=stock_columns,
+        whole_rendering=stock_columns == "reward",
     )
     return groups
 
@@ -249,7 +250,8 @@ def prepare_preference_dataset(dataset, tokenizer, args, dataset_name: str, stoc
 
     With `stock_columns` ('reward' or 'cpo'), an unpacked dataset whose groups all have one rejected response gets
     that stock trainer's processed columns (`trl_longrm.data.stock_columns`); a dataset in them is recognised as
-    processed.
+    processed. 'reward' (a reward model's data) also keeps each response's whole rendering, where the score is read
+    (`whole_rendering` of `trl_longrm.data.tokenize_preference_dataset`).
     """
     from datasets import IterableDataset
 
@@ -282,6 +284,7 @@ def prepare_preference_dataset(dataset, tokenizer, args, dataset_name: str, stoc
             truncation=args.truncation,
             num_proc=args.dataset_num_proc,
             source_name=dataset_name,
+            whole_rendering=stock_columns == "reward",
         )
     if args.max_tokens_per_row:
         if "prompt_ids" not in dataset.column_names:  # stock columns: back to groups, which are what is binned

@@ -11,6 +11,7 @@ from trl_longrm.data.stock_columns import GROUP_COLUMNS, REWARD_COLUMNS
 from trl_longrm.heads import add_last_token_score_head
 from trl_longrm.losses import bradley_terry_loss, center_rewards_penalty, group_values
 from trl_longrm.packing import PreferenceCollator
+from trl_longrm.scoring import ensure_distinct_pad_token
 from trl_longrm.sequence_parallel import SequenceParallelConfig
 from trl_longrm.trainers.common import (
     SHARED_PREFIX_HELP,
@@ -90,6 +91,9 @@ class SimPODisRMTrainer(SequenceParallelMixin, RewardTrainer):
         args = padded_fallback_args(model, args, type(self).__name__)
         self._user_collator = data_collator
         super().__init__(model, args, data_collator, *pargs, **kwargs)
+        # Saved with a pad token other than EOS, the model is scored by stock consumers where it is trained: at each
+        # sequence's last token (`trl_longrm.scoring`).
+        ensure_distinct_pad_token(self.processing_class, self.model, args.pad_token)
         if data_collator is None:
             # RewardTrainer built its pair collator; ours handles k rejected responses and packing.
             self.data_collator = PreferenceCollator(
