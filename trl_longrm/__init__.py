@@ -9,6 +9,7 @@ import importlib
 __version__ = "0.1.0"
 
 _LAZY = {
+    "LongRMReward": "trl_longrm.reward_function",
     "LongSFTConfig": "trl_longrm.trainers",
     "LongSFTTrainer": "trl_longrm.trainers",
     "SimPODisRMConfig": "trl_longrm.trainers",

@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 from transformers.generation import LogitsProcessorList
 
 from trl_longrm.data.tokenization import scoring_ids
+from trl_longrm.scoring import score_index
 from trl_longrm.evaluation.config import JUDGE_PROTOCOLS, PROTOCOLS
 from trl_longrm.evaluation.templates import PromptTemplate, label
 
@@ -467,6 +468,7 @@ class DiscriminativeJudge:
         batch_size: int = 1,
         shared_prefix: bool = True,
         evaluation_protocol: str = "default",
+        max_tokens_per_row: int | None = None,
     ):
         if model.config.num_labels != 1:
             raise ValueError(f"A DisRM must have exactly 1 output label, got num_labels={model.config.num_labels}.")
@@ -481,6 +483,7 @@ class DiscriminativeJudge:
         self.batch_size = batch_size
         self.at_limit = evaluation_protocol == "longrm"
         self.shared_prefix = shared_prefix
+        self.max_tokens_per_row = max_tokens_per_row
         if shared_prefix:
             from trl_longrm.sequence_parallel import validate_ring_attention_model
 
@@ -500,8 +503,9 @@ class DiscriminativeJudge:
         return cls(model.to(_resolve_device(device)), tokenizer, **kwargs)
 
     def _shared_scores(self, records: list[list[list[int]]]) -> list[float]:
-        """Scores of the candidate sequences of `records` (one list of sequences per record), `batch_size` records per
-        shared-prefix row."""
+        """Scores of the candidate sequences of `records` (one list of sequences per record), in order: up to
+        `batch_size` records per shared-prefix row, and at most `max_tokens_per_row` tokens in a row (a record over
+        it is split into several, each with its prefix)."""
         from trl_longrm.sequence_parallel import RING_META_KWARG, register_ring_attention
         from trl_longrm.sequence_parallel.sharding import shared_row_metadata
 
@@ -512,8 +516,8 @@ class DiscriminativeJudge:
             # Only our attention reads the row's documents from the metadata; switched back afterwards so that the
             # caller's model is left as it was.
             base.set_attn_implementation(register_ring_attention())
-            for start in range(0, len(records), self.batch_size):
-                row = _shared_prefix_row(records[start : start + self.batch_size])
+            for row_records in plan_shared_rows(records, self.batch_size, self.max_tokens_per_row):
+                row = _shared_prefix_row(row_records)
                 meta = shared_row_metadata(row["segment_lengths"], row["segment_parents"])
                 output = self.model(
                     input_ids=row["input_ids"].to(self.model.device),
@@ -528,30 +532,18 @@ class DiscriminativeJudge:
         return scores
 
     @torch.no_grad()
-    def judge(self, requests: Sequence[JudgeRequest]) -> list[JudgeOutput]:
-        sequences, owners, truncated = [], [], [False] * len(requests)
-        records: list[list[list[int]]] = []
-        for i, request in enumerate(requests):
-            records.append([])
-            # The sequences the DisRM trainers score (prompt, response, EOS), not the whole rendered chat: a template
-            # that writes a newline after the EOS would move the scored token to one never trained.
-            for full in scoring_ids(self.tokenizer, request.prompt_messages, request.responses):
-                ids, cut = truncate_head_tail(full, self.max_length, at_limit=self.at_limit)
-                sequences.append(ids)
-                records[-1].append(ids)
-                owners.append(i)
-                truncated[i] = truncated[i] or cut
-        outputs = [JudgeOutput(scores=[], truncated=cut) for cut in truncated]
+    def score_sequences(self, records: list[list[list[int]]]) -> list[float]:
+        """Scores of token sequences as they are (no truncation), each read at its last token: `records` holds the
+        sequences of one prompt each (the prompt is encoded once per row under `shared_prefix`). Flat, in order."""
         if self.shared_prefix:
-            for owner, score in zip(owners, self._shared_scores(records)):
-                outputs[owner].scores.append(score)
-            return outputs
+            return self._shared_scores(records)
+        sequences = [sequence for record in records for sequence in record]
         scores = []
         for start in range(0, len(sequences), self.batch_size):
             rows = sequences[start : start + self.batch_size]
             input_ids, attention_mask = _pad(rows, self.pad_id, left=False)
             # Flat index of each row's last real token in the [rows * width] batch: the token training scores.
-            last = torch.tensor([r * input_ids.shape[1] + len(row) - 1 for r, row in enumerate(rows)])
+            last = torch.tensor([r * input_ids.shape[1] + score_index(len(row)) for r, row in enumerate(rows)])
             device = self.model.device
             out = self.model(
                 input_ids=input_ids.to(device),
@@ -559,9 +551,65 @@ class DiscriminativeJudge:
                 score_positions=last.to(device),
             )
             scores.extend(out.scores.float().cpu().tolist())
-        for owner, score in zip(owners, scores):
+        return scores
+
+    @torch.no_grad()
+    def judge(self, requests: Sequence[JudgeRequest]) -> list[JudgeOutput]:
+        owners, truncated = [], [False] * len(requests)
+        records: list[list[list[int]]] = []
+        for i, request in enumerate(requests):
+            records.append([])
+            # The sequences the DisRM trainers score: the conversation as the chat template renders it.
+            for full in scoring_ids(self.tokenizer, request.prompt_messages, request.responses):
+                ids, cut = truncate_head_tail(full, self.max_length, at_limit=self.at_limit)
+                records[-1].append(ids)
+                owners.append(i)
+                truncated[i] = truncated[i] or cut
+        outputs = [JudgeOutput(scores=[], truncated=cut) for cut in truncated]
+        for owner, score in zip(owners, self.score_sequences(records)):
             outputs[owner].scores.append(score)
         return outputs
+
+
+def plan_shared_rows(
+    records: list[list[list[int]]], max_records: int, max_tokens: int | None = None
+) -> list[list[list[list[int]]]]:
+    """The records of each shared-prefix row, in order: at most `max_records` per row and `max_tokens` tokens (each
+    record's common prefix once plus its sequences' remaining tokens); a record that alone exceeds `max_tokens` is
+    split into parts of consecutive sequences, each part with its prefix (a single sequence may exceed it).
+
+    Example:
+    ```python
+    >>> plan_shared_rows([[[1, 2, 3], [1, 2, 4]], [[5, 6]]], max_records=8, max_tokens=5)
+    [[[[1, 2, 3], [1, 2, 4]]], [[[5, 6]]]]
+    ```
+    """
+    def cost(record):
+        shared = _common_prefix_length(record) if len(record) > 1 else 0
+        return shared + sum(len(sequence) - shared for sequence in record)
+
+    parts = []
+    for record in records:
+        if max_tokens is None or cost(record) <= max_tokens:
+            parts.append(record)
+            continue
+        part = []
+        for sequence in record:
+            if part and cost(part + [sequence]) > max_tokens:
+                parts.append(part)
+                part = []
+            part.append(sequence)
+        parts.append(part)
+    rows, row, tokens = [], [], 0
+    for part in parts:
+        if row and (len(row) == max_records or (max_tokens is not None and tokens + cost(part) > max_tokens)):
+            rows.append(row)
+            row, tokens = [], 0
+        row.append(part)
+        tokens += cost(part)
+    if row:
+        rows.append(row)
+    return rows
 
 
 def _common_prefix_length(sequences: list[list[int]]) -> int:
