@@ -34,6 +34,9 @@ TARGETS = {
     "prefix_k4_groups_per_s_ratio_lora": (">=", 3.5),
     "prefix_k4_peak_mem_ratio_lora": ("<=", 0.35),
     "prefix_k1_groups_per_s_ratio_lora": (">=", 1.7),
+    # LongRMReward vs TRL's reward-model path: 8 completions of 256 tokens of one 16K-token prompt.
+    "reward_g8_speedup": (">=", 4.0),
+    "reward_g8_peak_mem_ratio": ("<=", 0.5),
 }
 
 
@@ -371,6 +374,10 @@ def main() -> None:
     if prefix:
         summary.update({k: v for k, v in prefix["summary"].items()})
     meta["_prefix"] = prefix
+    reward_path = cli.results / "reward_function.json"
+    if reward_path.exists():  # bench/reward_function.py
+        reward = json.loads(reward_path.read_text())
+        summary.update({k: reward[k] for k in ("reward_g8_speedup", "reward_g8_peak_mem_ratio")})
     write_markdown(cli.results / "results.md", runs, sp, meta, summary)
     plot(cli.results / "bench.png", runs, sp, meta)
     (cli.results / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")

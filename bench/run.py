@@ -6,7 +6,9 @@
    (`sp_scaling_zero3.json`: the headline `sp4_vs_sp1_rank_mem_ratio`, see bench/results/README.md).
 3. `shared_prefix.py`: ours with `shared_prefix=True` vs ours with it off, GRM and DisRM, k = 1 and 4, groups/s and
    peak memory (`shared_prefix.json`).
-4. `report.py`: `results.md`, `bench.png`, `summary.json` in the output directory, and the JSON line.
+4. `reward_function.py`: `LongRMReward` vs TRL's reward-model path, 8 completions of one long prompt, seconds per
+   call and peak memory (`reward_function.json`).
+5. `report.py`: `results.md`, `bench.png`, `summary.json` in the output directory, and the JSON line.
 
 The GPU section (`gpu_longest_row.py`) is not part of it: it needs a CUDA device.
 
@@ -41,11 +43,13 @@ PRESETS = {
     "full": dict(grm_lengths=[1024, 2048, 4096, 8192], disrm_lengths=[1024, 2048, 4096, 8192, 16384], steps=3,
                  sp_prompt_length=4096, sp_rings=[1, 2, 4], sp_steps=4,
                  sp_zero3_prompt_length=16384, sp_zero3_rings=[1, 4], sp_zero3_bucket_elements=2**24,
-                 prefix_lengths=[4096, 16384], prefix_ks=[1, 4], prefix_responses=[64, 256]),
+                 prefix_lengths=[4096, 16384], prefix_ks=[1, 4], prefix_responses=[64, 256],
+                 reward_prompt_tokens=16384),
     "quick": dict(grm_lengths=[256, 512], disrm_lengths=[256, 512], steps=2, sp_prompt_length=256,
                   sp_rings=[1, 2, 4], sp_steps=3,
                   sp_zero3_prompt_length=None, sp_zero3_rings=[1, 4], sp_zero3_bucket_elements=2**24,
-                  prefix_lengths=[256, 512], prefix_ks=[1, 4], prefix_responses=[16, 64]),
+                  prefix_lengths=[256, 512], prefix_ks=[1, 4], prefix_responses=[16, 64],
+                  reward_prompt_tokens=1024),
 }
 
 
@@ -71,6 +75,7 @@ def main() -> None:
     parser.add_argument("--mem-cap-gib", type=float, default=14.0, help="Kill a single-process run past this RSS.")
     parser.add_argument("--skip-sp", action="store_true", help="Leave out the sequence-parallel sections.")
     parser.add_argument("--skip-prefix", action="store_true", help="Leave out the shared-prefix section.")
+    parser.add_argument("--skip-reward", action="store_true", help="Leave out the reward-function section.")
     parser.add_argument("--skip-throughput", action="store_true",
                         help="Re-run only the sequence-parallel sections: keep throughput_memory.jsonl and its run's "
                         "meta.json entries, and rebuild the report.")
@@ -139,6 +144,12 @@ def main() -> None:
         run([python, str(HERE / "shared_prefix.py"), "--prompt-lengths", *map(str, preset["prefix_lengths"]),
              "--ks", *map(str, preset["prefix_ks"]), "--response-range", *map(str, preset["prefix_responses"]),
              "--mem-cap-gib", str(cli.mem_cap_gib), "--out", str(prefix_path)])
+    reward_path = cli.out / "reward_function.json"
+    if cli.skip_reward:
+        reward_path.unlink(missing_ok=True)
+    elif not cli.skip_throughput:
+        run([python, str(HERE / "reward_function.py"), "--prompt-tokens", str(preset["reward_prompt_tokens"]),
+             "--output", str(reward_path)])
     finished = dict(finished=now(), wall_minutes=round((time.monotonic() - started) / 60, 1),
                     loadavg_end=round(os.getloadavg()[0], 2))
     (meta["sp_run"] if cli.skip_throughput else meta).update(finished)

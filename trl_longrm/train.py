@@ -477,6 +477,8 @@ def run(script_args, training_args, model_args, start=None):
         processing_class=tokenizer,
         peft_config=peft_config_for(stage, model_args),
     )
+    if hasattr(trainer, "set_dataset_name"):  # for the model card
+        trainer.set_dataset_name(script_args.dataset_name)
     if start.checkpoint is not None:
         trainer.add_callback(_stop_at_max_steps_callback())
     try:

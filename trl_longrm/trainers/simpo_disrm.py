@@ -105,6 +105,42 @@ class SimPODisRMTrainer(SequenceParallelMixin, RewardTrainer):
         add_last_token_score_head(self.model)
         self._init_long_context(self.processing_class.pad_token_id)
 
+    def create_model_card(self, model_name=None, dataset_name=None, tags=None, output_dir: str | None = None):
+        """Write README.md (`trl_longrm.model_card.disrm_model_card`) into `output_dir` (default `args.output_dir`, where
+        RewardTrainer writes its card at each checkpoint): base model, data, a scoring snippet correct for this
+        checkpoint, the LongRM citation. `dataset_name` defaults to the one given to `set_dataset_name` (the CLI
+        passes its `dataset_name`)."""
+        import os
+
+        from trl.trainer.utils import get_config_model_id
+
+        from trl_longrm.model_card import disrm_model_card
+
+        if not self.is_world_process_zero():
+            return
+        output_dir = output_dir or self.args.output_dir
+        model_id = self.args.hub_model_id or output_dir
+        tags = [tags] if isinstance(tags, str) else list(tags or [])
+        card = disrm_model_card(
+            model_id,
+            base_model=get_config_model_id(self.model.config) or None,
+            dataset_name=dataset_name or getattr(self, "_dataset_name", None),
+            trainer_name=type(self).__name__,
+            tags=[*tags, *self._tag_names],
+        )
+        os.makedirs(output_dir, exist_ok=True)
+        with open(os.path.join(output_dir, "README.md"), "w", encoding="utf-8") as handle:
+            handle.write(card)
+
+    def set_dataset_name(self, name: str | None) -> None:
+        """The training data's name for the model card."""
+        self._dataset_name = name
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
+        super().save_model(output_dir, _internal_call)
+        # The saved model gets its card too (RewardTrainer writes one only at checkpoints, into args.output_dir).
+        self.create_model_card(output_dir=output_dir or self.args.output_dir)
+
     def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
         # RewardTrainer's processed columns (`chosen_ids` / `rejected_ids`) where each group has one rejected response.
         return prepare_preference_dataset(dataset, processing_class, args, dataset_name, stock_columns="reward")
