@@ -11,7 +11,7 @@ import threading
 from pathlib import Path
 
 from trl_longrm.cpu_threads import launch_env, oversubscription
-from trl_longrm.evaluation.cli import add_eval_arguments, run_eval
+from trl_longrm.evaluation.cli import add_eval_arguments, add_score_arguments, run_eval, run_score
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,6 +39,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_eval_arguments(eval_parser)
     eval_parser.set_defaults(handler=run_eval)
+    score_parser = subparsers.add_parser(
+        "score",
+        help="Score the completions of each row of a JSONL file with a reward model.",
+        description="Score each row's `completions` (texts or message lists) to its `prompt` (text or messages) with "
+        "a DisRM or a generative judge (pointwise); writes the rows with `scores` in input order (resumable).",
+    )
+    add_score_arguments(score_parser)
+    score_parser.set_defaults(handler=run_score)
     return parser
 
 

@@ -31,7 +31,9 @@ _EXPORTS = {
         "truncate_head_tail",
     ],
     "metrics": ["compute_auc", "compute_metrics", "score_ranking"],
+    "prompts": ["parse_pairwise_verdict", "parse_pointwise_score", "parse_ranking_verdict"],
     "runner": ["PredictionStore", "evaluate_reward_model"],
+    "score": ["ScoreConfig", "score"],
 }
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
 __all__ = [
@@ -45,6 +47,7 @@ __all__ = [
     "JudgeRequest",
     "LENGTH_BUCKETS",
     "PredictionStore",
+    "ScoreConfig",
     "ScriptedJudge",
     "TASKS",
     "add_eval_arguments",
@@ -55,7 +58,11 @@ __all__ = [
     "load_judge",
     "load_preference_records",
     "make_toy_benchmark",
+    "parse_pairwise_verdict",
+    "parse_pointwise_score",
+    "parse_ranking_verdict",
     "run_eval",
+    "score",
     "score_ranking",
     "truncate_head_tail",
 ]
@@ -87,4 +94,6 @@ if TYPE_CHECKING:
         truncate_head_tail,
     )
     from trl_longrm.evaluation.metrics import compute_auc, compute_metrics, score_ranking
+    from trl_longrm.evaluation.prompts import parse_pairwise_verdict, parse_pointwise_score, parse_ranking_verdict
     from trl_longrm.evaluation.runner import PredictionStore, evaluate_reward_model
+    from trl_longrm.evaluation.score import ScoreConfig, score

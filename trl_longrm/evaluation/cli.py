@@ -124,3 +124,66 @@ def run_eval(args: argparse.Namespace) -> int:
         print(markdown_table(results))
         print(f"Predictions and results written to {config.save_path}")
     return 0
+
+
+# ------------------------------------------------------------------------------------------------ trl-longrm score
+
+
+def add_score_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """One `--kebab-case` flag per `ScoreConfig` field, and `--num-processes`."""
+    from trl_longrm.evaluation.score import ScoreConfig
+
+    hints = typing.get_type_hints(ScoreConfig)
+    for field in dataclasses.fields(ScoreConfig):
+        flag = "--" + field.name.replace("_", "-")
+        kwargs: dict = {"dest": field.name, "help": field.metadata["help"]}
+        hint = hints[field.name]
+        required = field.default is dataclasses.MISSING
+        if hint is bool or hint == (bool | None):
+            kwargs.update(action=argparse.BooleanOptionalAction, default=field.default)
+        else:
+            kwargs.update(type=int if hint is int else str, required=required)
+            if not required:
+                kwargs["default"] = field.default
+            if field.name == "dtype":
+                kwargs["choices"] = list(DTYPES)
+        parser.add_argument(flag, **kwargs)
+    parser.add_argument("--num-processes", dest="num_processes", type=int, default=1,
+                        help="Processes to score with, started through `accelerate launch`; rows are dealt out over "
+                        "them. Default 1.")  # fmt: skip
+    return parser
+
+
+def run_score(args: argparse.Namespace) -> int:
+    """Run `trl-longrm score`: bad input is reported by file, line and key (exit 1) before any model loads."""
+    import sys
+
+    from trl_longrm.evaluation.score import ScoreConfig, ScoreInputError, read_rows, score
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    config = ScoreConfig(**{field.name: getattr(args, field.name) for field in dataclasses.fields(ScoreConfig)})
+    try:
+        read_rows(config.data_path)
+        if args.num_processes > 1 and int(os.environ.get("WORLD_SIZE", "1")) == 1:
+            from trl_longrm.cpu_threads import launch_env
+
+            flags = []
+            for field in dataclasses.fields(ScoreConfig):
+                value, flag = getattr(config, field.name), "--" + field.name.replace("_", "-")
+                if isinstance(value, bool):
+                    flags.append(flag if value else f"--no-{flag[2:]}")
+                elif value is not None:
+                    flags += [flag, str(value)]
+            command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes",
+                       str(args.num_processes), "--num_machines", "1", "--mixed_precision", "no",
+                       "--dynamo_backend", "no", "-m", "trl_longrm", "score", *flags]  # fmt: skip
+            print("Launching:", " ".join(command), flush=True)
+            return subprocess.call(command, env=launch_env(args.num_processes))
+        score(config)
+    except ScoreInputError as error:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"trl-longrm: error: {error}", file=sys.stderr)
+        return 1
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"Scores written to {config.output}")
+    return 0
