@@ -6,9 +6,9 @@ from __future__ import annotations
 import re
 
 import pytest
+from datasets import Dataset
 from test_scoring_convention import template_tokenizer
 from trainer_helpers import cpu_args
-from datasets import Dataset
 
 from trl_longrm import SimPODisRMConfig, SimPODisRMTrainer
 from trl_longrm.evaluation.judges import DiscriminativeJudge, JudgeRequest

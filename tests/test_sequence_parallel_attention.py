@@ -15,10 +15,10 @@ from trl_longrm.sequence_parallel import (
     packed_row_metadata,
     ring_attention_forward,
     shard_packed_row,
+    sharding,
 )
 from trl_longrm.sequence_parallel.kernels import TorchBlockKernel, VarlenKernel, resolve_kernel
 from trl_longrm.sequence_parallel.launch import run_on_gloo_ranks
-from trl_longrm.sequence_parallel import sharding
 from trl_longrm.sequence_parallel.sharding import RingAttentionMetadata
 
 

@@ -18,9 +18,9 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 from transformers.generation import LogitsProcessorList
 
 from trl_longrm.data.tokenization import scoring_ids
-from trl_longrm.scoring import score_index
 from trl_longrm.evaluation.config import JUDGE_PROTOCOLS, PROTOCOLS
 from trl_longrm.evaluation.templates import PromptTemplate, label
+from trl_longrm.scoring import score_index
 
 
 logger = logging.getLogger(__name__)

@@ -134,7 +134,7 @@ class _RingAttention(torch.autograd.Function):
         reuse = kernel.reuses_forward
         lse = torch.empty(q.shape[1], q.shape[0], dtype=torch.float32, device=q.device) if reuse else None
         span_start = meta.key_span()[0]
-        for kv_lo, kv_hi, q_lo, q_hi, k_all, v_all in _gathered_head_chunks(q, k, v, meta):
+        for _, _, q_lo, q_hi, k_all, v_all in _gathered_head_chunks(q, k, v, meta):
             for offset, piece in meta.pieces():
                 rows = slice(offset, offset + piece.local_length)
                 keys = slice(piece.kv_start - span_start, piece.local_end - span_start)
