@@ -29,13 +29,15 @@ LLAMA3_TEMPLATE = (
 
 def _tokenizer(variant):
     tokenizer = build_chat_tokenizer()
-    if variant == "pad_is_eos":
+    if variant.endswith("pad_is_eos"):
         tokenizer.pad_token = tokenizer.eos_token
     elif variant == "no_pad":
         tokenizer.pad_token = None
-    elif variant == "eot_id":  # a Llama-3-style template: the turn ends with its EOS, no newline after it
+    if variant.startswith("eot_id"):  # a Llama-3-style template: the turn ends with its EOS, no newline after it
         tokenizer.add_tokens(["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"], special_tokens=True)
         tokenizer.eos_token = "<|eot_id|>"
+        if variant.endswith("pad_is_eos"):
+            tokenizer.pad_token = tokenizer.eos_token
         tokenizer.chat_template = LLAMA3_TEMPLATE
     return tokenizer
 
@@ -55,8 +57,12 @@ def _requests(bench, n, formats=("PairWise", "BestOfN")):
 
 
 @pytest.mark.parametrize("shared_prefix", [True, False])
-@pytest.mark.parametrize("variant", ["distinct_pad", "pad_is_eos", "no_pad", "eot_id"])
+@pytest.mark.parametrize("variant", ["distinct_pad", "pad_is_eos", "no_pad", "eot_id", "eot_id_pad_is_eos"])
 def test_disrm_is_scored_at_the_token_training_scores(bench, variant, shared_prefix):
+    """The evaluator reads each sequence's last token (the chat rendering's: ChatML's newline after the EOS, Llama-3's
+    `<|eot_id|>`) by position, whatever the pad token. Stock pooling reads the same token unless the pad token is the
+    sequence's last token (a Llama-3-style template with pad == EOS: a checkpoint our trainer never saves, see
+    `trl_longrm.scoring`), where it reads the token before."""
     tokenizer = _tokenizer(variant)
     model = build_tiny_model("llama", "seq-cls", tokenizer).eval()
     model.config.pad_token_id = tokenizer.pad_token_id
@@ -68,19 +74,15 @@ def test_disrm_is_scored_at_the_token_training_scores(bench, variant, shared_pre
     stock_differs = []
     for request, output in zip(requests, outputs):
         for ids, score in zip(scoring_ids(tokenizer, request.prompt_messages, request.responses), output.scores):
-            assert ids[-1] == tokenizer.eos_token_id
+            last = tokenizer.eos_token_id if variant.startswith("eot_id") else tokenizer.convert_tokens_to_ids("Ċ")
+            assert ids[-1] == last  # ChatML: the newline (byte-level "Ċ") after `<|im_end|>`
             with torch.no_grad():
-                # Training's score: the head at the hidden state of the sequence's last token, the EOS.
+                # Training's score: the head at the hidden state of the sequence's last token.
                 hidden = model.model(torch.tensor([ids])).last_hidden_state[0, -1]
                 reference = model.score(hidden).item()
-                if tokenizer.pad_token_id is not None:
-                    stock_differs.append(abs(model(torch.tensor([ids])).logits[0, 0].item() - reference) > 1e-4)
+                stock_differs.append(abs(model(torch.tensor([ids])).logits[0, 0].item() - reference) > 1e-4)
             assert score == pytest.approx(reference, abs=1e-5)
-    if variant == "pad_is_eos":
-        # The stock head pools the last non-pad token, here the one before the EOS: the scores this test guards.
-        assert all(stock_differs)
-    elif variant == "distinct_pad":
-        assert not any(stock_differs)
+    assert all(stock_differs) if variant == "eot_id_pad_is_eos" else not any(stock_differs)
 
 
 def test_checkpoint_of_the_other_head_is_refused(tmp_path, bench):

@@ -179,17 +179,18 @@ DEMO_MODEL = dict(num_attention_heads=8, num_key_value_heads=8, initializer_rang
 DEMO_VOCAB_SIZE = 1024
 
 
-def demo_tokenizer():
-    """The tiny chat tokenizer, trained with text of the synthetic suite so that its words are single tokens.
+def demo_tokenizer(chat_template: str | None = None):
+    """The tiny chat tokenizer, trained with text of the synthetic suite so that its words are single tokens; ChatML
+    template by default.
 
-    Its template ends a conversation at its EOS (ChatML's tokens, the newline written before each message instead of
-    after it), so the DisRM's scored token, its sequence's last, is the EOS: with ChatML's trailing newline scored
-    instead, the 2-layer demo DisRM of seed 1 stayed under its floor (72%), and the demo's figures were measured with
-    the EOS scored."""
+    The DisRM's is `CHAT_TEMPLATE_ENDING_AT_EOS` (ChatML's tokens, the newline written before each message instead of
+    after it), so that its scored token, its sequence's last, is the EOS: with ChatML's trailing newline scored
+    instead, the 2-layer demo DisRM of seed 1 stayed under its floor (72%). The judges keep ChatML (their judgments end
+    at the EOS either way), with which the demo's figures were measured."""
     from trl_longrm.synthetic.suite import tokenizer_corpus
-    from trl_longrm.testing_utils import CHAT_TEMPLATE_ENDING_AT_EOS, build_chat_tokenizer
+    from trl_longrm.testing_utils import CHAT_TEMPLATE, build_chat_tokenizer
 
-    return build_chat_tokenizer(DEMO_VOCAB_SIZE, tokenizer_corpus(), chat_template=CHAT_TEMPLATE_ENDING_AT_EOS)
+    return build_chat_tokenizer(DEMO_VOCAB_SIZE, tokenizer_corpus(), chat_template=chat_template or CHAT_TEMPLATE)
 
 
 def _has_model(path: Path) -> bool:
@@ -245,7 +246,9 @@ class Demo:
             intermediate_size=2 * self.config.hidden_size,
             num_hidden_layers=self.config.num_hidden_layers,
         )
-        tokenizer = demo_tokenizer()
+        from trl_longrm.testing_utils import CHAT_TEMPLATE_ENDING_AT_EOS
+
+        tokenizer = demo_tokenizer(CHAT_TEMPLATE_ENDING_AT_EOS)
         if not _has_model(self.models["disrm"]):
             save_tiny_model(
                 self.models["disrm"], arch="llama", task="seq-cls", seed=self.config.seed, tokenizer=tokenizer, **size
@@ -262,7 +265,9 @@ class Demo:
         torch.manual_seed(self.config.seed)  # the new LM head's initialisation
         model = AutoModelForCausalLM.from_pretrained(self.models["simpo_disrm"])
         model.save_pretrained(path)
-        AutoTokenizer.from_pretrained(self.models["simpo_disrm"]).save_pretrained(path)
+        tokenizer = AutoTokenizer.from_pretrained(self.models["simpo_disrm"])
+        tokenizer.chat_template = demo_tokenizer().chat_template  # the judges' ChatML (see `demo_tokenizer`)
+        tokenizer.save_pretrained(path)
 
     def train(self, stage: str, suite) -> None:
         recipe, base, data, _ = STAGES[stage]
