@@ -269,6 +269,18 @@ def test_cli_writes_the_same_suite_as_the_api(tmp_path, suite):
         assert (tmp_path / path.relative_to(suite.root)).read_bytes() == path.read_bytes(), path
 
 
+def test_cli_parses_optional_fields_by_their_annotation(tmp_path):
+    """`--num-train-disrm` (`int | None`) is an int, as through the API (it was parsed as text and crashed)."""
+    from trl_longrm.synthetic.__main__ import build_parser
+
+    args = build_parser().parse_args(["--output-dir", "d", "--num-train-disrm", "50", "--prompt-template", "p.yaml"])
+    assert args.num_train_disrm == 50 and args.prompt_template == "p.yaml"
+    common = ["--seed", "3", "--num-train", "21", "--train-tokens", "80", "200", "--lengths", "4k=120", "8k=250",
+              "16k=500", "--pairwise-per-bucket", "2", "--bestofn-per-bucket", "3"]  # fmt: skip
+    assert cli_main(["--output-dir", str(tmp_path), *common, "--num-train-disrm", "30"]) == 0
+    assert len(read_jsonl(tmp_path / "disrm" / "train.jsonl")) == 30
+
+
 def test_rerun_with_other_settings_replaces_the_earlier_suite(tmp_path, capsys):
     first = generate_synthetic_suite(tmp_path, seed=3, **SMALL)
     tasks = sorted(p.stem for p in first.benchmark.glob("*.jsonl"))

@@ -13,6 +13,7 @@ import dataclasses
 import json
 import logging
 import sys
+import typing
 
 from trl_longrm.synthetic.suite import SyntheticConfig, generate_synthetic_suite
 
@@ -35,6 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
         "refuse; a suite with a manifest is always replaced.",
     )
     defaults = SyntheticConfig()
+    hints = typing.get_type_hints(SyntheticConfig)
     for f in dataclasses.fields(SyntheticConfig):
         flag = "--" + f.name.replace("_", "-")
         default = getattr(defaults, f.name)
@@ -43,8 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
             kwargs["action"] = argparse.BooleanOptionalAction
         elif isinstance(default, dict):
             kwargs.update(nargs="+", type=_bucket, metavar="BUCKET=TOKENS")
-        elif default is None:  # an optional path
-            kwargs["type"] = str
+        elif default is None:  # an optional value: its type is the annotation's other member (`int | None`: int)
+            kwargs["type"] = next((t for t in typing.get_args(hints[f.name]) if t is not type(None)), str)
         elif isinstance(default, (list, tuple)):
             item = type(default[0])
             kwargs.update(nargs=len(default) if isinstance(default, tuple) else "+", type=item)
