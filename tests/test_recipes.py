@@ -227,6 +227,8 @@ def test_tiny_qlora_recipes(tiny_assets, tmp_path, recipe):
     assert any("lora_" in name for name in adapter)
     if "disrm" in recipe:
         assert any("score" in name for name in adapter), "the score head is saved with the adapter"
+        saved = json.loads((out / "adapter_config.json").read_text())["modules_to_save"]
+        assert "score" in saved and len(saved) == len(set(saved)), saved
 
     # The merged model is a plain bf16 checkpoint (no 4-bit state, no quantization config) ...
     merged = weights(out / "merged")

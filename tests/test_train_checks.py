@@ -172,3 +172,21 @@ def test_report_to_all_without_a_tracker_says_so(tmp_path, model_without_weights
     assert said == (get_available_reporting_integrations() == [])
     assert main([*args, "--report_to", "none"]) == 0
     assert "report_to" not in capsys.readouterr().err
+
+
+def test_disrm_lora_config_lists_the_score_head_once(tmp_path):
+    """PEFT's SEQ_CLS task puts the score head in `modules_to_save`; the saved adapter config names it once (it
+    listed `["score", "classifier", "score"]`), and the head trains."""
+    from peft import get_peft_model
+    from trl import ModelConfig
+
+    from trl_longrm.testing_utils import build_tiny_model
+    from trl_longrm.train import peft_config_for
+
+    for user_modules in (None, ["score"]):
+        args = ModelConfig(use_peft=True, lora_target_modules=["q_proj", "v_proj"], lora_modules_to_save=user_modules)
+        model = get_peft_model(build_tiny_model(task="seq-cls"), peft_config_for("simpo_disrm", args))
+        model.save_pretrained(tmp_path / "adapter")
+        saved = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["modules_to_save"]
+        assert "score" in saved and len(saved) == len(set(saved)), saved
+        assert any("score" in n and p.requires_grad for n, p in model.named_parameters())

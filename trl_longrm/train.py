@@ -408,11 +408,11 @@ def peft_config_for(stage: str, model_args: ModelConfig):
     from trl import get_peft_config
 
     if STAGES[stage][2] == "seq-cls" and model_args.use_peft:
-        # The score head is new: it must always train. PEFT's SEQ_CLS task keeps it in `modules_to_save`.
+        # The score head is new: it must always train. PEFT's SEQ_CLS task adds it (and `classifier`) to
+        # `modules_to_save` itself; named in the list too, it was listed twice in the saved adapter_config.json.
         model_args.lora_task_type = "SEQ_CLS"
-        modules = list(model_args.lora_modules_to_save or [])
-        if "score" not in modules:
-            model_args.lora_modules_to_save = [*modules, "score"]
+        modules = [m for m in model_args.lora_modules_to_save or [] if m not in ("score", "classifier")]
+        model_args.lora_modules_to_save = modules or None
     return get_peft_config(model_args)
 
 
