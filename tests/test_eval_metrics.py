@@ -10,6 +10,7 @@ from trl_longrm.evaluation import (
     JudgeOutput,
     ScriptedJudge,
     compute_auc,
+    compute_metrics,
     evaluate_reward_model,
     load_benchmark,
     make_toy_benchmark,
@@ -217,14 +218,28 @@ def test_truncation_matches_longrm_rule():
 
 
 def test_disrm_auc_and_mixed_sources():
+    ranked = {"predicted_ranks": [0, 1]}  # a parsed verdict (a DisRM's always is)
     predictions = [
-        {"tasktype": "PairWise", "order": [0, 1], "scores": [2.0, 1.0]},  # chosen 2.0, rejected 1.0
-        {"tasktype": "PairWise", "order": [1, 0], "scores": [0.5, 1.5]},  # chosen 1.5, rejected 0.5
-        {"tasktype": "PairWise", "order": [1, 0], "scores": [1.8, 0.2]},  # chosen 0.2, rejected 1.8
-        {"tasktype": "BestOfN", "order": [2, 0, 1], "scores": [9.0, 9.0, 9.0]},  # not part of the AUC
+        {"tasktype": "PairWise", "order": [0, 1], "scores": [2.0, 1.0], **ranked},  # chosen 2.0, rejected 1.0
+        {"tasktype": "PairWise", "order": [1, 0], "scores": [0.5, 1.5], **ranked},  # chosen 1.5, rejected 0.5
+        {"tasktype": "PairWise", "order": [1, 0], "scores": [1.8, 0.2], **ranked},  # chosen 0.2, rejected 1.8
+        {"tasktype": "BestOfN", "order": [2, 0, 1], "scores": [9.0, 9.0, 9.0], **ranked},  # not part of the AUC
     ]
     # chosen {2.0, 1.5, 0.2} vs rejected {1.0, 0.5, 1.8}: 2.0 beats all three, 1.5 beats two, 0.2 none -> 5 / 9.
     assert compute_auc(predictions) == (pytest.approx(5 / 9), "disrm_scores", 3)
     with pytest.raises(ValueError, match="mix AUC sources"):
-        compute_auc(predictions + [{"tasktype": "PairWise", "order": [0, 1], "verdict_probs": [0.4, 0.6]}])
+        compute_auc(predictions + [{"tasktype": "PairWise", "order": [0, 1], "verdict_probs": [0.4, 0.6], **ranked}])
     assert compute_auc([{"tasktype": "PairWise", "order": [0, 1], "output": "x"}]) == (None, None, 0)
+
+
+def test_auc_counts_only_parsed_verdicts():
+    """A judge with no parseable verdict has 0% accuracy and no AUC (it reported 0.879 from its verdict
+    probabilities); with some parsed, the AUC is over those, and says how many."""
+    unparsed = [{"tasktype": "PairWise", "order": [0, 1], "verdict_probs": [0.9 - i / 10, 0.1 + i / 10],
+                 "predicted_ranks": None, "task": "LongQA", "length": "4k", "subtype": "same", "output": "?"}
+                for i in range(4)]  # fmt: skip
+    assert compute_auc(unparsed) == (None, None, 0)
+    results = compute_metrics(unparsed, ["LongQA"])
+    assert results["auc"] is None and results["auc_pairs"] == 0 and results["unparseable"]["total"] == 4
+    parsed = [dict(p, predicted_ranks=[0, 1]) for p in unparsed[:2]]
+    assert compute_auc(parsed + unparsed[2:]) == (1.0, "grm_verdict_probs", 2)

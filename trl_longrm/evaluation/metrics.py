@@ -60,15 +60,19 @@ def chosen_rejected_scores(prediction: dict) -> tuple[float, float, str] | None:
 def compute_auc(predictions: list[dict]) -> tuple[float | None, str | None, int]:
     """ROC AUC over chosen (label 1) vs rejected (label 0) scores of the PairWise predictions: (auc, source, pairs).
 
+    Only records whose verdict was parsed count (`predicted_ranks`), as for the accuracy: a judge whose verdicts are
+    unparseable has no AUC (None), however its verdict probabilities would order the pairs; `pairs` is how many
+    records it is over.
+
     Example:
     ```python
-    >>> compute_auc([{"tasktype": "PairWise", "order": [1, 0], "scores": [0.2, 0.9]}])
+    >>> compute_auc([{"tasktype": "PairWise", "order": [1, 0], "scores": [0.2, 0.9], "predicted_ranks": [1, 0]}])
     (1.0, 'disrm_scores', 1)
     ```
     """
     labels, values, sources = [], [], set()
     for prediction in predictions:
-        if prediction["tasktype"] != "PairWise":
+        if prediction["tasktype"] != "PairWise" or not prediction.get("predicted_ranks"):
             continue
         found = chosen_rejected_scores(prediction)
         if found is None:
