@@ -283,3 +283,29 @@ def test_default_and_longrm_parse_the_same_output_differently(tmp_path):
 def test_pointwise_is_refused_under_longrm():
     with pytest.raises(ValueError, match="pointwise"):
         EvalConfig(model_path="m", data_path="d", protocol="longrm", judge_protocol="pointwise")
+
+
+def test_longrm_task_rows_use_the_files_names_whatever_the_case_typed(tmp_path):
+    """`--tasks longqa MATH` under `--protocol longrm`: the rows are LongQA and Math with their records (they were
+    keyed by the names typed and reported 0.0 over 0 records)."""
+    bench = _write(tmp_path / "bench")
+    kwargs = dict(model_path="scripted", data_path=str(bench), protocol="longrm", formats=["PairWise"])
+    typed = evaluate_reward_model(EvalConfig(**kwargs, save_path=str(tmp_path / "a"), tasks=["longqa", "MATH"]),
+                                  judge=_judge())  # fmt: skip
+    exact = evaluate_reward_model(EvalConfig(**kwargs, save_path=str(tmp_path / "b"), tasks=["LongQA", "Math"]),
+                                  judge=_judge())  # fmt: skip
+    assert typed["tasks"] == exact["tasks"] and set(typed["tasks"]) == {"LongQA", "Math"}
+    assert typed["counts"]["tasks"] == exact["counts"]["tasks"] and typed["counts"]["tasks"]["LongQA"] > 0
+
+
+def test_missing_task_files_are_one_line_without_a_traceback(tmp_path):
+    import subprocess
+    import sys
+
+    bench = _write(tmp_path / "bench")  # LongQA and Math only; the default --tasks asks for all seven
+    run = subprocess.run([sys.executable, "-m", "trl_longrm", "eval", "--model-path", str(tmp_path / "m"),
+                          "--data-path", str(bench), "--save-path", str(tmp_path / "out")],
+                         capture_output=True, text=True)  # fmt: skip
+    assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr[-2000:]
+    [line] = [line for line in run.stderr.splitlines() if "trl-longrm: error:" in line]
+    assert "the directory has the tasks ['LongQA', 'Math']" in line

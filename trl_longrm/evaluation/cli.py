@@ -119,7 +119,14 @@ def run_eval(args: argparse.Namespace) -> int:
         command = launch_command(config, args.num_processes)
         print("Launching:", " ".join(command), flush=True)
         return subprocess.call(command, env=env)
-    results = evaluate_reward_model(config)
+    try:
+        results = evaluate_reward_model(config)
+    except FileNotFoundError as error:  # a missing benchmark folder or task file: the user's paths, one line
+        if int(os.environ.get("RANK", "0")) == 0:
+            import sys
+
+            print(f"trl-longrm: error: {error}", file=sys.stderr)
+        return 1
     if int(os.environ.get("RANK", "0")) == 0:
         print(markdown_table(results))
         print(f"Predictions and results written to {config.save_path}")

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from trl_longrm.evaluation.benchmark import BenchmarkRecord, load_benchmark, load_preference_records
+from trl_longrm.evaluation.benchmark import BenchmarkRecord, find_task_files, load_benchmark, load_preference_records
 from trl_longrm.evaluation.config import FORMATS, EvalConfig
 from trl_longrm.evaluation.judges import Judge, JudgeOutput, JudgeRequest, load_judge
 from trl_longrm.evaluation.metrics import compute_metrics, score_ranking
@@ -349,11 +349,12 @@ def evaluate_reward_model(config: EvalConfig, judge: Judge | None = None) -> dic
     state.wait_for_everyone()
     done = store.load()
     predictions = [done[record.id] for record in records]
-    tasks = (
-        list(config.tasks)
-        if config.protocol == "longrm" and config.resolved_data_format() == "long_rewardbench"
-        else list(dict.fromkeys(record.task for record in records))
-    )
+    if config.protocol == "longrm" and config.resolved_data_format() == "long_rewardbench":
+        # Every task asked for gets a row (LongRM's table), under its file's name: the names typed match files
+        # ignoring case (`--tasks longqa` is LongQA).
+        tasks = [path.stem for path in find_task_files(config.data_path, config.tasks)]
+    else:
+        tasks = list(dict.fromkeys(record.task for record in records))
     results = compute_metrics(predictions, tasks, protocol=config.protocol)
     results = {"model": config.model_path, "model_type": model_type, **results, "config": asdict(config)}
     if state.is_main_process:
