@@ -1,6 +1,7 @@
 """Loading from every kind of source, errors naming the file and row, and the real LongRM sample."""
 
 import json
+from pathlib import Path
 
 import pytest
 from datasets import Dataset, DatasetDict
@@ -196,12 +197,28 @@ def test_read_only_save_to_disk_folder_gets_no_cache_files(tmp_path):
         folder.chmod(0o755)
 
 
-def test_shared_longrm_sample_normalises_to_16_groups(shared_sample_path):
+def _read_only_copy(source, target):
+    """A copy of a dataset folder with its write bits cleared (what `../shared` is in CI; a newcomer's may not be)."""
+    import shutil
+    import stat
+
+    shutil.copytree(source, target)
+    for path in sorted(target.rglob("*"), key=lambda p: -len(p.parts)) + [target]:
+        path.chmod(path.stat().st_mode & ~(stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH))
+    return target
+
+
+def test_shared_longrm_sample_normalises_to_16_groups(shared_sample_path, tmp_path):
     dataset = load_preference_dataset(shared_sample_path, split="train")
     assert len(dataset) == 16
     assert all(len(rejected) == 4 for rejected in dataset["rejected"])
-    raw = load_raw_dataset(shared_sample_path, split="train")
-    assert raw.cache_files == []  # the shared folder is read-only: kept in memory, no cache files written there
+    # A read-only dataset folder (made here: `../shared` need not be) is read into memory: no cache files are written
+    # into the user's folder.
+    read_only = _read_only_copy(Path(shared_sample_path), tmp_path / "read_only")
+    before = sorted(p.relative_to(read_only) for p in read_only.rglob("*"))
+    raw = load_raw_dataset(str(read_only), split="train")
+    assert raw.cache_files == [] and sorted(p.relative_to(read_only) for p in read_only.rglob("*")) == before
+    assert load_raw_dataset(shared_sample_path, split="train")["chosen"] == raw["chosen"]
     for record, row in zip(dataset, raw):
         assert record["prompt"] == row["chat_template"] and [m["role"] for m in record["prompt"]] == ["system", "user"]
         assert record["chosen"] == row["chosen"] and record["rejected"] == row["rejects"]
