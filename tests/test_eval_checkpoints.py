@@ -298,3 +298,34 @@ def test_shipped_pointwise_template_reads_longrm_judgments():
             # The released judgments end with `[Score: N]`; the template's format reads that N.
             expected = int(re.findall(r"\[Score: (\d+)\]", row["golden"])[-1])
             assert template.pointwise_format.parse(row["golden"]) == expected
+
+
+def test_a_lora_adapter_folder_is_evaluated_on_its_base(tmp_path, bench):
+    """`trl-longrm eval --model-path <adapter folder>` (what a LoRA run saves: adapter_config.json, no config.json)
+    loads the base model named there with the adapter, as `AutoPeftModelForSequenceClassification` does; it failed
+    with `Unrecognized model`."""
+    from peft import AutoPeftModelForSequenceClassification, LoraConfig, get_peft_model
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    base = save_tiny_model(tmp_path / "base", "llama", "seq-cls")
+    model = get_peft_model(AutoModelForSequenceClassification.from_pretrained(base),
+                           LoraConfig(task_type="SEQ_CLS", r=4, target_modules=["q_proj", "v_proj"]))  # fmt: skip
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "lora_B" in name or "modules_to_save" in name:
+                parameter.add_(0.05 * torch.randn_like(parameter))  # an adapter that changes the scores
+    adapter = tmp_path / "adapter"
+    model.save_pretrained(adapter)  # no tokenizer saved: the base's is used
+    assert not (adapter / "config.json").exists()
+    results = evaluate_reward_model(EvalConfig(model_path=str(adapter), data_path=bench, is_disrm=True,
+                                               save_path=str(tmp_path / "out"), tasks=["LongQA", "Math"]))  # fmt: skip
+    predictions = [json.loads(line) for line in (tmp_path / "out" / "predictions.jsonl").read_text().splitlines()]
+    reference = AutoPeftModelForSequenceClassification.from_pretrained(str(adapter)).eval()
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    first = predictions[0]
+    record = next(r for r in load_benchmark(bench, ["LongQA", "Math"], ["PairWise", "BestOfN"]) if r.id == first["id"])
+    shown = [record.candidates[i] for i in first["order"]]
+    with torch.no_grad():
+        expected = [reference(torch.tensor([ids])).logits[0, 0].item()
+                    for ids in scoring_ids(tokenizer, record.prompt_messages, shown)]  # fmt: skip
+    assert first["scores"] == pytest.approx(expected, abs=1e-4) and results["counts"]["records"] == len(predictions)

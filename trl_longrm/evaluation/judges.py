@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -148,11 +149,52 @@ def _resolve_dtype(dtype: str):
 _HEADS = {"causal-lm": ("ForCausalLM", "--is-disrm"), "seq-cls": ("ForSequenceClassification", "no --is-disrm")}
 
 
+def _adapter_base(model_path: str) -> str | None:
+    """The base model of a PEFT adapter folder (`adapter_config.json` and no `config.json`), else None."""
+    import json
+    from pathlib import Path
+
+    folder = Path(model_path)
+    if not (folder / "adapter_config.json").is_file() or (folder / "config.json").is_file():
+        return None
+    base = json.loads((folder / "adapter_config.json").read_text()).get("base_model_name_or_path")
+    if not base:
+        raise ValueError(
+            f"{model_path} is a PEFT adapter whose adapter_config.json names no `base_model_name_or_path`; evaluate "
+            "the base model merged with it (`save_merged_model: true` in the recipe)."
+        )
+    return base
+
+
+def load_tokenizer(model_path: str):
+    """The tokenizer of a checkpoint, or of an adapter folder's base model when the folder has none."""
+
+    try:
+        return AutoTokenizer.from_pretrained(model_path)
+    except (OSError, ValueError):
+        base = _adapter_base(model_path)
+        if base is None:
+            raise
+        return AutoTokenizer.from_pretrained(base)
+
+
 def _load_checked(auto_class, model_path: str, dtype: str, kind: str):
     """Load `model_path` with `auto_class`, refusing a checkpoint of the other head (`kind`: `causal-lm` for a
     generative judge, `seq-cls` for a DisRM): its missing head would be initialised at random and every score or
-    verdict would be noise."""
+    verdict would be noise. A PEFT adapter folder (what a LoRA run saves) is loaded onto its base model and merged,
+    as `AutoPeftModel*` loads it."""
     from transformers import AutoConfig
+
+    base = _adapter_base(model_path)
+    if base is not None:
+        from peft import PeftModel
+
+        if not Path(base).exists() and Path(base).is_absolute():
+            raise ValueError(f"{model_path} is a PEFT adapter of {base}, which is not there; pass the base model's "
+                             "path in its adapter_config.json.")  # fmt: skip
+        extra = {"num_labels": 1} if kind == "seq-cls" else {}
+        model = auto_class.from_pretrained(base, dtype=_resolve_dtype(dtype), **extra)
+        return PeftModel.from_pretrained(model, model_path).merge_and_unload()
 
     suffix, hint = _HEADS[kind]
     other = next(v for k, v in _HEADS.items() if k != kind)[0]
@@ -298,7 +340,7 @@ class GenerativeJudge:
     @classmethod
     def from_pretrained(cls, model_path: str, device: str | None = None, dtype: str = "auto", **kwargs):
         """Load the judge's causal LM and tokenizer from a local directory."""
-        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        tokenizer = load_tokenizer(model_path)
         model = _load_checked(AutoModelForCausalLM, model_path, dtype, "causal-lm")
         return cls(model.to(_resolve_device(device)), tokenizer, **kwargs)
 
@@ -498,7 +540,7 @@ class DiscriminativeJudge:
     @classmethod
     def from_pretrained(cls, model_path: str, device: str | None = None, dtype: str = "auto", **kwargs):
         """Load the sequence classifier and tokenizer from a local directory."""
-        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        tokenizer = load_tokenizer(model_path)
         model = _load_checked(AutoModelForSequenceClassification, model_path, dtype, "seq-cls")
         return cls(model.to(_resolve_device(device)), tokenizer, **kwargs)
 
