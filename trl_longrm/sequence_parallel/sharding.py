@@ -1,14 +1,14 @@
 """Split one packed row over a ring group, and the attention metadata that goes with the slices.
 
 A packed row (batch size 1) lays documents out contiguously, with `position_ids` restarting at 0 at each document. The
-row is padded to a multiple of the ring size (twice the ring size for the zigzag placement), its document boundaries
-and shifted labels are computed on the *whole* row, and each rank receives its tokens by the placement
-(`placement_ranges`, the one definition of where a token of the row lives): with 'zigzag' (the default) the row is
-cut into 2P chunks and rank r holds chunks r and 2P-1-r, so that every rank has the same causal attention work; with
-'contiguous' rank r holds the r-th slice. Documents cross piece boundaries. The attention needs the global boundaries
-and the pieces' places in the row: they travel in a `RingAttentionMetadata` passed to `model(...)` as the
-`ring_attn_meta` keyword, never through process-global state, so a gradient-checkpoint recompute always sees the
-boundaries of its own forward.
+row is padded to a multiple of its number of equal chunks, its document boundaries and shifted labels are computed on
+the *whole* row, and each rank receives the chunks `chunk_owners` gives it (the one definition of where a token of the
+row lives): with 'balanced' (the default) 2, 4 or 8 chunks per rank go by their causal attention work to the
+least-loaded rank, so that every rank has about the same work (on one document: the zigzag placement); 'zigzag' cuts
+2P chunks and rank r holds chunks r and 2P-1-r; with 'contiguous' rank r holds the r-th slice. Documents cross chunk
+boundaries. The attention needs the global boundaries and the pieces' places in the row: they travel in a
+`RingAttentionMetadata` passed to `model(...)` as the `ring_attn_meta` keyword, never through process-global state, so
+a gradient-checkpoint recompute always sees the boundaries of its own forward.
 """
 
 from __future__ import annotations
@@ -151,24 +151,6 @@ def chunk_ranges(owned: list[int], chunk_size: int) -> list[tuple[int, int]]:
         else:
             ranges.append((start, start + chunk_size))
     return ranges
-
-
-def placement_ranges(placement: str, total_length: int, group_size: int, rank: int) -> list[tuple[int, int]]:
-    """The `(start, end)` ranges of the padded global row that `rank` holds, in the order of its local tokens, for the
-    placements that depend on the row's length only ('contiguous', 'zigzag'); `RingAttentionMetadata.local_ranges`
-    covers 'balanced' too.
-
-    Example:
-    ```python
-    >>> placement_ranges("zigzag", 16, 4, 1)  # 8 chunks of 2: rank 1 holds chunks 1 and 6
-    [(2, 4), (12, 14)]
-    >>> placement_ranges("contiguous", 16, 4, 1)
-    [(4, 8)]
-    ```
-    """
-    num_chunks = placement_num_chunks(placement, group_size)
-    owned = chunk_owners(placement, num_chunks, group_size)[rank]
-    return chunk_ranges(owned, total_length // num_chunks)
 
 
 BALANCE_TARGET = 1.05
@@ -640,9 +622,9 @@ def shard_packed_row(
     segment_lengths: torch.Tensor | None = None,
     segment_parents: torch.Tensor | None = None,
 ) -> ShardedRow:
-    """Pad a packed row to a multiple of the ring size (twice that for the zigzag placement), compute its global
-    boundaries and shifted labels, and return this rank's tokens (by `config.ring_placement`) with the attention
-    metadata.
+    """Pad a packed row to a multiple of its placement's chunk count (`placement_num_chunks`), compute its global
+    boundaries and shifted labels, and return this rank's tokens (by `config.ring_placement`, `chunk_owners`) with
+    the attention metadata.
 
     Args:
         input_ids: `[1, L]` (or `[L]`) token ids of one packed row.
