@@ -59,7 +59,11 @@ POINTWISE_FORMATS = {
 # Section -> (verdict formats it may declare, placeholders its templates may use, placeholders `user` must use).
 _SECTIONS = {
     "pairwise": (("[[A]]",), {"task", "responses", "label", "response"}, {"task", "responses"}),
-    "ranking": (("[[A>B]]",), {"task", "responses", "label", "response", "n", "labels", "example"}, {"task", "responses"}),
+    "ranking": (
+        ("[[A>B]]",),
+        {"task", "responses", "label", "response", "n", "labels", "example", "pattern"},
+        {"task", "responses"},
+    ),
     "pointwise": (tuple(POINTWISE_FORMATS), {"task", "response", "low", "high", "example"}, {"task", "response"}),
 }
 _KEYS = {"system", "user", "response", "separator", "verdict"}
@@ -148,6 +152,7 @@ class PromptTemplate:
             n=len(responses),
             labels=", ".join(labels),
             example="[[" + ">".join(labels[::-1]) + "]]",
+            pattern="[[" + ">".join(labels) + "]]",  # LongRM's own prompt shows the format in display order
         )
 
     def pointwise_messages(self, task_prompt: str, response: str) -> list[dict[str, str]]:
