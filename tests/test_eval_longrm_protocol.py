@@ -5,6 +5,7 @@ per task file, shuffling the file's selected records, then one permutation per r
 parses and the expected numbers are written out by hand.
 """
 
+import dataclasses
 import json
 import random
 
@@ -367,3 +368,34 @@ def test_shipped_longrm_prompts_render_the_original_messages(tmp_path):
     messages = template.ranking_messages(rank.task_prompt, shown)
     assert messages == longrm_chat_template(rank.task_prompt, shown, "rank")
     assert "[[A>B>C" in messages[0]["content"]
+
+
+def test_untyped_records_and_null_subtypes_are_kept_under_longrm(tmp_path):
+    """LongRM's evaluator keeps a record without `tasktype` (judged as a pair, counted in the overall average only,
+    whatever the formats) and a PairWise record with a null `subtype` (in Diff); the default protocol refuses them,
+    naming the file, line and key."""
+    untyped = {k: v for k, v in _pair("u1", "same", "4k").items() if k != "tasktype"}
+    null_subtype = _pair("n1", None, "8k")
+    root = tmp_path / "bench"
+    root.mkdir()
+    rows = [_pair("p1", "same", "4k"), untyped, null_subtype]
+    (root / "LongQA.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    with pytest.raises(ValueError, match=r"LongQA.jsonl, line 2: key `tasktype` is missing .*--protocol longrm"):
+        load_benchmark(root, ["LongQA"], ["PairWise"])
+
+    class Right(ScriptedJudge):
+        """Always picks the chosen answer (its text says so), whatever the display order."""
+
+        def __init__(self):
+            super().__init__(lambda request: "[[A]]" if "right" in request.responses[0] else "[[B]]")
+
+    config = EvalConfig(model_path="scripted", data_path=str(root), save_path=str(tmp_path / "out"),
+                        protocol="longrm", formats=["BestOfN"], tasks=["LongQA"])  # fmt: skip
+    results = evaluate_reward_model(config, judge=Right())
+    predictions = {p["id"]: p for p in map(json.loads, (tmp_path / "out" / "predictions.jsonl").read_text().splitlines())}
+    assert set(predictions) == {"LongQA/u1"}  # BestOfN selected: the untyped record is kept, the PairWise ones not
+    assert results["average"] == 1.0 and results["pairwise_avg"] == 0 and results["counts"]["pairwise"] == 0
+    config = dataclasses.replace(config, formats=["PairWise", "BestOfN"], save_path=str(tmp_path / "all"))
+    results = evaluate_reward_model(config, judge=Right())
+    assert results["counts"]["records"] == 3 and results["counts"]["pairwise"] == 2
+    assert results["counts"]["diff"] == 1 and results["diff"] == 1.0  # the null subtype counts as not `same`

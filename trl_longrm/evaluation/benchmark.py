@@ -34,7 +34,8 @@ class BenchmarkRecord:
 
     id: str
     task: str
-    tasktype: str
+    tasktype: str | None
+    """'PairWise' or 'BestOfN'; None for a record without one (kept under LongRM's protocol only, judged as a pair)."""
     subtype: str | None
     length: str | None
     prompt_messages: list[dict[str, str]]
@@ -53,15 +54,20 @@ def _fail(path: Path, line: int, key: str, reason: str):
     raise ValueError(f"{path}, line {line}: key `{key}` {reason}.")
 
 
-def parse_record(raw: dict[str, Any], task: str, path: Path, line: int) -> BenchmarkRecord:
-    """Validate one decoded JSON line and turn it into a `BenchmarkRecord`; errors name the file, line and key."""
+def parse_record(raw: dict[str, Any], task: str, path: Path, line: int, untyped: bool = False) -> BenchmarkRecord:
+    """Validate one decoded JSON line and turn it into a `BenchmarkRecord`; errors name the file, line and key.
+
+    With `untyped` (LongRM's protocol), a record without `tasktype` is kept as LongRM's evaluator keeps it (judged as
+    a pair of `chosen` and `rejected`, counted in the overall average only) and a null `subtype` stays None."""
+    optional = {"tasktype", "subtype"} if untyped else set()
     for key in _COMMON_KEYS:
-        if key not in raw or raw[key] is None:
-            _fail(path, line, key, "is missing")
-    tasktype = raw["tasktype"]
-    if tasktype not in FORMATS:
+        if key not in optional and (key not in raw or raw[key] is None):
+            keeps = key in ("tasktype", "subtype")
+            _fail(path, line, key, "is missing" + (" (`--protocol longrm` keeps such records, as LongRM does)" * keeps))
+    tasktype = raw.get("tasktype") or None
+    if tasktype is not None and tasktype not in FORMATS:
         _fail(path, line, "tasktype", f"is {tasktype!r}; expected one of {list(FORMATS)}")
-    for key in _FORMAT_KEYS[tasktype]:
+    for key in _FORMAT_KEYS[tasktype or "PairWise"]:
         if key not in raw or raw[key] is None:
             _fail(path, line, key, f"is missing (required for a {tasktype} record)")
 
@@ -72,7 +78,7 @@ def parse_record(raw: dict[str, Any], task: str, path: Path, line: int) -> Bench
         if not isinstance(message, dict) or not isinstance(message.get("content"), str) or "role" not in message:
             _fail(path, line, f"prompt_template[{i}]", "must be a message with string `role` and `content`")
 
-    if tasktype == "PairWise":
+    if tasktype in ("PairWise", None):
         for key in ("chosen", "rejected"):
             if not isinstance(raw[key], str):
                 _fail(path, line, key, f"must be a string, got {type(raw[key]).__name__}")
@@ -91,7 +97,7 @@ def parse_record(raw: dict[str, Any], task: str, path: Path, line: int) -> Bench
         id=record_id,
         task=task,
         tasktype=tasktype,
-        subtype=str(raw["subtype"]),
+        subtype=None if raw.get("subtype") is None else str(raw["subtype"]),
         length=str(length),
         prompt_messages=[{"role": m["role"], "content": m["content"]} for m in messages],
         candidates=list(candidates),
@@ -101,8 +107,8 @@ def parse_record(raw: dict[str, Any], task: str, path: Path, line: int) -> Bench
     )
 
 
-def load_task_file(path: str | Path, task: str) -> list[BenchmarkRecord]:
-    """Read every record of one task file (line numbers start at 1)."""
+def load_task_file(path: str | Path, task: str, untyped: bool = False) -> list[BenchmarkRecord]:
+    """Read every record of one task file (line numbers start at 1); `untyped` as in `parse_record`."""
     path = Path(path)
     records = []
     with path.open(encoding="utf-8") as handle:
@@ -115,7 +121,7 @@ def load_task_file(path: str | Path, task: str) -> list[BenchmarkRecord]:
                 raise ValueError(f"{path}, line {line_number}: not valid JSON ({error}).") from error
             if not isinstance(raw, dict):
                 raise ValueError(f"{path}, line {line_number}: expected a JSON object, got {type(raw).__name__}.")
-            records.append(parse_record(raw, task, path, line_number))
+            records.append(parse_record(raw, task, path, line_number, untyped))
     return records
 
 
@@ -143,8 +149,11 @@ def find_task_files(data_path: str | Path, tasks: list[str]) -> list[Path]:
     return [files[task.lower()] for task in dict.fromkeys(tasks)]
 
 
-def load_benchmark(data_path: str | Path, tasks: list[str], formats: list[str]) -> list[BenchmarkRecord]:
-    """Records of the given tasks and formats, in task order then file order.
+def load_benchmark(
+    data_path: str | Path, tasks: list[str], formats: list[str], untyped: bool = False
+) -> list[BenchmarkRecord]:
+    """Records of the given tasks and formats, in task order then file order. With `untyped` (LongRM's protocol),
+    records without `tasktype` are kept whatever the formats, as LongRM's evaluator keeps them.
 
     Example:
     ```python
@@ -155,8 +164,8 @@ def load_benchmark(data_path: str | Path, tasks: list[str], formats: list[str]) 
     records, skipped, seen = [], 0, {}
     for path in find_task_files(data_path, tasks):
         task = path.stem
-        for record in load_task_file(path, task):
-            if record.tasktype not in formats:
+        for record in load_task_file(path, task, untyped):
+            if record.tasktype is not None and record.tasktype not in formats:
                 skipped += 1
                 continue
             if record.id in seen:

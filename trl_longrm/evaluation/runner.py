@@ -182,7 +182,7 @@ def make_prediction(
 def load_records(config: EvalConfig) -> list[BenchmarkRecord]:
     """The records to evaluate: Long-RewardBench task files, or the PairWise records of a preference dataset."""
     if config.resolved_data_format() == "long_rewardbench":
-        records = load_benchmark(config.data_path, config.tasks, config.formats)
+        records = load_benchmark(config.data_path, config.tasks, config.formats, untyped=config.protocol == "longrm")
     elif "PairWise" not in config.formats:
         raise ValueError(f"A preference dataset only has PairWise records, but formats={config.formats}.")
     else:
