@@ -7,6 +7,8 @@ The mixin goes first in a trainer's bases so that its dataloader and batch-size 
 
 from __future__ import annotations
 
+import atexit
+
 import torch
 from accelerate.data_loader import BatchSamplerShard
 
@@ -20,7 +22,7 @@ from trl_longrm.sequence_parallel import (
     shard_packed_row,
     validate_sequence_parallel_setup,
 )
-from trl_longrm.sequence_parallel.collectives import all_reduce_autograd
+from trl_longrm.sequence_parallel.collectives import all_reduce_autograd, destroy_process_groups
 from trl_longrm.sequence_parallel.sharding import packed_row_metadata, shared_row_metadata
 from trl_longrm.trainers.common import model_inputs
 
@@ -46,6 +48,11 @@ class SequenceParallelMixin:
             # would cut the per-sequence lengths and attention metadata to their first entry. With one process there
             # is nothing to dispatch (streams over several processes are refused).
             self.accelerator.dataloader_config.dispatch_batches = False
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            # Process groups destroyed at exit, not left to the interpreter's finalisation (which can abort a gloo
+            # rank after a successful run); registered once however many trainers this process builds.
+            atexit.unregister(destroy_process_groups)
+            atexit.register(destroy_process_groups)
         sp = args.sequence_parallel_size
         if sp > 1 and not args.padding_free:
             raise ValueError(
