@@ -57,9 +57,9 @@ def sft_examples(groups: Dataset) -> Dataset:
     )
 
 
-def build_trainer(kind, output_dir, tokenizer, num_groups, data_seed, **overrides):
+def build_trainer(kind, output_dir, tokenizer, num_groups, data_seed, num_rejected=2, **overrides):
     """A trainer of `kind` on a tiny fp32 model (same weights on every process) and random tokenised groups."""
-    data = random_groups(tokenizer, num_groups, 2, seed=data_seed)
+    data = random_groups(tokenizer, num_groups, num_rejected, seed=data_seed)
     args = cpu_args(output_dir, **overrides)
     if kind == "grm":
         model = build_tiny_model("llama", "causal-lm", tokenizer, seed=3)
@@ -233,6 +233,57 @@ def run_train_task(out_dir: Path, sequence_parallel_size: int, tokenizer, kinds=
         del trainer
 
 
+# Sequence-parallel modes trained against one process: (trainer kind, rejected responses per prompt).
+MODE_RUNS = [("grm", 1), ("grm", 3), ("disrm", 1), ("disrm", 3), ("sft", 1)]
+
+
+def mode_trainer(kind, output_dir, tokenizer, num_rejected, **overrides):
+    """A few SGD steps of `kind` with shared prefixes (the default; the SFT trainer packs), the GRM with its NLL
+    term, on a ring of the whole world or one process (the same micro-batches either way)."""
+    settings = dict(shared_prefix=True) if kind != "sft" else {}
+    if kind == "grm":
+        settings["nll_loss_weight"] = 0.2
+    return train_trainer(kind, output_dir, tokenizer, num_rejected=num_rejected, **{**settings, **overrides})
+
+
+def run_modes_task(out_dir: Path, world_size: int, tokenizer, mode: str, ulysses_size: int | None) -> None:
+    for kind, num_rejected in MODE_RUNS:
+        trainer = mode_trainer(kind, out_dir / f"{mode}_{kind}", tokenizer, num_rejected,
+                               sequence_parallel_size=world_size, sequence_parallel_mode=mode,
+                               ulysses_size=ulysses_size)  # fmt: skip
+        assert trainer.sp_groups.ulysses_size == (ulysses_size or world_size)
+        trainer.train()
+        if dist.get_rank() == 0:
+            torch.save(final_state(trainer), out_dir / f"mode_{mode}{ulysses_size or ''}_{kind}{num_rejected}_world{world_size}.pt")
+        del trainer
+
+
+# accelerate's parallelism_config read as our Ulysses: (trainer kind, rejected per prompt, config overrides); the SFT
+# run keeps TRL's padded batches (padding_free=False), which stock SFTTrainer trains under accelerate's Ulysses.
+ACCELERATE_RUNS = [("grm", 3, {}), ("disrm", 3, {}), ("sft", 1, {"padding_free": False})]
+
+
+def run_accelerate_task(out_dir: Path, tokenizer, route: str) -> None:
+    """Trainers given no sequence-parallel field of ours: accelerate's `sp_size` (an object in the config, or the
+    accelerate YAML's variables) asks for Ulysses over the world."""
+    world_size = int(os.environ["WORLD_SIZE"])  # (under `accelerate launch` the group starts with the trainer)
+    for kind, num_rejected, overrides in ACCELERATE_RUNS:
+        if route == "config":
+            from accelerate import ParallelismConfig
+
+            overrides = {**overrides, "parallelism_config": ParallelismConfig(sp_size=world_size, sp_backend="deepspeed")}
+        trainer = mode_trainer(kind, out_dir / f"accelerate_{kind}", tokenizer, num_rejected, **overrides)
+        groups = trainer.sp_groups
+        assert groups is not None and groups.mode == "ulysses" and groups.ulysses_size == world_size, kind
+        assert trainer.accelerator.parallelism_config is None or not trainer.accelerator.parallelism_config.sp_enabled
+        trainer.train()
+        if dist.get_rank() == 0:
+            state = final_state(trainer)
+            state["distributed_type"] = str(trainer.accelerator.distributed_type)
+            torch.save(state, out_dir / f"accelerate_{route}_{kind}.pt")
+        del trainer
+
+
 def gloo_worker(rank: int, world_size: int, out_dir: str, tasks: list[str]) -> None:
     """Entry point for `run_on_gloo_ranks`: tell accelerate about the already initialised world, run the tasks."""
     set_distributed_env(rank, world_size)
@@ -243,6 +294,11 @@ def gloo_worker(rank: int, world_size: int, out_dir: str, tasks: list[str]) -> N
             run_step_task(out, world_size, tokenizer)
         elif task == "shared_step":
             run_shared_step_task(out, world_size, tokenizer)
+        elif task.startswith("mode:"):  # "mode:ulysses" or "mode:hybrid:2"
+            _, mode, *ulysses = task.split(":")
+            run_modes_task(out, world_size, tokenizer, mode, int(ulysses[0]) if ulysses else None)
+        elif task == "accelerate_config":
+            run_accelerate_task(out, tokenizer, "config")
         elif task == "bad_configs":
             run_bad_config_task(out, world_size, tokenizer)
         elif task.startswith("train"):  # "train" or "train:grm,sft"
@@ -255,7 +311,7 @@ def gloo_worker(rank: int, world_size: int, out_dir: str, tasks: list[str]) -> N
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out_dir", required=True)
-    parser.add_argument("--task", choices=["step", "train"], required=True)
+    parser.add_argument("--task", choices=["step", "train", "accelerate_yaml"], required=True)
     parser.add_argument("--sequence_parallel_size", type=int, default=2)
     parser.add_argument("--kinds", nargs="+", default=list(KINDS))
     cli = parser.parse_args()
@@ -265,6 +321,8 @@ def main() -> None:
     try:
         if cli.task == "train":
             run_train_task(out, cli.sequence_parallel_size, tokenizer, cli.kinds)
+        elif cli.task == "accelerate_yaml":
+            run_accelerate_task(out, tokenizer, "yaml")
         else:
             run_step_task(out, int(os.environ["WORLD_SIZE"]), tokenizer)
     except Exception:

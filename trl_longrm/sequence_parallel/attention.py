@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .collectives import start_all_gather_dim0, start_reduce_scatter_dim0
+from .collectives import all_to_all_autograd, start_all_gather_dim0, start_reduce_scatter_dim0
 from .config import SequenceParallelConfig
 from .kernels import SharedPrefixVarlenKernel, TorchBlockKernel, TorchCpuFlashOps, VarlenKernel, resolve_kernel
 from .sharding import RingAttentionMetadata, packed_row_metadata
@@ -183,6 +183,48 @@ class _RingAttention(torch.autograd.Function):
         return dq, dk, dv, None, None, None
 
 
+def ulysses_kv_heads(num_heads: int, num_kv_heads: int, ulysses_size: int) -> list[list[int]]:
+    """For each rank of a Ulysses group, the key/value heads its query heads (`num_heads / ulysses_size` consecutive
+    ones) use: `num_kv_heads / ulysses_size` of them, or one replicated head when there are fewer key/value heads than
+    ranks (grouped-query attention, as DeepSpeed's Ulysses replicates them).
+
+    Example:
+    ```python
+    >>> ulysses_kv_heads(8, 2, 4)  # 4 ranks, 2 KV heads: each used by two ranks
+    [[0], [0], [1], [1]]
+    ```
+    """
+    per_rank, group = num_heads // ulysses_size, num_heads // num_kv_heads
+    return [sorted({h // group for h in range(r * per_rank, (r + 1) * per_rank)}) for r in range(ulysses_size)]
+
+
+def _heads_to_tokens(x: torch.Tensor, meta: RingAttentionMetadata, heads: list[list[int]] | None = None):
+    """`[local, heads, D]` on each rank of the Ulysses group -> `[group's tokens, heads of this rank, D]`: the tokens of
+    the group's slices in order, for this rank's share of the heads (`heads[r]` for rank r, else an equal split)."""
+    size = meta.ulysses_size
+    if heads is not None and any(h != list(range(r * len(h), (r + 1) * len(h))) for r, h in enumerate(heads)):
+        x = x.index_select(1, torch.tensor([i for h in heads for i in h], device=x.device))  # replicated KV heads
+    blocks = x.unflatten(1, (size, -1)).transpose(0, 1)  # [P, local, heads / P, D]: block r goes to rank r
+    return all_to_all_autograd(blocks, meta.ulysses_group).flatten(0, 1)
+
+
+def _tokens_to_heads(out: torch.Tensor, meta: RingAttentionMetadata):
+    """The inverse of `_heads_to_tokens` for the attention output: `[group's tokens, H / P, D]` -> `[local, H, D]`."""
+    blocks = all_to_all_autograd(out.unflatten(0, (meta.ulysses_size, -1)), meta.ulysses_group)
+    return blocks.transpose(0, 1).flatten(1, 2)
+
+
+def _attend(q, k, v, meta: RingAttentionMetadata, scaling: float, kernel, device):
+    """q/k/v of the tokens `meta` describes: locally under autograd without a ring, else the ring attention."""
+    if meta.group is None:
+        # One process: nothing to gather, so `_RingAttention` (which gathers each head chunk again in the
+        # backward to bound the gathered memory) only costs time. All heads at once under plain autograd let the
+        # fused kernels' own backward (SDPA's, flash-attn's varlen) reuse the forward's log-sum-exp: ~30%
+        # shorter packed DisRM steps on CPU.
+        return kernel.forward(q, k, v, meta, scaling)
+    return _RingAttention.apply(q, k, v, meta, scaling, _ring_kernel(meta, kernel, device))
+
+
 def _check_call(module, query, key, attention_mask, dropout, kwargs):
     where = f"{RING_ATTENTION_NAME} attention ({type(module).__name__})"
     if attention_mask is not None:
@@ -303,19 +345,20 @@ def ring_attention_forward(
         metas = [ring_attn_meta]
     outputs = []
     for b, meta in enumerate(metas):
-        check_ring_head_stride(meta.ring_head_stride, key.shape[1])
+        check_ring_head_stride(meta.ring_head_stride, max(key.shape[1] // meta.ulysses_size, 1))
         kernel = resolve_kernel(meta.backend, query.device, query.dtype)
         if meta.has_shared_prefixes:
             kernel = _shared_prefix_kernel(meta, kernel, query.device)
         q, k, v = (t[b].transpose(0, 1) for t in (query, key, value))
-        if meta.group is None:
-            # One process: nothing to gather, so `_RingAttention` (which gathers each head chunk again in the
-            # backward to bound the gathered memory) only costs time. All heads at once under plain autograd let the
-            # fused kernels' own backward (SDPA's, flash-attn's varlen) reuse the forward's log-sum-exp: ~30%
-            # shorter packed DisRM steps on CPU.
-            outputs.append(kernel.forward(q, k, v, meta, scaling))
-        else:
-            outputs.append(_RingAttention.apply(q, k, v, meta, scaling, _ring_kernel(meta, kernel, query.device)))
+        if meta.ulysses_size == 1:
+            outputs.append(_attend(q, k, v, meta, scaling, kernel, query.device))
+            continue
+        # Ulysses: all-to-all over heads, attend the group's tokens (the whole row without a ring) for this rank's
+        # heads with the same kernels and masks, all-to-all the output back.
+        kv_heads = ulysses_kv_heads(q.shape[1], k.shape[1], meta.ulysses_size)
+        q, k, v = _heads_to_tokens(q, meta), _heads_to_tokens(k, meta, kv_heads), _heads_to_tokens(v, meta, kv_heads)
+        out = _attend(q, k, v, meta.attention_view(), scaling, kernel, query.device)
+        outputs.append(_tokens_to_heads(out, meta))
     return torch.stack(outputs), None
 
 

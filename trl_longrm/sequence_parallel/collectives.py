@@ -95,6 +95,38 @@ def all_gather_autograd(tensor: torch.Tensor, group: dist.ProcessGroup | None, d
     return gathered.movedim(0, dim)
 
 
+class _AllToAllDim0(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, group):
+        ctx.group = group
+        tensor = tensor.contiguous()  # (and so is `out`: empty_like keeps the strides)
+        out = torch.empty_like(tensor)
+        dist.all_to_all_single(out, tensor, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        # Block i went to rank i and came back as its block `rank`: the same exchange returns each gradient block
+        # to the rank that sent it.
+        grad_output = grad_output.contiguous()
+        grad = torch.empty_like(grad_output)
+        dist.all_to_all_single(grad, grad_output, group=ctx.group)
+        return grad, None
+
+
+def all_to_all_autograd(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Exchange equal dim-0 blocks: `tensor[i]` (`[P, ...]`, one block per rank) goes to rank i, and the result's block
+    i comes from rank i. The backward is the same exchange of the gradients (what Ulysses sequence parallelism moves
+    q, k, v and the attention output with).
+
+    Example:
+    ```python
+    >>> heads = all_to_all_autograd(q.unflatten(1, (P, -1)).transpose(0, 1), group)  # [P, tokens, H / P, D]
+    ```
+    """
+    return _AllToAllDim0.apply(tensor, group)
+
+
 class _AllReduceSum(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, group):

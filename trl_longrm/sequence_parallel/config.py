@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 RING_ATTENTION_BACKENDS = ("auto", "torch", "flash_attn")
 RING_PLACEMENTS = ("balanced", "zigzag", "contiguous")
+SEQUENCE_PARALLEL_MODES = ("ring", "ulysses", "hybrid")
 
 
 @dataclass
@@ -30,6 +31,28 @@ class SequenceParallelConfig:
             "help": "Number of processes one packed row is split over (the ring group). Contiguous ranks form a ring; "
             "it must divide the world size, and world_size / sequence_parallel_size is the data-parallel size. "
             "1 (default) disables sequence parallelism."
+        },
+    )
+    sequence_parallel_mode: str | None = field(
+        default=None,
+        metadata={
+            "help": "How the processes of a sequence-parallel group share a row's attention. 'ring' (default): each "
+            "rank keeps its queries and gathers every rank's keys/values (in head chunks): it receives the whole row's "
+            "keys/values per layer whatever the group size, and works with any head count. 'ulysses' (DeepSpeed "
+            "Ulysses): q, k, v and the output are exchanged by all-to-all over heads, each rank then attends the whole "
+            "row for heads / size of the heads: it receives ~4/size of its slice's q/k/v/out per layer, but the query "
+            "heads must divide by the group size (key/value heads divide it or are replicated). 'hybrid' (USP): "
+            "Ulysses inside groups of `ulysses_size` consecutive ranks (one machine) and the ring across them. Unset: "
+            "'ring', or 'ulysses' when accelerate's `parallelism_config` asks for sp_size (DeepSpeed's Ulysses)."
+        },
+    )
+    ulysses_size: int | None = field(
+        default=None,
+        metadata={
+            "help": "With sequence_parallel_mode='hybrid': the ranks of one Ulysses (all-to-all over heads) group, "
+            "consecutive ranks on one machine; sequence_parallel_size / ulysses_size groups then form the ring. "
+            "A divisor of sequence_parallel_size; left unset (or 1) for 'ring', unset (or the group size) for "
+            "'ulysses'."
         },
     )
     ring_head_stride: int | None = field(
@@ -71,12 +94,15 @@ class SequenceParallelConfig:
     )
 
     def __post_init__(self):
+        if hasattr(self, "parallelism_config"):  # a trainer config: accelerate's sp_size is read as ours
+            from .accelerate_parallelism import absorb_accelerate_parallelism
+
+            absorb_accelerate_parallelism(self)
+        if self.sequence_parallel_mode is None:
+            self.sequence_parallel_mode = "ring"
+        check_sequence_parallel_mode(self.sequence_parallel_mode, self.sequence_parallel_size, self.ulysses_size)
         if self.ring_placement not in RING_PLACEMENTS:
             raise ValueError(f"ring_placement must be one of {RING_PLACEMENTS}, got {self.ring_placement!r}.")
-        if not isinstance(self.sequence_parallel_size, int) or self.sequence_parallel_size < 1:
-            raise ValueError(
-                f"sequence_parallel_size must be a positive integer, got {self.sequence_parallel_size!r}."
-            )
         if self.ring_head_stride is not None and (
             not isinstance(self.ring_head_stride, int) or self.ring_head_stride < 1
         ):
@@ -87,3 +113,46 @@ class SequenceParallelConfig:
             )
         if not isinstance(self.ring_query_chunk_size, int) or self.ring_query_chunk_size < 1:
             raise ValueError(f"ring_query_chunk_size must be a positive integer, got {self.ring_query_chunk_size!r}.")
+
+
+def check_sequence_parallel_mode(mode: str, sequence_parallel_size, ulysses_size) -> None:
+    """Raise unless the mode, the group size and `ulysses_size` go together.
+
+    Example:
+    ```python
+    >>> check_sequence_parallel_mode("hybrid", 4, 2)  # Ulysses pairs, a ring of 2 pairs
+    >>> check_sequence_parallel_mode("hybrid", 4, 3)  # raises ValueError
+    ```
+    """
+    if not isinstance(sequence_parallel_size, int) or sequence_parallel_size < 1:
+        raise ValueError(f"sequence_parallel_size must be a positive integer, got {sequence_parallel_size!r}.")
+    if mode not in SEQUENCE_PARALLEL_MODES:
+        raise ValueError(f"sequence_parallel_mode must be one of {SEQUENCE_PARALLEL_MODES}, got {mode!r}.")
+    if ulysses_size is not None and (not isinstance(ulysses_size, int) or ulysses_size < 1):
+        raise ValueError(f"ulysses_size must be a positive integer or None, got {ulysses_size!r}.")
+    if mode == "ring" and ulysses_size not in (None, 1):
+        raise ValueError(
+            f"ulysses_size={ulysses_size} is set but sequence_parallel_mode='ring' does not use it; set "
+            "sequence_parallel_mode='hybrid' (Ulysses groups of ulysses_size inside a ring) or unset ulysses_size."
+        )
+    if mode == "ulysses" and ulysses_size not in (None, sequence_parallel_size):
+        raise ValueError(
+            f"sequence_parallel_mode='ulysses' exchanges heads over the whole group of sequence_parallel_size="
+            f"{sequence_parallel_size} ranks, but ulysses_size={ulysses_size}; unset it, or use "
+            "sequence_parallel_mode='hybrid' for Ulysses groups inside a ring."
+        )
+    if mode == "hybrid":
+        divisors = [d for d in range(2, sequence_parallel_size) if sequence_parallel_size % d == 0]
+        if ulysses_size is None or ulysses_size not in divisors:
+            raise ValueError(
+                f"sequence_parallel_mode='hybrid' needs ulysses_size, a divisor of sequence_parallel_size="
+                f"{sequence_parallel_size} between 2 and {sequence_parallel_size - 1} (the ring then has "
+                f"sequence_parallel_size / ulysses_size groups), got {ulysses_size!r}; possible values: {divisors}."
+            )
+
+
+def ulysses_group_size(mode: str, sequence_parallel_size: int, ulysses_size: int | None) -> int:
+    """Ranks of one Ulysses (all-to-all over heads) group: 1 for 'ring', the whole group for 'ulysses'."""
+    if mode == "ring" or sequence_parallel_size == 1:
+        return 1
+    return sequence_parallel_size if mode == "ulysses" else ulysses_size

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from .config import check_sequence_parallel_mode, ulysses_group_size
+
 
 def check_sequence_parallel_size(sequence_parallel_size: int, world_size: int) -> None:
     """Raise a clear error unless `sequence_parallel_size` is a positive divisor of `world_size`.
@@ -91,6 +93,14 @@ class SequenceParallelGroups:
     data_parallel_group: dist.ProcessGroup | None
     data_parallel_rank: int
     data_parallel_size: int
+    ulysses_size: int = 1
+    """Ranks of this process's Ulysses group (all-to-all over heads): 1 in 'ring' mode, the whole sequence-parallel
+    group in 'ulysses' mode, `ulysses_size` consecutive ranks in 'hybrid' mode."""
+    ulysses_group: dist.ProcessGroup | None = None
+    ring_attention_group: dist.ProcessGroup | None = None
+    """The ranks that pass keys/values around in the ring attention (same place in their Ulysses group): the whole
+    `ring_group` in 'ring' mode, None in 'ulysses' mode (no ring)."""
+    mode: str = "ring"
 
     @property
     def enabled(self) -> bool:
@@ -98,14 +108,20 @@ class SequenceParallelGroups:
         return self.sequence_parallel_size > 1
 
 
-def init_sequence_parallel_groups(sequence_parallel_size: int) -> SequenceParallelGroups:
+def init_sequence_parallel_groups(
+    sequence_parallel_size: int, mode: str = "ring", ulysses_size: int | None = None
+) -> SequenceParallelGroups:
     """Create the ring and data-parallel groups; every process of the world must call it (collectively).
 
-    With `sequence_parallel_size == 1` no group is created and torch.distributed need not be initialised.
+    With `sequence_parallel_size == 1` no group is created and torch.distributed need not be initialised. With
+    `mode='ulysses'` the sequence-parallel group is also the Ulysses group; with `mode='hybrid'` it is cut into Ulysses
+    groups of `ulysses_size` consecutive ranks, and the ranks at the same place in each form the attention ring.
 
     Example:
     ```python
     >>> import torch.distributed as dist
+
+from .config import check_sequence_parallel_mode, ulysses_group_size
     >>> dist.init_process_group("gloo")  # world of 4 processes
     >>> groups = init_sequence_parallel_groups(2)  # rings [0, 1] and [2, 3]; data-parallel groups [0, 2] and [1, 3]
     ```
@@ -119,6 +135,7 @@ def init_sequence_parallel_groups(sequence_parallel_size: int) -> SequenceParall
             "accelerate/torchrun), but it is not."
         )
     check_sequence_parallel_size(sequence_parallel_size, world_size)
+    check_sequence_parallel_mode(mode, sequence_parallel_size, ulysses_size)
     if sequence_parallel_size == 1:
         return SequenceParallelGroups(
             sequence_parallel_size=1,
@@ -129,8 +146,12 @@ def init_sequence_parallel_groups(sequence_parallel_size: int) -> SequenceParall
             data_parallel_rank=rank,
             data_parallel_size=world_size,
         )
-    check_rings_within_nodes(sequence_parallel_size, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
-    _check_ring_nodes(world_size, sequence_parallel_size)
+    local_size = ulysses_group_size(mode, sequence_parallel_size, ulysses_size)
+    # A ring passes keys/values, a Ulysses group all-to-alls q/k/v/out, in every layer: both stay on one machine;
+    # in 'hybrid' mode only the Ulysses groups need to (the ring across them may span machines).
+    within_node = local_size if mode == "hybrid" else sequence_parallel_size
+    check_rings_within_nodes(within_node, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
+    _check_ring_nodes(world_size, within_node)
     dp_size = world_size // sequence_parallel_size
     ring_group = data_parallel_group = None
     ring_ranks: tuple[int, ...] = ()
@@ -145,6 +166,21 @@ def init_sequence_parallel_groups(sequence_parallel_size: int) -> SequenceParall
         group = dist.new_group(ranks)
         if rank in ranks:
             data_parallel_group = group
+    ulysses_group, ring_attention_group = None, ring_group
+    if local_size > 1:
+        ring_attention_group = None
+        for start in range(0, world_size, local_size):
+            group = dist.new_group(list(range(start, start + local_size)))
+            if rank in range(start, start + local_size):
+                ulysses_group = group
+        if local_size < sequence_parallel_size:
+            for ring_index in range(dp_size):
+                base = ring_index * sequence_parallel_size
+                for place in range(local_size):
+                    ranks = list(range(base + place, base + sequence_parallel_size, local_size))
+                    group = dist.new_group(ranks)
+                    if rank in ranks:
+                        ring_attention_group = group
     return SequenceParallelGroups(
         sequence_parallel_size=sequence_parallel_size,
         ring_group=ring_group,
@@ -153,4 +189,8 @@ def init_sequence_parallel_groups(sequence_parallel_size: int) -> SequenceParall
         data_parallel_group=data_parallel_group,
         data_parallel_rank=rank // sequence_parallel_size,
         data_parallel_size=dp_size,
+        ulysses_size=local_size,
+        ulysses_group=ulysses_group,
+        ring_attention_group=ring_attention_group,
+        mode=mode,
     )

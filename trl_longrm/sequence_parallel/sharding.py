@@ -153,6 +153,31 @@ def chunk_ranges(owned: list[int], chunk_size: int) -> list[tuple[int, int]]:
     return ranges
 
 
+def split_ranges(ranges: list[tuple[int, int]], parts: int) -> list[list[tuple[int, int]]]:
+    """Cut the tokens of `ranges` (in order) into `parts` consecutive slices of equal size: the slices of a ring
+    place's tokens that the ranks of its Ulysses group hold.
+
+    Example:
+    ```python
+    >>> split_ranges([(0, 4), (12, 16)], 4)
+    [[(0, 2)], [(2, 4)], [(12, 14)], [(14, 16)]]
+    ```
+    """
+    total = sum(end - start for start, end in ranges)
+    if total % parts:
+        raise ValueError(f"{total} tokens cannot be cut into {parts} equal slices.")
+    size, out, current, room = total // parts, [], [], total // parts
+    for start, end in ranges:
+        while start < end:
+            take = min(room, end - start)
+            current.append((start, start + take))
+            start, room = start + take, room - take
+            if room == 0:
+                out.append(current)
+                current, room = [], size
+    return out
+
+
 BALANCE_TARGET = 1.05
 """max / mean causal work over the ranks that the 'balanced' placement settles for before cutting finer chunks."""
 BALANCED_CHUNKS_PER_RANK = (2, 4, 8)
@@ -237,6 +262,13 @@ class RingAttentionMetadata:
     (`placement_num_chunks` with two chunks per rank)."""
     is_piece: bool = False
     """A single range of a rank's tokens, as the kernels receive it (`pieces()`): its `local_length` is the piece's."""
+    ulysses_size: int = 1
+    """Ranks of a Ulysses group ('ulysses' and 'hybrid' modes): the row is placed over `group_size / ulysses_size`
+    ring places (`placement`, `num_chunks`), and the tokens of each place are cut into `ulysses_size` consecutive
+    slices, one per rank of the Ulysses group; the attention all-to-alls heads within it (`attention_view`)."""
+    ulysses_group: dist.ProcessGroup | None = None
+    ring_group: dist.ProcessGroup | None = None
+    """The ranks that run the ring attention together after the Ulysses exchange (None: no ring)."""
     _cache: dict = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self):
@@ -250,12 +282,17 @@ class RingAttentionMetadata:
                 f"total_length={self.total_length} is not group_size={self.group_size} x "
                 f"local_length={self.local_length}: the row must be padded to a multiple of the ring size."
             )
+        if self.group_size % self.ulysses_size:
+            raise ValueError(f"ulysses_size={self.ulysses_size} does not divide group_size={self.group_size}.")
         if self.num_chunks is None:
-            self.num_chunks = placement_num_chunks(self.placement, self.group_size)
-        if not self.is_piece and (self.num_chunks % self.group_size or self.total_length % self.num_chunks):
+            self.num_chunks = placement_num_chunks(self.placement, self.ring_size)
+        if not self.is_piece and (
+            self.num_chunks % self.ring_size or self.total_length % (self.num_chunks * self.ulysses_size)
+        ):
             raise ValueError(
-                f"total_length={self.total_length} must be a multiple of num_chunks={self.num_chunks}, itself a "
-                f"multiple of group_size={self.group_size}, for the {self.placement!r} placement."
+                f"total_length={self.total_length} must be a multiple of num_chunks={self.num_chunks} x "
+                f"ulysses_size={self.ulysses_size}, num_chunks being a multiple of the ring's {self.ring_size} places, "
+                f"for the {self.placement!r} placement."
             )
         if self.segment_parents is not None:
             self.segment_parents = tuple(int(x) for x in self.segment_parents)
@@ -270,6 +307,32 @@ class RingAttentionMetadata:
                     )
             if all(parent == -1 for parent in self.segment_parents):
                 self.segment_parents = None
+
+    @property
+    def ring_size(self) -> int:
+        """Places of the ring the row is placed over: `group_size / ulysses_size`."""
+        return self.group_size // self.ulysses_size
+
+    def attention_view(self) -> RingAttentionMetadata:
+        """The metadata the attention runs on after the Ulysses exchange: this rank's Ulysses group's tokens (its
+        ring place's, the group's slices in order) over the ring of places. Itself when there is no Ulysses group;
+        with no ring (`ulysses` mode) the whole row on one place, attended locally."""
+        if self.ulysses_size == 1:
+            return self
+        if "view" not in self._cache:
+            place = self.rank // self.ulysses_size
+            owned = chunk_owners(self.placement, self.num_chunks, self.ring_size, self.cu_seqlens, self.segment_parents)
+            self._cache["view"] = dataclasses.replace(
+                self,
+                local_start=chunk_ranges(owned[place], self.total_length // self.num_chunks)[0][0],
+                local_length=self.total_length // self.ring_size,
+                group=self.ring_group if self.ring_size > 1 else None,
+                group_size=self.ring_size,
+                rank=place,
+                ulysses_size=1,
+                ulysses_group=None,
+            )
+        return self._cache["view"]
 
     @property
     def has_shared_prefixes(self) -> bool:
@@ -295,10 +358,13 @@ class RingAttentionMetadata:
             return [(self.local_start, self.local_end)]
         if "owners" not in self._cache:
             self._cache["owners"] = chunk_owners(
-                self.placement, self.num_chunks, self.group_size, self.cu_seqlens, self.segment_parents
+                self.placement, self.num_chunks, self.ring_size, self.cu_seqlens, self.segment_parents
             )
-        owned = self._cache["owners"][self.rank if rank is None else rank]
-        return chunk_ranges(owned, self.total_length // self.num_chunks)
+        rank = self.rank if rank is None else rank
+        ranges = chunk_ranges(self._cache["owners"][rank // self.ulysses_size], self.total_length // self.num_chunks)
+        if self.ulysses_size == 1:
+            return ranges
+        return split_ranges(ranges, self.ulysses_size)[rank % self.ulysses_size]
 
     def pieces(self) -> list[tuple[int, RingAttentionMetadata]]:
         """`(offset in the local tokens, metadata of that one range)` for each contiguous piece of this rank's tokens:
@@ -672,10 +738,13 @@ def shard_packed_row(
     group = groups.ring_group if groups is not None and groups.enabled else None
     size = groups.sequence_parallel_size if group is not None else 1
     rank = groups.ring_rank if group is not None else 0
+    ulysses = getattr(groups, "ulysses_size", 1) if group is not None else 1
     if group is not None and verify_same_row:
         _verify_same_row(ids, group, source)
 
-    placement = config.ring_placement if size > 1 else "contiguous"
+    # The row is placed over the ring's places; a Ulysses group (which attends its tokens together) is one place.
+    places = size // ulysses
+    placement = config.ring_placement if places > 1 else "contiguous"
     if segment_lengths is not None:
         if segment_parents is None:
             raise ValueError(f"{source}: `segment_lengths` needs `segment_parents`.")
@@ -685,9 +754,9 @@ def shard_packed_row(
         cu_seqlens, parents = cu_seqlens_from_position_ids(pos), None
     chunks_per_rank = 2
     if placement == "balanced":
-        chunks_per_rank = balanced_chunks_per_rank(cu_seqlens, parents, length, size)
-    num_chunks = placement_num_chunks(placement, size, chunks_per_rank)
-    num_padding = -length % num_chunks
+        chunks_per_rank = balanced_chunks_per_rank(cu_seqlens, parents, length, places)
+    num_chunks = placement_num_chunks(placement, places, chunks_per_rank)
+    num_padding = -length % (num_chunks * ulysses)
     total = length + num_padding
     # The padding is a document of its own (positions 0, 1, ...), so no real token attends to it.
     ids_p = _pad(ids, num_padding, pad_token_id)
@@ -708,8 +777,7 @@ def shard_packed_row(
         cu_seqlens=tuple(cu_seqlens),
         total_length=total,
         unpadded_length=length,
-        local_start=chunk_ranges(chunk_owners(placement, num_chunks, size, cu_seqlens, parents)[rank],
-                                 total // num_chunks)[0][0],
+        local_start=0,  # set below, from the placement
         local_length=total // size,
         group=group,
         group_size=size,
@@ -720,7 +788,11 @@ def shard_packed_row(
         segment_parents=parents,
         placement=placement,
         num_chunks=num_chunks,
+        ulysses_size=ulysses,
+        ulysses_group=getattr(groups, "ulysses_group", None) if group is not None else None,
+        ring_group=getattr(groups, "ring_attention_group", group) if group is not None else None,
     )
+    meta.local_start = meta.local_ranges()[0][0]
     index = meta.global_index(ids.device)
     return ShardedRow(
         input_ids=ids_p[index].unsqueeze(0),

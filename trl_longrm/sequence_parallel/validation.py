@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .config import RING_ATTENTION_BACKENDS, SequenceParallelConfig
+from .config import RING_ATTENTION_BACKENDS, SequenceParallelConfig, ulysses_group_size
 from .groups import check_sequence_parallel_size
 
 
@@ -23,6 +23,36 @@ def check_ring_head_stride(ring_head_stride: int | None, num_key_value_heads: in
             f"ring_head_stride={ring_head_stride!r} must divide the model's number of key/value heads "
             f"({num_key_value_heads}); valid values: {divisors} (or None for all heads at once)."
         )
+
+
+def check_ulysses_heads(num_heads: int, num_kv_heads: int, ulysses_size: int, model_name: str = "the model") -> None:
+    """Raise unless a Ulysses group of `ulysses_size` ranks can share the heads: the query heads split evenly, and the
+    key/value heads either split evenly or (fewer key/value heads than ranks) each serve a whole number of ranks.
+
+    Example:
+    ```python
+    >>> check_ulysses_heads(32, 8, 4, "Llama")  # 8 query / 2 key/value heads per rank
+    >>> check_ulysses_heads(32, 8, 16, "Llama")  # fine: each key/value head replicated on 2 ranks
+    >>> check_ulysses_heads(12, 2, 8, "Model")  # raises ValueError
+    ```
+    """
+    if ulysses_size <= 1:
+        return
+    works = lambda u: num_heads % u == 0 and (num_kv_heads % u == 0 or u % num_kv_heads == 0)  # noqa: E731
+    if works(ulysses_size):
+        return
+    sizes = [u for u in range(2, num_heads + 1) if works(u)]
+    reason = (
+        f"its {num_heads} attention heads do not divide by {ulysses_size}"
+        if num_heads % ulysses_size
+        else f"its {num_kv_heads} key/value heads neither divide by {ulysses_size} nor divide it (for replication)"
+    )
+    raise ValueError(
+        f"{model_name} cannot be split over a Ulysses group of {ulysses_size} ranks (each rank attends heads / size "
+        f"of the heads): {reason}. Ulysses sizes that work for {num_heads} attention / {num_kv_heads} key/value "
+        f"heads: {sizes}; or use sequence_parallel_mode='ring' (any head count), or 'hybrid' with one of those as "
+        "ulysses_size."
+    )
 
 
 def check_ring_attention_backend(backend: str) -> None:
@@ -105,7 +135,12 @@ def validate_ring_attention_model(model, config: SequenceParallelConfig | None =
     num_kv_heads = getattr(text_config, "num_key_value_heads", None) or num_heads
     if num_heads % num_kv_heads:
         raise ValueError(f"{name}: {num_heads} attention heads are not a multiple of {num_kv_heads} KV heads.")
-    check_ring_head_stride(config.ring_head_stride, num_kv_heads)
+    ulysses = ulysses_group_size(
+        getattr(config, "sequence_parallel_mode", "ring"), config.sequence_parallel_size, getattr(config, "ulysses_size", None)
+    )
+    check_ulysses_heads(num_heads, num_kv_heads, ulysses, name)
+    # After the Ulysses exchange the ring gathers this rank's share of the key/value heads.
+    check_ring_head_stride(config.ring_head_stride, max(num_kv_heads // ulysses, 1))
     check_ring_attention_backend(config.ring_attn_backend)
     return base
 
