@@ -34,6 +34,9 @@ TARGETS = {
     "prefix_k4_groups_per_s_ratio_lora": (">=", 3.5),
     "prefix_k4_peak_mem_ratio_lora": ("<=", 0.35),
     "prefix_k1_groups_per_s_ratio_lora": (">=", 1.7),
+    # Sequence-parallel modes (`sp_modes.json`): bytes one rank receives per attention layer at 128K tokens, P = 8,
+    # Ulysses over our ring (Llama-3-8B heads, from the closed form checked against counted collectives).
+    "ulysses_vs_ring_bytes_p8": ("<=", 0.45),
     # LongRMReward vs TRL's reward-model path: 8 completions of 256 tokens of one 16K-token prompt.
     "reward_g8_speedup": (">=", 4.0),
     "reward_g8_peak_mem_ratio": ("<=", 0.5),
@@ -216,6 +219,56 @@ def target_lines(summary: dict) -> list[str]:
     return lines
 
 
+def modes_summary(records: list[dict]) -> dict:
+    """Headline figures of `sp_scaling.py --modes ... --count-bytes` (sp_modes.json)."""
+    counts = next((r["bytes_per_layer"] for r in records if "bytes_per_layer" in r), None)
+    runs = {(r["mode"], r["ring_size"]): r for r in records if r.get("status") == "ok"}
+    out = {}
+    if counts:
+        out["ulysses_vs_ring_bytes_p8"] = counts["ulysses_vs_ring_bytes_p8"]
+        out["ulysses_vs_ring_bytes_p16"] = counts["ulysses_vs_ring_bytes_p16"]
+    for mode in ("ulysses", "hybrid"):
+        if (mode, 4) in runs and ("ring", 4) in runs:
+            mine, ring = runs[mode, 4], runs["ring", 4]
+            out[f"{mode}4_vs_ring4_step_time"] = round(mine["timed_step_seconds"] / ring["timed_step_seconds"], 3)
+            out[f"{mode}4_vs_ring4_rank_peak_mem"] = round(
+                mine["max_rank_peak_mem_bytes"] / ring["max_rank_peak_mem_bytes"], 3
+            )
+    return out
+
+
+def modes_table(records: list[dict]) -> list[str]:
+    """Sequence-parallel modes: the counted bytes per layer, the closed form at 128K, and the training runs."""
+    lines = []
+    counts = next((r["bytes_per_layer"] for r in records if "bytes_per_layer" in r), None)
+    if counts:
+        shape = counts["shape"]
+        lines += [f"Bytes one rank receives per attention layer (forward + backward), {shape['heads']} query / "
+                  f"{shape['kv_heads']} key-value heads of {shape['head_dim']}, {shape['dtype']}: counted from the "
+                  "collectives the attention issued on gloo ranks, and the closed form "
+                  "(`predicted_attention_bytes`, equal to the count at every measured size).", "",
+                  "| mode | ranks | tokens | counted MiB | closed form MiB |", "|---|---:|---:|---:|---:|"]
+        for row in counts["measured"]:
+            lines.append(f"| {row['mode']} | {row['size']} | {row['tokens']} | {row['measured_bytes'] / 2**20:.2f} "
+                         f"| {row['predicted_bytes'] / 2**20:.2f} |")
+        lines += ["", "At 128K tokens (closed form, GB): " + ", ".join(
+            f"{k.replace('_p', ' P=')} {v / 1e9:.2f}" for k, v in counts["predicted_128k"].items()) + ".", ""]
+    runs = [r for r in records if "mode" in r]
+    if runs:
+        lines += ["| trainer | mode | ranks | status | timed step s | max rank peak GiB | max rank floor GiB |",
+                  "|---|---|---:|---|---:|---:|---:|"]
+        for r in runs:
+            ok = r.get("status") == "ok"
+            lines.append(
+                f"| {r['trainer']} | {r['mode']} | {r['ring_size']} | {r['status']} "
+                f"| {r['timed_step_seconds']:.2f} | {r['max_rank_peak_mem_bytes'] / GIB:.2f} "
+                f"| {r['max_rank_floor_mem_bytes'] / GIB:.2f} |" if ok else
+                f"| {r['trainer']} | {r['mode']} | {r['ring_size']} | {r['status']} | - | - | - |"
+            )  # fmt: skip
+        lines.append("")
+    return lines
+
+
 def write_markdown(path: Path, runs, sp, meta, summary) -> None:
     machine, versions = meta.get("machine", {}), meta.get("versions", {})
     out = ["# Benchmark results", ""]
@@ -259,6 +312,10 @@ def write_markdown(path: Path, runs, sp, meta, summary) -> None:
             "oversubscription, not scaling.",
             "",
         ]
+    modes = meta.get("_modes")
+    if modes:
+        out += ["## Sequence-parallel modes: ring, Ulysses, hybrid (`sp_scaling.py --modes ... --count-bytes`)", "",
+                *modes_table(modes)]
     prefix = meta.get("_prefix")
     if prefix:
         run = prefix.get("run", {})
@@ -374,6 +431,10 @@ def main() -> None:
     if prefix:
         summary.update({k: v for k, v in prefix["summary"].items()})
     meta["_prefix"] = prefix
+    modes_path = cli.results / "sp_modes.json"
+    meta["_modes"] = json.loads(modes_path.read_text()) if modes_path.exists() else None
+    if meta["_modes"]:
+        summary.update(modes_summary(meta["_modes"]))
     reward_path = cli.results / "reward_function.json"
     if reward_path.exists():  # bench/reward_function.py
         reward = json.loads(reward_path.read_text())

@@ -3,7 +3,9 @@
 1. `throughput_memory.py`: tokens/s and peak memory, ours vs stock TRL, for both trainers and several prompt lengths.
 2. `sp_scaling.py`: per-rank peak memory and step time of the GRM trainer at ring sizes 1, 2, 4 with gloo processes
    (DDP, `sp_scaling.json`), then at ring sizes 1 and 4 under DeepSpeed ZeRO-3 on a 4x longer row
-   (`sp_scaling_zero3.json`: the headline `sp4_vs_sp1_rank_mem_ratio`, see bench/results/README.md).
+   (`sp_scaling_zero3.json`: the headline `sp4_vs_sp1_rank_mem_ratio`, see bench/results/README.md); then the
+   sequence-parallel modes (ring, Ulysses, hybrid) at group sizes 2 and 4 and the bytes each rank receives per
+   attention layer (`sp_modes.json`: `ulysses_vs_ring_bytes_p8`, `ulysses4_vs_ring4_step_time`).
 3. `shared_prefix.py`: ours with `shared_prefix=True` vs ours with it off, GRM and DisRM, k = 1 and 4, groups/s and
    peak memory (`shared_prefix.json`).
 4. `reward_function.py`: `LongRMReward` vs TRL's reward-model path, 8 completions of one long prompt, seconds per
@@ -137,6 +139,14 @@ def main() -> None:
                  "--prompt-length", str(preset["sp_zero3_prompt_length"]),
                  "--ring-sizes", *map(str, preset["sp_zero3_rings"]), "--steps", str(preset["sp_steps"]),
                  "--timeout", "590", "--out", str(zero3_path)])
+    modes_path = cli.out / "sp_modes.json"
+    if cli.skip_sp:
+        modes_path.unlink(missing_ok=True)
+    else:
+        # Ring, Ulysses and hybrid at group sizes 2 and 4, and the bytes their attention receives per layer.
+        run([python, str(HERE / "sp_scaling.py"), "--trainers", "grm", "--modes", "ring", "ulysses", "hybrid",
+             "--count-bytes", "--prompt-length", str(preset["sp_prompt_length"]), "--ring-sizes", "2", "4",
+             "--steps", str(preset["sp_steps"]), "--out", str(modes_path)])
     prefix_path = cli.out / "shared_prefix.json"
     if cli.skip_prefix:
         prefix_path.unlink(missing_ok=True)

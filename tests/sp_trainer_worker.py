@@ -218,12 +218,14 @@ def run_bad_config_task(out_dir: Path, world_size: int, tokenizer) -> None:
         torch.save(messages, out_dir / f"bad_configs_world{world_size}.pt")
 
 
-def run_train_task(out_dir: Path, sequence_parallel_size: int, tokenizer, kinds=KINDS) -> None:
+def run_train_task(out_dir: Path, sequence_parallel_size: int, tokenizer, kinds=KINDS, mode: str = "ring") -> None:
     tag = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true" and "deepspeed" or "ddp"
+    tag += "" if mode == "ring" else f"_{mode}"
     for kind in kinds:
         trainer = train_trainer(
-            kind, out_dir / f"train_{kind}", tokenizer, sequence_parallel_size=sequence_parallel_size
-        )
+            kind, out_dir / f"train_{kind}", tokenizer, sequence_parallel_size=sequence_parallel_size,
+            sequence_parallel_mode=mode,
+        )  # fmt: skip
         trainer.train()
         state = final_state(trainer)
         state["distributed_type"] = str(trainer.accelerator.distributed_type)
@@ -301,9 +303,10 @@ def gloo_worker(rank: int, world_size: int, out_dir: str, tasks: list[str]) -> N
             run_accelerate_task(out, tokenizer, "config")
         elif task == "bad_configs":
             run_bad_config_task(out, world_size, tokenizer)
-        elif task.startswith("train"):  # "train" or "train:grm,sft"
-            kinds = task.partition(":")[2]
-            run_train_task(out, 2, tokenizer, kinds.split(",") if kinds else KINDS)
+        elif task.startswith("train"):  # "train", "train:grm,sft" or "train@ulysses:disrm"
+            head, _, kinds = task.partition(":")
+            mode = head.partition("@")[2] or "ring"
+            run_train_task(out, 2, tokenizer, kinds.split(",") if kinds else KINDS, mode)
         else:
             raise ValueError(f"unknown task {task!r}")
 

@@ -109,10 +109,12 @@ def check_training(result: dict, reference: dict, kind: str, distributed_type: s
 
 @pytest.mark.slow
 def test_training_two_replicas_of_two_ring_ranks_ddp(tmp_path, tokenizer):
-    run_on_gloo_ranks(worker.gloo_worker, 4, str(tmp_path), ["train"], timeout=1200, preload=PRELOAD)
-    for kind in worker.KINDS:
-        result = torch.load(tmp_path / f"train_{kind}_ddp.pt", weights_only=False)
-        check_training(result, single_process_training(kind, tmp_path, tokenizer), kind, "MULTI_CPU")
+    """Rings of 2 for the three trainers; Ulysses pairs for the DisRM (2 replicas of the all-to-all groups)."""
+    tasks = ["train", "train@ulysses:disrm"]
+    run_on_gloo_ranks(worker.gloo_worker, 4, str(tmp_path), tasks, timeout=1200, preload=PRELOAD)
+    for kind, tag in [*((k, "ddp") for k in worker.KINDS), ("disrm", "ddp_ulysses")]:
+        result = torch.load(tmp_path / f"train_{kind}_{tag}.pt", weights_only=False)
+        check_training(result, single_process_training(kind, tmp_path, tokenizer), f"{kind} {tag}", "MULTI_CPU")
 
 
 @pytest.mark.slow
