@@ -5,6 +5,13 @@
 Modes: `disrm_ring` (SimPODisRMTrainer, a ring of 2, shared prefixes), `grm_ring` (SimPOGRMTrainer, a ring of 2,
 shared prefixes), `disrm_ddp` (SimPODisRMTrainer, 2 data-parallel replicas). One torch thread per process.
 
+The cause, found with gdb on an aborting rank: a gloo worker thread still releasing the last collective's work (the HF
+Trainer's `store_flos` all-gather at the end of `train()`) held the last reference to a Python tensor and asked for the
+GIL after the interpreter had started finalising; Python ends such a thread with a forced unwind, which a C++
+destructor turns into `std::terminate`. The trainers' exit hook (`release_process_groups_at_exit`) drops the
+DDP/DeepSpeed wrappers that keep the groups alive and destroys the groups, which joins their threads while Python still
+runs.
+
     python bench/clean_exit.py --runs 100                 # one JSON line; failures' stderr tails in --log-dir
     python bench/clean_exit.py --runs 20 --modes disrm_ring
 """

@@ -14,7 +14,7 @@
 
 The GPU section (`gpu_longest_row.py`) is not part of it: it needs a CUDA device.
 
-    python bench/run.py --preset full --out bench/results          # about 17 minutes on a 2-core CPU
+    python bench/run.py --preset full --out bench/results          # about 21 minutes on a 2-core CPU
     python bench/run.py --preset quick --out bench/results/quick   # under 3 minutes
     python bench/run.py --preset full --out bench/results --skip-throughput   # the SP sections only (~8 minutes)
 """
