@@ -5,6 +5,7 @@ the Ulysses group has more ranks than key/value heads)."""
 
 import pytest
 import torch
+from test_sequence_parallel_attention import MODULE, PRELOAD, positions  # noqa: E402
 
 from trl_longrm.sequence_parallel import (
     SequenceParallelConfig,
@@ -17,9 +18,6 @@ from trl_longrm.sequence_parallel.config import check_sequence_parallel_mode
 from trl_longrm.sequence_parallel.launch import run_on_gloo_ranks
 from trl_longrm.sequence_parallel.sharding import shared_row_metadata, split_ranges
 from trl_longrm.sequence_parallel.validation import check_ulysses_heads
-
-
-from test_sequence_parallel_attention import MODULE, PRELOAD, positions  # noqa: E402
 
 
 # (query heads, key/value heads) per Ulysses size: an equal split of the KV heads, and KV heads replicated.
