@@ -150,3 +150,15 @@ def test_mode_and_ulysses_size_must_agree(mode, size, ulysses_size, fragment):
         check_sequence_parallel_mode(mode, size, ulysses_size)
     with pytest.raises(ValueError):
         SequenceParallelConfig(sequence_parallel_size=size, sequence_parallel_mode=mode, ulysses_size=ulysses_size)
+
+
+def test_a_model_whose_heads_do_not_split_is_refused_before_training():
+    from trl_longrm.sequence_parallel import validate_ring_attention_model
+    from trl_longrm.testing_utils import build_chat_tokenizer, build_tiny_model
+
+    model = build_tiny_model("qwen3", "seq-cls", build_chat_tokenizer())  # 4 query / 2 key-value heads
+    config = SequenceParallelConfig(sequence_parallel_size=8, sequence_parallel_mode="ulysses")
+    with pytest.raises(ValueError, match=r"4 attention heads do not divide by 8.*sizes that work .*: \[2, 4\]"):
+        validate_ring_attention_model(model, config)
+    hybrid = SequenceParallelConfig(sequence_parallel_size=8, sequence_parallel_mode="hybrid", ulysses_size=4)
+    validate_ring_attention_model(model, hybrid)  # Ulysses of 4 (key/value heads replicated) x a ring of 2
