@@ -41,6 +41,10 @@ def test_recipe_dry_run_matches_the_paper(name, capsys):
         assert args.max_length == 131072 and args.sequence_parallel_size == 8 and args.ring_head_stride == 4
         assert script.accelerate_config == "zero2.yaml" and plan["world_size"] == 8
         assert plan["data_parallel_size"] == 1 and plan["ring_groups"] == [list(range(8))]
+        assert (plan["sequence_parallel_mode"], plan["ulysses_size"]) == ("ring", 1)
+        # The mode is a recipe/command-line field like any other: Ulysses of 8 over the same group.
+        _, ulysses, _ = parse_args([str(RECIPES / name), "--dry_run", "--sequence_parallel_mode", "ulysses"])
+        assert training_plan(script, ulysses, model)["ulysses_size"] == 8
     if "qlora" in name:
         assert model.load_in_4bit and model.bnb_4bit_quant_type == "nf4" and model.use_bnb_nested_quant
     if "lora" in name or "disrm" in name:

@@ -26,6 +26,7 @@ import yaml
 from trl import ModelConfig, ScriptArguments, TrlParser
 
 from trl_longrm.data.errors import DataFormatError
+from trl_longrm.sequence_parallel.config import ulysses_group_size
 
 
 logger = logging.getLogger(__name__)
@@ -195,6 +196,11 @@ def training_plan(script_args, training_args, model_args, world_size: int | None
         "world_size": world_size,
         "sequence_parallel_size": sp,
         "ring_groups": [list(range(g * sp, (g + 1) * sp)) for g in range(dp)],
+        # ring | ulysses | hybrid, and the ranks of a Ulysses (all-to-all over heads) group (1 for the ring).
+        "sequence_parallel_mode": getattr(training_args, "sequence_parallel_mode", "ring") if sp > 1 else None,
+        "ulysses_size": (
+            ulysses_group_size(training_args.sequence_parallel_mode, sp, training_args.ulysses_size) if sp > 1 else None
+        ),
         "data_parallel_size": dp,
         "per_device_train_batch_size": per_device,
         "gradient_accumulation_steps": accumulation,
