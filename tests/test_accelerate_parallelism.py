@@ -36,6 +36,24 @@ def test_sp_size_in_the_config_becomes_our_ulysses(tmp_path, config_class):
     assert (plain.sequence_parallel_size, plain.sequence_parallel_mode, plain.parallelism_config) == (1, "ring", None)
 
 
+def test_sp_size_survives_an_sft_config_given_to_the_sft_trainer(tmp_path):
+    """LongSFTTrainer accepts TRL's SFTConfig and converts it: `to_dict` drops the ParallelismConfig object and hides
+    the `*_token` fields (the eos_token set here came back as "<EOS_TOKEN>")."""
+    from trl import SFTConfig
+
+    from trl_longrm import LongSFTTrainer
+    from trl_longrm.testing_utils import build_tiny_model
+
+    tokenizer = build_chat_tokenizer()
+    args = SFTConfig(output_dir=str(tmp_path), use_cpu=True, report_to=[], eos_token=tokenizer.eos_token,
+                     parallelism_config=ParallelismConfig(sp_size=2, sp_backend="deepspeed"))  # fmt: skip
+    data = worker.sft_examples(worker.random_groups(tokenizer, 2, 1))
+    # One process cannot hold a group of 2: the error shows the request reached our config instead of being dropped.
+    with pytest.raises(ValueError, match="sequence_parallel_size=2"):
+        LongSFTTrainer(model=build_tiny_model("qwen3", "causal-lm", tokenizer), args=args, train_dataset=data,
+                       processing_class=tokenizer)  # fmt: skip
+
+
 def test_sp_size_from_the_accelerate_yaml_variables(tmp_path, monkeypatch):
     monkeypatch.setenv("ACCELERATE_USE_PARALLELISM_CONFIG", "true")
     monkeypatch.setenv("PARALLELISM_CONFIG_SP_SIZE", "2")

@@ -240,7 +240,10 @@ class LongSFTTrainer(SequenceParallelMixin, SFTTrainer):
             # Like SFTTrainer with a plain `TrainingArguments` (or an `SFTConfig`): every field the user set carries
             # over, the fields it lacks take LongSFTConfig's defaults.
             values = args.to_dict()
-            values["hub_token"] = args.hub_token  # `to_dict` hides it
+            # `to_dict` hides every `*_token` field ("<EOS_TOKEN>"): SFTConfig's eos_token / pad_token too.
+            values.update({name: getattr(args, name) for name in values if name.endswith("_token")})
+            # `to_dict` drops the ParallelismConfig object too: without it accelerate's sp_size would be lost.
+            values["parallelism_config"] = getattr(args, "parallelism_config", None)
             args = LongSFTConfig(**values)
         reasons = stock_path_reasons(
             model,
