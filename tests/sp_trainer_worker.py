@@ -58,18 +58,28 @@ def sft_examples(groups: Dataset) -> Dataset:
 
 
 def build_trainer(kind, output_dir, tokenizer, num_groups, data_seed, num_rejected=2, **overrides):
-    """A trainer of `kind` on a tiny fp32 model (same weights on every process) and random tokenised groups."""
+    """A trainer of `kind` on a tiny fp32 model (same weights on every process) and random tokenised groups; `kind`
+    ending in "+lora" trains a LoRA adapter (seeded, non-zero B) instead of every weight."""
     data = random_groups(tokenizer, num_groups, num_rejected, seed=data_seed)
     args = cpu_args(output_dir, **overrides)
+    kind, _, adapter = kind.partition("+")
+    peft = {}
+    if adapter == "lora":
+        from peft import LoraConfig
+
+        torch.manual_seed(5)  # init_lora_weights=False draws B at random: the same adapter on every process
+        task = {"grm": "CAUSAL_LM", "disrm": "SEQ_CLS", "sft": "CAUSAL_LM"}[kind]
+        peft["peft_config"] = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type=task,
+                                         init_lora_weights=False)  # fmt: skip
     if kind == "grm":
         model = build_tiny_model("llama", "causal-lm", tokenizer, seed=3)
         return SimPOGRMTrainer(
-            model=model, args=SimPOGRMConfig(**args), train_dataset=data, processing_class=tokenizer
+            model=model, args=SimPOGRMConfig(**args), train_dataset=data, processing_class=tokenizer, **peft
         )
     if kind == "disrm":
         model = build_tiny_model("qwen3", "seq-cls", tokenizer, seed=3)
         return SimPODisRMTrainer(
-            model=model, args=SimPODisRMConfig(**args), train_dataset=data, processing_class=tokenizer
+            model=model, args=SimPODisRMConfig(**args), train_dataset=data, processing_class=tokenizer, **peft
         )
     if kind == "sft":
         model = build_tiny_model("qwen3", "causal-lm", tokenizer, seed=3)
@@ -236,14 +246,14 @@ def run_train_task(out_dir: Path, sequence_parallel_size: int, tokenizer, kinds=
 
 
 # Sequence-parallel modes trained against one process: (trainer kind, rejected responses per prompt).
-MODE_RUNS = [("grm", 1), ("grm", 3), ("disrm", 1), ("disrm", 3), ("sft", 1)]
+MODE_RUNS = [("grm", 1), ("grm", 3), ("disrm", 1), ("disrm", 3), ("sft", 1), ("disrm+lora", 3)]
 
 
 def mode_trainer(kind, output_dir, tokenizer, num_rejected, **overrides):
     """A few SGD steps of `kind` with shared prefixes (the default; the SFT trainer packs), the GRM with its NLL
     term, on a ring of the whole world or one process (the same micro-batches either way)."""
     settings = dict(shared_prefix=True) if kind != "sft" else {}
-    if kind == "grm":
+    if kind.startswith("grm"):
         settings["nll_loss_weight"] = 0.2
     return train_trainer(kind, output_dir, tokenizer, num_rejected=num_rejected, **{**settings, **overrides})
 
