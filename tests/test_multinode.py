@@ -23,7 +23,7 @@ def free_port():
         return str(sock.getsockname()[1])
 
 
-def torchrun(out_dir, nnodes, nproc_per_node, fails=False):
+def torchrun(out_dir, nnodes, nproc_per_node, fails=False, layout="ring2"):
     """Start `nnodes` torchrun agents on this host (one per simulated node) and wait for all of them; with `fails`,
     return their stderr, which must come with a failure."""
     out_dir.mkdir()
@@ -47,6 +47,7 @@ def torchrun(out_dir, nnodes, nproc_per_node, fails=False):
                 port,
                 str(WORKER),
                 str(out_dir),
+                layout,
             ],
             env=env,
             cwd=ROOT,
@@ -90,6 +91,19 @@ def test_two_nodes_keep_each_ring_on_one_node_and_match_one_node(tmp_path):
         torch.testing.assert_close(torch.tensor(record["logps"]), torch.tensor(one_node[rank]["logps"]))
     # Both ranks of a ring hold the whole row's log-probs; the two rings hold different rows.
     assert two_nodes[0]["logps"] == two_nodes[1]["logps"] and two_nodes[0]["logps"] != two_nodes[2]["logps"]
+
+
+@pytest.mark.slow
+def test_hybrid_keeps_ulysses_pairs_on_a_node_and_rings_across_nodes(tmp_path):
+    """The hybrid's point: the all-to-all inside a machine, the ring across machines (allowed in this mode)."""
+    hybrid = torchrun(tmp_path / "hybrid", nnodes=2, nproc_per_node=2, layout="hybrid4")
+    ring = torchrun(tmp_path / "ring", nnodes=1, nproc_per_node=4, layout="ring4")
+    for rank, record in hybrid.items():
+        assert record["ulysses_ranks"] == ([0, 1] if rank < 2 else [2, 3])
+        assert {hybrid[r]["node"] for r in record["ulysses_ranks"]} == {record["node"]}
+        assert record["ring_ranks"] == [0, 1, 2, 3]  # the group spans both nodes
+        # The same row gives the same log-probs as a ring of 4 on one node.
+        torch.testing.assert_close(torch.tensor(record["logps"]), torch.tensor(ring[rank]["logps"]))
 
 
 @pytest.mark.slow
