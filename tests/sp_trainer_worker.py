@@ -246,7 +246,8 @@ def run_train_task(out_dir: Path, sequence_parallel_size: int, tokenizer, kinds=
 
 
 # Sequence-parallel modes trained against one process: (trainer kind, rejected responses per prompt).
-MODE_RUNS = [("grm", 1), ("grm", 3), ("disrm", 1), ("disrm", 3), ("sft", 1), ("disrm+lora", 3)]
+# (k = 1 for the DisRM is the same code path as for the GRM: one rejected response per prompt.)
+MODE_RUNS = [("grm", 1), ("grm", 3), ("disrm", 3), ("sft", 1), ("disrm+lora", 3)]
 
 
 def mode_trainer(kind, output_dir, tokenizer, num_rejected, **overrides):
@@ -277,9 +278,11 @@ ACCELERATE_RUNS = [("grm", 3, {}), ("disrm", 3, {}), ("sft", 1, {"padding_free":
 
 def run_accelerate_task(out_dir: Path, tokenizer, route: str) -> None:
     """Trainers given no sequence-parallel field of ours: accelerate's `sp_size` (an object in the config, or the
-    accelerate YAML's variables) asks for Ulysses over the world."""
+    accelerate YAML's variables) asks for Ulysses over the world. The config route trains the SFT run only (the
+    other trainers read the object the same way: `SequenceParallelConfig.__post_init__`)."""
     world_size = int(os.environ["WORLD_SIZE"])  # (under `accelerate launch` the group starts with the trainer)
-    for kind, num_rejected, overrides in ACCELERATE_RUNS:
+    runs = ACCELERATE_RUNS if route == "yaml" else [run for run in ACCELERATE_RUNS if run[0] == "sft"]
+    for kind, num_rejected, overrides in runs:
         if route == "config":
             from accelerate import ParallelismConfig
 
