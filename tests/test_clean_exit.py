@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.mark.slow
 def test_two_process_user_scripts_exit_zero(tmp_path):
-    run = subprocess.run([sys.executable, str(ROOT / "bench" / "clean_exit.py"), "--runs", "3", "--modes", "disrm_ring",
+    run = subprocess.run([sys.executable, str(ROOT / "bench" / "clean_exit.py"), "--runs", "2", "--modes", "disrm_ring",
                           "grm_ring", "disrm_ddp", "--log-dir", str(tmp_path)], capture_output=True, text=True, cwd=ROOT,
                          timeout=900)  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
