@@ -125,3 +125,11 @@ def test_judge_base_is_the_trained_disrm_backbone_under_a_seeded_lm_head(tmp_pat
     assert judge["lm_head.weight"].shape == disrm["model.embed_tokens.weight"].shape
     assert not torch.equal(judge["lm_head.weight"], disrm["model.embed_tokens.weight"])
     assert torch.equal(judge["lm_head.weight"], weights(runs[1].models["judge"])["lm_head.weight"])
+
+
+def test_the_disrm_set_defaults_to_one_and_a_half_judge_sets_and_can_be_set(tmp_path):
+    from trl_longrm.demo import DISRM_TRAIN_FACTOR, Demo
+
+    assert Demo(DemoConfig(output_dir=str(tmp_path), num_train=2400)).disrm_groups == round(DISRM_TRAIN_FACTOR * 2400)
+    demo = Demo(DemoConfig(output_dir=str(tmp_path), num_train=2400, num_train_disrm=7200))
+    assert demo.disrm_groups == 7200 and demo.settings()["num_train_disrm"] == 7200

@@ -76,6 +76,12 @@ class DemoConfig:
             "step. Default 7000."
         },
     )
+    num_train_disrm: int | None = field(
+        default=None,
+        metadata={
+            "help": "Groups of the DisRM's training set. Default None: `DISRM_TRAIN_FACTOR` (1.5) x num_train."
+        },
+    )
     hidden_size: int = field(default=128, metadata={"help": "Hidden size of the tiny base models. Default 128."})
     num_hidden_layers: int = field(default=2, metadata={"help": "Layers of the tiny base models. Default 2."})
     train_overrides: dict[str, list[str]] = field(
@@ -203,6 +209,8 @@ class Demo:
     def __init__(self, config: DemoConfig):
         self.config = config
         self.root = Path(config.output_dir)
+        # The DisRM's training groups (a one-pass recipe: its steps are these / 8).
+        self.disrm_groups = config.num_train_disrm or round(DISRM_TRAIN_FACTOR * config.num_train)
         self.models = {
             "judge": self.root / "models" / "judge-from-disrm",
             "disrm": self.root / "models" / "tiny-llama-cls",
@@ -230,7 +238,7 @@ class Demo:
             DEMO_DATA,
             seed=self.config.seed,
             num_train=self.config.num_train,
-            num_train_disrm=round(DISRM_TRAIN_FACTOR * self.config.num_train),
+            num_train_disrm=self.disrm_groups,
             prompt_template=str(JUDGE_PROMPTS),
         )
         # The demo owns this folder: files of an interrupted generation (no manifest yet) are overwritten.
@@ -330,6 +338,7 @@ class Demo:
         config = {k: getattr(self.config, k) for k in ("seed", "num_train", "hidden_size", "num_hidden_layers")}
         return {
             **config,
+            "num_train_disrm": self.disrm_groups,
             "train_overrides": self.config.train_overrides,
             "data": DEMO_DATA,
             "disrm_train_factor": DISRM_TRAIN_FACTOR,
