@@ -182,10 +182,10 @@ def gather_sequence(local: torch.Tensor, meta, dim: int = 1, trim_padding: bool 
 def destroy_process_groups() -> None:
     """Destroy torch.distributed's process groups (the default one and every subgroup), if any.
 
-    Registered with `atexit` by the trainers: a gloo group left to the interpreter's finalisation aborted a rank after
-    a successful run in 3 of 100 2-process runs of a plain user script ("terminate called without an active
-    exception", SIGABRT: the launcher then reports the run as failed; `bench/clean_exit.py`). `atexit` runs before
-    finalisation, once the script (and every collective) is done."""
+    Called at exit by the trainers (`trainers.parallel.release_process_groups_at_exit`, after dropping the wrappers
+    that keep the groups alive): a gloo group left to the interpreter's finalisation aborted a rank after a successful
+    run ("terminate called without an active exception", SIGABRT: the launcher then reports the run as failed;
+    `bench/clean_exit.py`). `atexit` runs before finalisation, once the script (and every collective) is done."""
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
 

@@ -120,8 +120,6 @@ def init_sequence_parallel_groups(
     Example:
     ```python
     >>> import torch.distributed as dist
-
-from .config import check_sequence_parallel_mode, ulysses_group_size
     >>> dist.init_process_group("gloo")  # world of 4 processes
     >>> groups = init_sequence_parallel_groups(2)  # rings [0, 1] and [2, 3]; data-parallel groups [0, 2] and [1, 3]
     ```

@@ -321,10 +321,9 @@ class RingAttentionMetadata:
             return self
         if "view" not in self._cache:
             place = self.rank // self.ulysses_size
-            owned = chunk_owners(self.placement, self.num_chunks, self.ring_size, self.cu_seqlens, self.segment_parents)
             self._cache["view"] = dataclasses.replace(
                 self,
-                local_start=chunk_ranges(owned[place], self.total_length // self.num_chunks)[0][0],
+                local_start=self.local_ranges(place * self.ulysses_size)[0][0],  # the place's first slice's start
                 local_length=self.total_length // self.ring_size,
                 group=self.ring_group if self.ring_size > 1 else None,
                 group_size=self.ring_size,
