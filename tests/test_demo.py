@@ -133,3 +133,13 @@ def test_the_disrm_set_defaults_to_one_and_a_half_judge_sets_and_can_be_set(tmp_
     assert Demo(DemoConfig(output_dir=str(tmp_path), num_train=2400)).disrm_groups == round(DISRM_TRAIN_FACTOR * 2400)
     demo = Demo(DemoConfig(output_dir=str(tmp_path), num_train=2400, num_train_disrm=7200))
     assert demo.disrm_groups == 7200 and demo.settings()["num_train_disrm"] == 7200
+
+
+def test_demo_cli_parses_every_field_as_the_python_api_types_it():
+    """`--num-train-disrm` (`int | None`) is an int on the command line too (it was refused as a `NoneType` value)."""
+    from trl_longrm.demo import build_parser
+
+    args = build_parser().parse_args(["--num-train-disrm", "50", "--num-train", "30", "--no-evaluate-base-models"])
+    assert args.num_train_disrm == 50 and args.num_train == 30 and args.evaluate_base_models is False
+    assert DemoConfig(**vars(args)).num_train_disrm == 50
+    assert build_parser().parse_args([]).num_train_disrm is None

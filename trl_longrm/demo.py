@@ -494,6 +494,8 @@ def run_demo(config: DemoConfig | None = None) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from trl_longrm.dataclass_flags import flag_type
+
     parser = argparse.ArgumentParser(prog="python -m trl_longrm.demo", description=__doc__.splitlines()[0])
     defaults = DemoConfig()
     for f in dataclasses.fields(DemoConfig):
@@ -505,8 +507,8 @@ def build_parser() -> argparse.ArgumentParser:
             kwargs.update(nargs="+", choices=list(STAGES) if f.name == "stages" else ["PairWise", "BestOfN"])
         elif isinstance(default, bool):  # `type=bool` would read "False" as True
             kwargs["action"] = argparse.BooleanOptionalAction
-        else:
-            kwargs["type"] = type(default)
+        else:  # a scalar, or None for an optional one (`num_train_disrm: int | None`: int)
+            kwargs["type"] = flag_type(DemoConfig, f, default)
         parser.add_argument("--" + f.name.replace("_", "-"), **kwargs)
     return parser
 

@@ -13,8 +13,8 @@ import dataclasses
 import json
 import logging
 import sys
-import typing
 
+from trl_longrm.dataclass_flags import flag_type
 from trl_longrm.synthetic.suite import SyntheticConfig, generate_synthetic_suite
 
 
@@ -36,7 +36,6 @@ def build_parser() -> argparse.ArgumentParser:
         "refuse; a suite with a manifest is always replaced.",
     )
     defaults = SyntheticConfig()
-    hints = typing.get_type_hints(SyntheticConfig)
     for f in dataclasses.fields(SyntheticConfig):
         flag = "--" + f.name.replace("_", "-")
         default = getattr(defaults, f.name)
@@ -45,13 +44,11 @@ def build_parser() -> argparse.ArgumentParser:
             kwargs["action"] = argparse.BooleanOptionalAction
         elif isinstance(default, dict):
             kwargs.update(nargs="+", type=_bucket, metavar="BUCKET=TOKENS")
-        elif default is None:  # an optional value: its type is the annotation's other member (`int | None`: int)
-            kwargs["type"] = next((t for t in typing.get_args(hints[f.name]) if t is not type(None)), str)
         elif isinstance(default, (list, tuple)):
             item = type(default[0])
             kwargs.update(nargs=len(default) if isinstance(default, tuple) else "+", type=item)
-        else:
-            kwargs["type"] = type(default)
+        else:  # a scalar, or None for an optional one (`int | None`: int)
+            kwargs["type"] = flag_type(SyntheticConfig, f, default)
         parser.add_argument(flag, **kwargs)
     return parser
 
