@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from trl_longrm.demo import DemoConfig, run_demo, summary_table
+from trl_longrm.demo import SMALL_DEMO, DemoConfig, run_demo, summary_table
 
 
 def weights(directory: Path) -> dict[str, torch.Tensor]:
@@ -20,16 +20,17 @@ def weights(directory: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-# A smaller demo: the whole pipeline on 2400 training examples per judge set instead of 7000 (DisRM 450 steps on 3600
-# groups on the ring of 2, SFT 600 steps, SimPO-GRM 50 steps), without the base models' evaluations. What it must
-# show at this size, in every seed (the full demo's figures over 3 seeds are in the README): the DisRM and the judge
-# after SFT well above chance, and stage II close to stage I.
-SMALL_DEMO = dict(num_train=2400, evaluate_base_models=False, train_overrides={"simpo_grm": ["--max_steps", "50"]})
-# Measured at this size (PairWise accuracy, seeds 0 / 1; CI run of 2026-11-23): DisRM 96.4 / 82.7, judge after SFT
-# 87.5 / 86.3, after SimPO 83.3 / 89.3. The floors sit below the weaker seed; stage II is allowed a 6-point drop here
-# (seed 0 lost 4.2 with its 50 steps), where the full demo's target is 1 point (met: README, "Demo results").
-DISRM_MIN = 0.75
-SFT_MIN = 0.80
+# The reduced demo (`SMALL_DEMO`: 2400 examples per judge set, 3600 DisRM groups = 450 steps on the ring of 2, SFT 600
+# steps, SimPO-GRM 50 steps, no base-model evaluations). What it must show in every seed and on any machine (the full
+# demo's figures are in the README): the DisRM and the judge after SFT well above chance, stage II close to stage I.
+# The floors sit about 10 points below the lowest of 10 runs, seeds 0-4 on two CPU kernel profiles (native AVX-512 and
+# forced AVX2, whose rounding differs: `bench/demo_seeds.py`, `bench/results/demo_seeds.json`): DisRM 81.0% (seed 3;
+# seeds 0 / 1, the ones run here: 98.8 / 94.6 native, 98.2 / 95.2 AVX2), judge after SFT 76.2% (seed 3, both
+# profiles), stage II at most 3.0 points below stage I (seed 3, native). Before the tiny DisRM recipe took `pairwise`
+# rejection and reward centering, the lowest DisRM of seeds 0-4 was 59.5% on this machine, and seed 1 fell from 86.9%
+# to 75.6% (here) or 57.1% (another machine) with the machine's rounding.
+DISRM_MIN = 0.70
+SFT_MIN = 0.65
 STAGE_II_DROP = 0.06
 
 
