@@ -58,6 +58,9 @@ def run_once(output_dir: Path, seed: int, profile: str, stages: list[str]) -> di
         "wall_s": round(time.perf_counter() - start),
         "pairwise": {name: row["pairwise_avg"] for name, row in summary["models"].items()},
         "auc": {name: row["auc"] for name, row in summary["models"].items()},
+        # Judgments without a parseable verdict (counted as wrong in the accuracy), of `records`.
+        "unparseable": {name: row["unparseable"] for name, row in summary["models"].items()},
+        "records": {name: row["records"] for name, row in summary["models"].items()},
         "timings_s": summary["timings_s"],
     }
 
@@ -86,6 +89,7 @@ def main() -> int:
         "settings": SMALL_DEMO,
         "runs": runs,
         "lowest_pairwise": {stage: min(run["pairwise"][stage] for run in runs) for stage in stages},
+        "most_unparseable": {stage: max(run["unparseable"][stage] for run in runs) for stage in stages},
         "lowest_pairwise_by_profile": {
             profile: {stage: min(r["pairwise"][stage] for r in runs if r["profile"] == profile) for stage in stages}
             for profile in args.profiles
