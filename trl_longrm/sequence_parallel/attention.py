@@ -218,8 +218,8 @@ def _attend(q, k, v, meta: RingAttentionMetadata, scaling: float, kernel, device
     """q/k/v of the tokens `meta` describes: locally under autograd without a ring, else the ring attention."""
     if meta.group is None:
         # No ring (one process, or Ulysses alone): nothing to gather, so `_RingAttention` (which gathers each head
-        # chunk again in the backward to bound the gathered memory) only costs time. All heads at once under plain autograd let the
-        # fused kernels' own backward (SDPA's, flash-attn's varlen) reuse the forward's log-sum-exp: ~30%
+        # chunk again in the backward to bound the gathered memory) only costs time. All heads at once under plain
+        # autograd let the fused kernels' own backward (SDPA's, flash-attn's varlen) reuse the forward's log-sum-exp: ~30%
         # shorter packed DisRM steps on CPU.
         return kernel.forward(q, k, v, meta, scaling)
     return _RingAttention.apply(q, k, v, meta, scaling, _ring_kernel(meta, kernel, device))
