@@ -61,6 +61,21 @@ def test_head_stride_must_divide_kv_heads(tokenizer):
         validate_sequence_parallel_setup(model, SequenceParallelConfig(sequence_parallel_size=4), world_size=6)
 
 
+def test_head_stride_error_names_the_heads_a_ulysses_rank_holds(tokenizer):
+    from trl_longrm.sequence_parallel import validate_ring_attention_model
+
+    model = build_tiny_model("llama", tokenizer=tokenizer)  # 4 query heads, 2 KV heads
+    assert (model.config.num_attention_heads, model.config.num_key_value_heads) == (4, 2)
+    # Ulysses over 4 ranks: one query head per rank, each KV head replicated on 2 ranks -> 1 KV head per rank.
+    config = SequenceParallelConfig(sequence_parallel_size=4, sequence_parallel_mode="ulysses", ring_head_stride=2)
+    with pytest.raises(ValueError) as error:
+        validate_ring_attention_model(model, config)
+    message = str(error.value)
+    assert "the 1 key/value heads each rank holds after the Ulysses exchange" in message
+    assert "the model's 2 over a Ulysses group of 4, each head replicated" in message
+    assert "valid values: [1]" in message and "model's number of key/value heads (1)" not in message
+
+
 @pytest.mark.skipif(is_flash_attn_available(), reason="flash-attn is installed here")
 def test_flash_backend_without_flash_attn(tokenizer):
     with pytest.raises(ImportError, match="needs the flash-attn package"):

@@ -345,7 +345,9 @@ def ring_attention_forward(
         metas = [ring_attn_meta]
     outputs = []
     for b, meta in enumerate(metas):
-        check_ring_head_stride(meta.ring_head_stride, max(key.shape[1] // meta.ulysses_size, 1))
+        check_ring_head_stride(
+            meta.ring_head_stride, max(key.shape[1] // meta.ulysses_size, 1), key.shape[1], meta.ulysses_size
+        )
         kernel = resolve_kernel(meta.backend, query.device, query.dtype)
         if meta.has_shared_prefixes:
             kernel = _shared_prefix_kernel(meta, kernel, query.device)

@@ -6,8 +6,12 @@ from .config import RING_ATTENTION_BACKENDS, SequenceParallelConfig, ulysses_gro
 from .groups import check_sequence_parallel_size
 
 
-def check_ring_head_stride(ring_head_stride: int | None, num_key_value_heads: int) -> None:
-    """Raise unless `ring_head_stride` (None = all heads) divides the number of key/value heads.
+def check_ring_head_stride(
+    ring_head_stride: int | None, num_key_value_heads: int, model_key_value_heads: int | None = None, ulysses_size: int = 1
+) -> None:
+    """Raise unless `ring_head_stride` (None = all heads) divides `num_key_value_heads`, the key/value heads the ring
+    passes on one rank: the model's (`model_key_value_heads`, default the same), or its share after a Ulysses
+    exchange over `ulysses_size` ranks.
 
     Example:
     ```python
@@ -19,9 +23,19 @@ def check_ring_head_stride(ring_head_stride: int | None, num_key_value_heads: in
         return
     if not isinstance(ring_head_stride, int) or ring_head_stride < 1 or num_key_value_heads % ring_head_stride:
         divisors = [d for d in range(1, num_key_value_heads + 1) if num_key_value_heads % d == 0]
+        if ulysses_size > 1:
+            model_heads = num_key_value_heads if model_key_value_heads is None else model_key_value_heads
+            held = (
+                f"the {num_key_value_heads} key/value heads each rank holds after the Ulysses exchange (the model's "
+                f"{model_heads} over a Ulysses group of {ulysses_size}"
+                + (", each head replicated" if model_heads < ulysses_size else "")
+                + ")"
+            )
+        else:
+            held = f"the model's number of key/value heads ({num_key_value_heads})"
         raise ValueError(
-            f"ring_head_stride={ring_head_stride!r} must divide the model's number of key/value heads "
-            f"({num_key_value_heads}); valid values: {divisors} (or None for all heads at once)."
+            f"ring_head_stride={ring_head_stride!r} must divide {held}; valid values: {divisors} (or None for all "
+            "heads at once)."
         )
 
 
@@ -140,7 +154,7 @@ def validate_ring_attention_model(model, config: SequenceParallelConfig | None =
     )
     check_ulysses_heads(num_heads, num_kv_heads, ulysses, name)
     # After the Ulysses exchange the ring gathers this rank's share of the key/value heads.
-    check_ring_head_stride(config.ring_head_stride, max(num_kv_heads // ulysses, 1))
+    check_ring_head_stride(config.ring_head_stride, max(num_kv_heads // ulysses, 1), num_kv_heads, ulysses)
     check_ring_attention_backend(config.ring_attn_backend)
     return base
 
