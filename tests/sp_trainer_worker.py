@@ -16,6 +16,7 @@ import sys
 import traceback
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from datasets import Dataset
@@ -42,6 +43,9 @@ KINDS = ("grm", "disrm", "sft")
 STEP_GROUPS, STEP_BATCH, STEP_SEED = 6, 3, 18
 # The training runs: 12 groups, 2 per micro-batch, 3 optimizer steps of 2 micro-batches (one epoch).
 TRAIN_GROUPS, TRAIN_BATCH, TRAIN_STEPS, TRAIN_SEED = 12, 2, 3, 21
+# After training, `evaluate()` on 8 groups (whole batches: the eval loss of 2 replicas is then one process's) and
+# `predict()` on the first 7 (2 replicas of 2 rows: accelerate repeats a row in the last batch, which must be dropped).
+EVAL_GROUPS, EVAL_BATCH, PREDICT_GROUPS, EVAL_SEED = 8, 2, 7, 33
 
 
 def sft_examples(groups: Dataset) -> Dataset:
@@ -57,10 +61,29 @@ def sft_examples(groups: Dataset) -> Dataset:
     )
 
 
-def build_trainer(kind, output_dir, tokenizer, num_groups, data_seed, num_rejected=2, **overrides):
+class PredictionRecorder:
+    """A `compute_metrics` that keeps what the trainer passes it (as a user's metric would see it) and reports how many
+    predictions it received."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, prediction):
+        self.calls.append((np.array(prediction.predictions), np.array(prediction.label_ids)))
+        return {"predictions_seen": float(len(prediction.predictions))}
+
+
+def build_trainer(kind, output_dir, tokenizer, num_groups, data_seed, num_rejected=2, eval_groups=0, **overrides):
     """A trainer of `kind` on a tiny fp32 model (same weights on every process) and random tokenised groups; `kind`
-    ending in "+lora" trains a LoRA adapter (seeded, non-zero B) instead of every weight."""
+    ending in "+lora" trains a LoRA adapter (seeded, non-zero B) instead of every weight. With `eval_groups`, an eval
+    dataset of that many groups and, for the preference trainers, a `PredictionRecorder` as `compute_metrics`."""
     data = random_groups(tokenizer, num_groups, num_rejected, seed=data_seed)
+    evals = {}
+    if eval_groups:
+        eval_data = random_groups(tokenizer, eval_groups, num_rejected, seed=EVAL_SEED)
+        evals["eval_dataset"] = sft_examples(eval_data) if kind.startswith("sft") else eval_data
+        if not kind.startswith("sft"):  # SFT's predictions are padded logits of packed rows: compared by `predict()`
+            evals["compute_metrics"] = PredictionRecorder()
     args = cpu_args(output_dir, **overrides)
     kind, _, adapter = kind.partition("+")
     peft = {}
@@ -74,18 +97,19 @@ def build_trainer(kind, output_dir, tokenizer, num_groups, data_seed, num_reject
     if kind == "grm":
         model = build_tiny_model("llama", "causal-lm", tokenizer, seed=3)
         return SimPOGRMTrainer(
-            model=model, args=SimPOGRMConfig(**args), train_dataset=data, processing_class=tokenizer, **peft
+            model=model, args=SimPOGRMConfig(**args), train_dataset=data, processing_class=tokenizer, **peft, **evals
         )
     if kind == "disrm":
         model = build_tiny_model("qwen3", "seq-cls", tokenizer, seed=3)
         return SimPODisRMTrainer(
-            model=model, args=SimPODisRMConfig(**args), train_dataset=data, processing_class=tokenizer, **peft
+            model=model, args=SimPODisRMConfig(**args), train_dataset=data, processing_class=tokenizer, **peft, **evals
         )
     if kind == "sft":
         model = build_tiny_model("qwen3", "causal-lm", tokenizer, seed=3)
         return LongSFTTrainer(
-            model=model, args=LongSFTConfig(**args), train_dataset=sft_examples(data), processing_class=tokenizer
-        )
+            model=model, args=LongSFTConfig(**args), train_dataset=sft_examples(data), processing_class=tokenizer,
+            **evals,
+        )  # fmt: skip
     raise ValueError(f"unknown trainer kind {kind!r}")
 
 
@@ -111,12 +135,16 @@ def train_trainer(kind, output_dir, tokenizer, **overrides):
         max_grad_norm=0.0,  # no clipping: it would hide a wrongly scaled gradient
         lr_scheduler_type="constant",
         logging_steps=1,
+        include_num_input_tokens_seen=True,  # the counter users read (and the tokens per second derived from it)
+        per_device_eval_batch_size=EVAL_BATCH,
     )
     if kind == "grm":
         # The NLL term is a token mean over one micro-batch's chosen responses (as in TRL's CPOTrainer), so two
         # replicas of b groups differ from one process of 2b groups by design; the one-step test covers it.
         settings["nll_loss_weight"] = 0.0
-    return build_trainer(kind, output_dir, tokenizer, TRAIN_GROUPS, TRAIN_SEED, **{**settings, **overrides})
+    return build_trainer(
+        kind, output_dir, tokenizer, TRAIN_GROUPS, TRAIN_SEED, eval_groups=EVAL_GROUPS, **{**settings, **overrides}
+    )
 
 
 def one_step(trainer) -> dict:
@@ -156,18 +184,36 @@ def world_average(grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
+# Logged values that measure time, not the run.
+TIMING_KEYS = ("_runtime", "_per_second")
+
+
+def untimed(metrics: dict) -> dict:
+    return {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not k.endswith(TIMING_KEYS)}
+
+
 def final_state(trainer) -> dict:
+    """What a user reads after `train()`: the weights, every logged metric and counter, and, when the trainer has an
+    eval dataset, `evaluate()`'s metrics, what `compute_metrics` received, and `predict()`'s outputs."""
     model = trainer.accelerator.unwrap_model(trainer.model)
-    logged = [
-        {k: v for k, v in log.items() if isinstance(v, (int, float))}
-        for log in trainer.state.log_history
-        if "loss" in log
-    ]
-    return {
+    logs = [log for log in trainer.state.log_history if "loss" in log]
+    state = {
         "params": {n: p.detach().clone() for n, p in model.named_parameters()},
-        "logs": logged,
+        "logs": [untimed(log) for log in logs],
+        # Tokens per second times the seconds they were measured over: the token count behind the logged speed.
+        "timed_tokens": [log["train_tokens_per_second"] * log["train_runtime"] for log in logs],
+        "total_flos": trainer.state.total_flos,
         "global_step": trainer.state.global_step,
     }
+    if trainer.eval_dataset is not None:
+        recorder = trainer.compute_metrics
+        state["eval"] = untimed(trainer.evaluate())
+        if isinstance(recorder, PredictionRecorder):
+            state["compute_metrics_inputs"] = [np.concatenate(arrays) for arrays in zip(*recorder.calls)]
+            recorder.calls.clear()
+        output = trainer.predict(trainer.eval_dataset.select(range(PREDICT_GROUPS)))
+        state["predict"] = (np.array(output.predictions), np.array(output.label_ids))
+    return state
 
 
 def run_step_task(out_dir: Path, world_size: int, tokenizer) -> None:
@@ -266,8 +312,9 @@ def run_modes_task(out_dir: Path, world_size: int, tokenizer, mode: str, ulysses
                                ulysses_size=ulysses_size)  # fmt: skip
         assert trainer.sp_groups.ulysses_size == (ulysses_size or world_size)
         trainer.train()
+        state = final_state(trainer)  # on every rank: `evaluate()` and `predict()` are collective
         if dist.get_rank() == 0:
-            torch.save(final_state(trainer), out_dir / f"mode_{mode}{ulysses_size or ''}_{kind}{num_rejected}_world{world_size}.pt")
+            torch.save(state, out_dir / f"mode_{mode}{ulysses_size or ''}_{kind}{num_rejected}_world{world_size}.pt")
         del trainer
 
 
@@ -292,8 +339,8 @@ def run_accelerate_task(out_dir: Path, tokenizer, route: str) -> None:
         assert groups is not None and groups.mode == "ulysses" and groups.ulysses_size == world_size, kind
         assert trainer.accelerator.parallelism_config is None or not trainer.accelerator.parallelism_config.sp_enabled
         trainer.train()
+        state = final_state(trainer)  # on every rank: `evaluate()` and `predict()` are collective
         if dist.get_rank() == 0:
-            state = final_state(trainer)
             state["distributed_type"] = str(trainer.accelerator.distributed_type)
             torch.save(state, out_dir / f"accelerate_{route}_{kind}.pt")
         del trainer

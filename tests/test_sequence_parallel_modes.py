@@ -6,7 +6,7 @@ term on, and a LoRA DisRM. The tiny models have 4 query / 2 key-value heads: Uly
 import pytest
 import sp_trainer_worker as worker
 import torch
-from test_sequence_parallel_trainers import PRELOAD, assert_state_close
+from test_sequence_parallel_trainers import PRELOAD, assert_state_close, assert_user_figures_match
 
 from trl_longrm.sequence_parallel.launch import run_on_gloo_ranks
 from trl_longrm.testing_utils import build_chat_tokenizer
@@ -45,3 +45,4 @@ def test_modes_train_like_one_process(tmp_path, references, world_size, modes):
             else:
                 assert len(moved) > len(want["params"]) // 2, what
             assert [log["loss"] for log in got["logs"]] == pytest.approx([log["loss"] for log in want["logs"]], abs=1e-5), what
+            assert_user_figures_match(got, want, what, data_parallel_size=1)

@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import sp_trainer_worker as worker
 import torch
@@ -79,6 +80,38 @@ def test_one_step_equals_single_process(tmp_path, tokenizer, world_size):
         assert kind in ("ImportError", "ValueError") and "flash" in message.lower()
 
 
+def assert_user_figures_match(got: dict, want: dict, what: str, data_parallel_size: int) -> None:
+    """Every figure a user reads from a sequence-parallel run (`worker.final_state`) equals one process's on the same
+    global batches: each logged metric and counter (`num_input_tokens_seen`, `num_tokens`, the rewards and
+    accuracies, `mean_token_accuracy`, ...), the token count behind the logged tokens per second, `total_flos`,
+    `evaluate()`'s metrics, the predictions `compute_metrics` receives, and `predict()`'s outputs."""
+    assert len(got["logs"]) == len(want["logs"]), what
+    for step, (log, reference) in enumerate(zip(got["logs"], want["logs"])):
+        assert log.keys() == reference.keys(), (what, step, sorted(log.keys() ^ reference.keys()))
+        for name, value in reference.items():
+            assert log[name] == pytest.approx(value, rel=1e-4, abs=1e-5), (what, step, name, log[name], value)
+    seen = [log["num_input_tokens_seen"] for log in want["logs"]]
+    assert seen[0] > 0, what
+    # Rounded to 4 decimals by transformers' speed_metrics: the product is the count within a fraction of a percent.
+    assert got["timed_tokens"] == pytest.approx(seen, rel=5e-3), (what, "tokens behind train_tokens_per_second")
+    assert got["total_flos"] == pytest.approx(want["total_flos"], rel=1e-6), (what, "total_flos")
+    assert got["eval"].keys() == want["eval"].keys(), (what, sorted(got["eval"].keys() ^ want["eval"].keys()))
+    for name, value in want["eval"].items():
+        assert got["eval"][name] == pytest.approx(value, rel=1e-4, abs=1e-5), (what, name, got["eval"][name], value)
+    if "compute_metrics_inputs" in want:
+        assert want["eval"]["eval_predictions_seen"] == worker.EVAL_GROUPS, what
+        for mine, reference in zip(got["compute_metrics_inputs"], want["compute_metrics_inputs"], strict=True):
+            np.testing.assert_allclose(mine, reference, rtol=1e-4, atol=1e-5, err_msg=f"{what} compute_metrics input")
+    # SFT predicts the logits of its packed rows, laid out by the micro-batch: comparable with one replica only.
+    if "compute_metrics_inputs" in want or data_parallel_size == 1:
+        predictions, labels = got["predict"]
+        assert predictions.shape == want["predict"][0].shape, (what, "predict()")
+        if "compute_metrics_inputs" in want:
+            assert predictions.shape[0] == worker.PREDICT_GROUPS, what
+        np.testing.assert_allclose(predictions, want["predict"][0], rtol=1e-4, atol=1e-5, err_msg=f"{what} predict()")
+        np.testing.assert_array_equal(labels, want["predict"][1], err_msg=f"{what} predict() labels")
+
+
 def single_process_training(kind, tmp_path, tokenizer) -> dict:
     """What 2 data-parallel replicas of micro-batch b train on, seen by one process as micro-batch 2b."""
     trainer = worker.train_trainer(
@@ -87,6 +120,7 @@ def single_process_training(kind, tmp_path, tokenizer) -> dict:
         tokenizer,
         sequence_parallel_size=1,
         per_device_train_batch_size=2 * worker.TRAIN_BATCH,
+        per_device_eval_batch_size=2 * worker.EVAL_BATCH,
     )
     initial = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     trainer.train()
@@ -105,6 +139,7 @@ def check_training(result: dict, reference: dict, kind: str, distributed_type: s
     losses = [log["loss"] for log in result["logs"]]
     want = [log["loss"] for log in reference["logs"]]
     assert losses == pytest.approx(want, abs=1e-5), kind
+    assert_user_figures_match(result, reference, f"{kind} {distributed_type}", data_parallel_size=2)
 
 
 @pytest.mark.slow

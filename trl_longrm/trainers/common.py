@@ -447,12 +447,13 @@ def per_sequence_logps(
     return sums, counts
 
 
-def reduce_over_rows(accelerator, values: dict[str, tuple[torch.Tensor, torch.Tensor]], num_rows: int) -> dict:
+def reduce_over_rows(gather, values: dict[str, tuple[torch.Tensor, torch.Tensor]], num_rows: int) -> dict:
     """Mean, min and max of per-group metric values over every group of the global batch, each counted once.
 
     `values` maps a name to `(values [N], rows [N])`: one value per item (a group, or a rejected response) and the
     dataset row (example or pack) of the micro-batch it belongs to. Reduced to per-row sums, counts, minima and maxima
-    (`[num_rows, 4]` per metric, the same shape on every rank), the table goes through `gather_for_metrics`, which
+    (`[num_rows, 4]` per metric, the same shape on every rank), the table goes through `gather` (the trainer's
+    `gather_for_metrics`: each row once, also when the ranks of a sequence-parallel group hold the same rows), which
     drops the rows accelerate repeated to even out the last batch; gathering the items themselves would crash across
     data-parallel ranks holding different numbers of groups, and would cut the repeated rows by the wrong count.
     Returns `{name: {"mean", "min", "max"}}` (NaN where no item).
@@ -467,7 +468,7 @@ def reduce_over_rows(accelerator, values: dict[str, tuple[torch.Tensor, torch.Te
         lows = zeros.scatter_reduce(0, rows, item_values, "amin", include_self=False)
         highs = zeros.scatter_reduce(0, rows, item_values, "amax", include_self=False)
         columns.append(torch.stack([sums, counts, lows, highs], dim=1))
-    table = accelerator.gather_for_metrics(torch.stack(columns, dim=1))  # [rows of all ranks, metrics, 4]
+    table = gather(torch.stack(columns, dim=1))  # [rows of all ranks, metrics, 4]
     reduced = {}
     for i, name in enumerate(values):
         sums, counts, lows, highs = table[:, i].unbind(-1)

@@ -496,11 +496,7 @@ class LongSFTTrainer(SequenceParallelMixin, SFTTrainer):
         return self.forward_token_logps(model, batch)
 
     def _token_logps_and_stats(self, model, batch):
-        if self.sp_groups is not None:  # a ring: the arg-max and entropy of a split row are not gathered
-            token_logps, label_mask = self.token_logps(model, batch)
-            return token_logps, label_mask, None, None
-        out = model(**self._packed_row_inputs(batch), logprob_labels=batch["labels"], logprob_metrics=True)
-        return out.token_logps, out.label_mask, out.is_top1, out.entropy
+        return self.forward_token_logps(model, batch, with_stats=True)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if self._stock_path:
@@ -517,7 +513,7 @@ class LongSFTTrainer(SequenceParallelMixin, SFTTrainer):
         if self.args.average_tokens_across_devices and num_items_in_batch is not None:
             loss = loss * self.accelerator.num_processes
 
-        gather = self.accelerator.gather_for_metrics
+        gather = self.gather_for_metrics  # each row once, also when a sequence-parallel group holds it
         with torch.no_grad():
             if mode == "train":
                 self._total_train_tokens += self._count_tokens(inputs)
@@ -525,12 +521,11 @@ class LongSFTTrainer(SequenceParallelMixin, SFTTrainer):
             scored = gather(label_mask.sum()).sum()
             nll = gather(-token_logps.detach().sum()).sum() / scored.clamp(min=1)
             self._metrics[mode]["nll"].append(nll.item())
-            if is_top1 is not None:
-                correct = gather(is_top1.sum()).sum()
-                entropy_sum = gather(entropy.sum()).sum()
-                valid = scored.item() > 0
-                self._metrics[mode]["mean_token_accuracy"].append((correct / scored).item() if valid else 0.0)
-                self._metrics[mode]["entropy"].append((entropy_sum / scored).item() if valid else 0.0)
+            correct = gather(is_top1.sum()).sum()
+            entropy_sum = gather(entropy.sum()).sum()
+            valid = scored.item() > 0
+            self._metrics[mode]["mean_token_accuracy"].append((correct / scored).item() if valid else 0.0)
+            self._metrics[mode]["entropy"].append((entropy_sum / scored).item() if valid else 0.0)
         if return_outputs:
             return loss, {"token_logps": token_logps}
         return loss
@@ -543,12 +538,7 @@ class LongSFTTrainer(SequenceParallelMixin, SFTTrainer):
             loss = self.compute_loss(model, inputs)
             if prediction_loss_only:
                 return loss.detach(), None, None
-            if self.sp_groups is not None:
-                raise ValueError(
-                    "`compute_metrics` / `predict()` need the full logits, which a row split over a ring "
-                    f"(sequence_parallel_size={self.sp_groups.sequence_parallel_size}) does not have; set "
-                    "`prediction_loss_only=True`."
-                )
-            # As TRL: the sparse head builds no logits, so they come from one more (plain) forward.
-            logits = model(**self._packed_row_inputs(inputs)).logits
+            # As TRL: the sparse head builds no logits, so they come from one more (plain) forward; a row split over
+            # a sequence-parallel group has them gathered.
+            logits = self.forward_logits(model, inputs)
         return loss.detach(), logits, inputs["labels"]

@@ -8,6 +8,7 @@ The mixin goes first in a trainer's bases so that its dataloader and batch-size 
 from __future__ import annotations
 
 import atexit
+import functools
 import gc
 import logging
 import weakref
@@ -26,6 +27,7 @@ from trl_longrm.sequence_parallel import (
     validate_sequence_parallel_setup,
 )
 from trl_longrm.sequence_parallel.collectives import all_reduce_autograd, destroy_process_groups
+from trl_longrm.sequence_parallel.metrics_gather import gather_for_metrics
 from trl_longrm.sequence_parallel.sharding import packed_row_metadata, shared_row_metadata
 from trl_longrm.trainers.common import model_inputs
 
@@ -128,6 +130,11 @@ class SequenceParallelMixin:
         # accelerate shards batches over every process; ranks of one ring must share a batch instead.
         batch_sampler.num_processes = self.sp_groups.data_parallel_size
         batch_sampler.process_index = self.sp_groups.data_parallel_rank
+        if self.sp_groups.data_parallel_size == 1:
+            # One replica reads the data as one process does: accelerate would complete the epoch's last, short batch
+            # with rows from the start (to even out batches over processes), which one process never trains on and,
+            # in a packed row, `gather_for_metrics` cannot cut off again.
+            batch_sampler.even_batches = False
         return dataloader
 
     def get_train_dataloader(self):
@@ -136,19 +143,49 @@ class SequenceParallelMixin:
     def get_eval_dataloader(self, eval_dataset=None):
         return self._shard_by_data_parallel_rank(super().get_eval_dataloader(eval_dataset))
 
+    def get_test_dataloader(self, test_dataset):
+        return self._shard_by_data_parallel_rank(super().get_test_dataloader(test_dataset))
+
     def get_total_train_batch_size(self, args) -> int:
         # Ring ranks train on the same rows: the global batch counts data-parallel replicas only.
         return super().get_total_train_batch_size(args) // self.sequence_parallel_size
 
+    # ------------------------------------------------------------------ metrics and counters: every row once
+
+    def gather_for_metrics(self, data, use_gather_object: bool = False):
+        """`accelerator.gather_for_metrics`, counting each row once when the ranks of a sequence-parallel group hold
+        the same rows (`trl_longrm.sequence_parallel.metrics_gather`); accelerate's own without sequence parallelism.
+        Every metric, prediction and counter of the trainers goes through it."""
+        return gather_for_metrics(self.accelerator, self.sp_groups, data, use_gather_object=use_gather_object)
+
+    def evaluation_loop(self, *args, **kwargs):
+        # The HF Trainer gathers losses, predictions and labels with `self.gather_function`, and resets it to
+        # accelerate's after every loop: set ours for each loop.
+        if self.sp_groups is not None:
+            self.gather_function = functools.partial(
+                self.gather_for_metrics, use_gather_object=self.args.eval_use_gather_object
+            )
+        return super().evaluation_loop(*args, **kwargs)
+
+    def _track_num_input_tokens(self, inputs):
+        # The HF Trainer sums every rank's (unsplit) batch over the world: each row once per rank of its group.
+        before = self.state.num_input_tokens_seen
+        super()._track_num_input_tokens(inputs)
+        added = self.state.num_input_tokens_seen - before
+        self.state.num_input_tokens_seen = before + added // self.sequence_parallel_size
+
+    def floating_point_ops(self, inputs) -> float:
+        # Each rank of a group computes its share of the row; `store_flos` sums the ranks' counts over the world.
+        return super().floating_point_ops(inputs) / self.sequence_parallel_size
+
     def _count_tokens(self, batch) -> int:
-        """Real tokens of this step over all data-parallel replicas (each ring rank holds the same row): the tokens
-        placed in the row, so a shared prompt counts once."""
+        """Real tokens of this step over all data-parallel replicas (each rank of a group holds the same row): the
+        tokens placed in the row, so a shared prompt counts once."""
         if is_shared_prefix_batch(batch):
             placed = batch["segment_lengths"].sum()
         else:
             placed = batch["sequence_lengths"].sum()
-        total = self.accelerator.gather_for_metrics(placed).sum().item()
-        return int(total) // self.sequence_parallel_size
+        return int(self.gather_for_metrics(placed).sum().item())
 
     # ------------------------------------------------------------------ forwards over a whole (possibly split) row
 
@@ -212,15 +249,19 @@ class SequenceParallelMixin:
             values = output.token_logps.new_zeros(positions.shape) + 0.0 * output.token_logps.sum()
         return all_reduce_autograd(values, meta.group)
 
-    def forward_token_logps(self, model, batch) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_token_logps(self, model, batch, with_stats: bool = False):
         """Per-position log-prob of the next token (`[B, L]`, 0 where unscored) and the mask of scored positions,
-        for the whole row even when it is split over a ring."""
+        for the whole row even when it is split over a ring. With `with_stats`, also whether each label is the
+        arg-max and the entropy of each prediction (`[B, L]`, 0 where unscored, no gradient: TRL's
+        `mean_token_accuracy` and `entropy`)."""
         if is_shared_prefix_batch(batch):
             raise ValueError(
                 "A shared-prefix batch has no per-token labels: read its log-probs with forward_pair_logps."
             )
         if self.sp_groups is None:
-            output = model(**self._packed_row_inputs(batch), logprob_labels=batch["labels"])
+            output = model(**self._packed_row_inputs(batch), logprob_labels=batch["labels"], logprob_metrics=with_stats)
+            if with_stats:
+                return output.token_logps, output.label_mask, output.is_top1, output.entropy
             return output.token_logps, output.label_mask
         shard = self._shard(batch, batch["labels"])
         scored = shard.shift_labels != -100
@@ -233,11 +274,25 @@ class SequenceParallelMixin:
             shift_labels = torch.where(torch.arange(scored.shape[1], device=scored.device) == 0, 0, shift_labels).to(
                 shift_labels.dtype
             )
-        output = model(**shard.model_inputs(), logprob_shift_labels=shift_labels)
+        output = model(**shard.model_inputs(), logprob_shift_labels=shift_labels, logprob_metrics=with_stats)
         local = torch.where(scored, output.token_logps, 0.0)
         # The gather's backward sums every rank's contribution: averaging gradients over the world is then exact.
         token_logps = gather_sequence(local, shard.attention_meta)
-        return token_logps, shift_labels_left(batch["labels"]) != -100
+        label_mask = shift_labels_left(batch["labels"]) != -100
+        if not with_stats:
+            return token_logps, label_mask
+        with torch.no_grad():
+            is_top1 = gather_sequence(torch.where(scored, output.is_top1, False).to(local.dtype), shard.attention_meta)
+            entropy = gather_sequence(torch.where(scored, output.entropy, 0.0), shard.attention_meta)
+        return token_logps, label_mask, is_top1.bool(), entropy
+
+    def forward_logits(self, model, batch) -> torch.Tensor:
+        """The model's vocabulary logits over the whole row (`[B, L, V]`), even when it is split over a ring: what the
+        HF Trainer's `compute_metrics` / `predict()` receive. (Not used by the losses, which read sparse log-probs.)"""
+        if self.sp_groups is None:
+            return model(**self._packed_row_inputs(batch)).logits
+        shard = self._shard(batch)
+        return gather_sequence(model(**shard.model_inputs()).logits, shard.attention_meta)
 
     def forward_sequence_scores(self, model, batch) -> torch.Tensor:
         """Score of every sequence of the batch, `[S]`, read at its last token, even when the row is split."""

@@ -178,7 +178,7 @@ class SimPODisRMTrainer(SequenceParallelMixin, RewardTrainer):
             beat_all = (chosen.unsqueeze(-1) > rejected.masked_fill(~mask, float("-inf"))).all(-1)
             rows = inputs["group_row"]
             reduced = reduce_over_rows(
-                self.accelerator,
+                self.gather_for_metrics,
                 {
                     "reward": (scores, rows[inputs["group_index"]]),
                     "accuracy": ((chosen > rejected_mean).float(), rows),

@@ -317,7 +317,7 @@ class SimPOGRMTrainer(SequenceParallelMixin, CPOTrainer):
                 "logps/chosen": chosen_logps,
             }
             reduced = reduce_over_rows(
-                self.accelerator,
+                self.gather_for_metrics,
                 {
                     **{name: (v, rows) for name, v in per_group.items()},
                     # Every rejected response counts once.
