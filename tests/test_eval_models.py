@@ -198,6 +198,25 @@ def test_disrm_shared_prefix_scores_equal_unshared(paths, max_length):
         assert any(out.truncated for out in want)
 
 
+@pytest.mark.parametrize("shared_prefix", [True, False], ids=["shared_prefix", "padded"])
+def test_disrm_refuses_an_empty_sequence(paths, shared_prefix):
+    """An empty sequence has no last token to score: refused, naming it, instead of being read at its neighbour's last
+    token in the packed or padded batch (or failing on a reshape alone)."""
+    tokenizer = AutoTokenizer.from_pretrained(paths["disrm"])
+    model = AutoModelForSequenceClassification.from_pretrained(paths["disrm"])
+    judge = DiscriminativeJudge(model, tokenizer, batch_size=4, shared_prefix=shared_prefix)
+    ids = tokenizer("the city river", add_special_tokens=False)["input_ids"]
+    with pytest.raises(ValueError, match="Sequence 0 of record 1 is empty"):
+        judge.score_sequences([[ids], [[]]])
+    with pytest.raises(ValueError, match="Sequence 1 of record 0 is empty"):
+        judge.score_sequences([[ids, []]])
+    with pytest.raises(ValueError, match="Sequence 0 of record 0 is empty"):
+        judge.score_sequences([[[]]])
+    with torch.no_grad():
+        alone = model(torch.tensor([ids])).logits[0, 0].item()
+    assert judge.score_sequences([[ids]]) == pytest.approx([alone], abs=1e-5)
+
+
 def test_disrm_end_to_end_through_the_cli(paths, capsys):
     root = paths["root"]
     common = [

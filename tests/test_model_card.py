@@ -29,6 +29,8 @@ def test_card_snippet_scores_as_the_evaluator(tmp_path, template):
     assert f"Base model: {base}" in card and "Training data: my_org/long_prefs" in card
     assert "datasets:\n- my_org/long_prefs" in card and "base_model:" not in card  # a local base is no Hub id
     assert "arXiv:2510.06915" in card and "Tang, Zecheng" in card and "SimPODisRMTrainer" in card
+    # Where GRPO's plain-text reading differs from training's (`tests/test_scoring_convention.py` checks the claim).
+    assert f"LongRMReward({str(saved)!r}, as_trained=True)` reads the trained token" in card
     snippet = re.search(r"```python\n(.*?)```", card, flags=re.DOTALL).group(1)
     assert repr(str(saved)) in snippet
     namespace = {}

@@ -28,11 +28,28 @@ CONVERSATIONAL = [
 PLAIN = [sentence(3, 30) + " Answer:", sentence(4, 12) + " Answer:"]
 GENERATIONS = 4
 
+# ChatML with tool calls, tool answers, a `tools` schema and a template variable (`style`, set through
+# `chat_template_kwargs`): what GRPO passes to the template, or leaves out, changes the tokens and so the rewards.
+TOOL_TEMPLATE = (
+    "{% if tools %}{{ '<|im_start|>system\\ntools: ' + (tools | tojson) + '<|im_end|>\\n' }}{% endif %}"
+    "{% if style is defined %}{{ '<|im_start|>system\\nstyle: ' + style + '<|im_end|>\\n' }}{% endif %}"
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + (message['content'] or '') }}"
+    "{% if message['tool_calls'] is defined %}{% for call in message['tool_calls'] %}"
+    "{{ '<tool_call>' + call['function']['name'] + ' ' + (call['function']['arguments'] | tojson) + '</tool_call>' }}"
+    "{% endfor %}{% endif %}"
+    "{{ '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+TOOLS = [{"type": "function", "function": {"name": "lookup", "description": "Look a word up.",
+                                           "parameters": {"type": "object", "properties": {"word": {"type": "string"}}}}}]  # fmt: skip
+
 
 @pytest.fixture(scope="module")
 def paths(tmp_path_factory):
     root = tmp_path_factory.mktemp("reward_function")
-    tokenizer = build_chat_tokenizer()
+    tokenizer = build_chat_tokenizer(chat_template=TOOL_TEMPLATE)
     return {
         "disrm": save_tiny_model(root / "disrm", task="seq-cls", tokenizer=tokenizer, seed=5),
         "policy": save_tiny_model(root / "policy", tokenizer=tokenizer, seed=6),
@@ -48,33 +65,75 @@ def grpo_trainer(paths, reward_funcs, tmp_path, prompts, **overrides):
                        train_dataset=Dataset.from_list([{"prompt": p} for p in prompts]))  # fmt: skip
 
 
-def batch(prompts, conversational):
-    """GRPO's layout: each prompt's generations consecutive, completions of mixed lengths."""
+def batch(prompts, conversational, tool_calls=False):
+    """GRPO's layout: each prompt's generations consecutive, completions of mixed lengths; with `tool_calls`, a
+    multi-turn completion (a tool call, the tool's answer, the reply) for every other generation."""
     ps, cs = [], []
     for i, prompt in enumerate(prompts):
         for g in range(GENERATIONS):
             text = sentence(10 * i + g, 2 + 5 * g)
             ps.append(prompt)
-            cs.append([{"role": "assistant", "content": text}] if conversational else " " + text)
+            if not conversational:
+                cs.append(" " + text)
+            elif tool_calls and g % 2:
+                call = {"type": "function", "function": {"name": "lookup", "arguments": {"word": sentence(g, 1)}}}
+                cs.append([{"role": "assistant", "content": "", "tool_calls": [call]},
+                           {"role": "tool", "name": "lookup", "content": sentence(i + g, 6)},
+                           {"role": "assistant", "content": text}])  # fmt: skip
+            else:
+                cs.append([{"role": "assistant", "content": text}])
     return ps, cs
 
 
-@pytest.mark.parametrize("conversational", [True, False], ids=["conversational", "plain"])
+def calculate_rewards(trainer, prompts, completions, **columns):
+    """`GRPOTrainer._calculate_rewards` on a batch, each dataset column in `columns` given one value per row."""
+    inputs = [{"prompt": p, **columns} for p in prompts]
+    return trainer._calculate_rewards(inputs, prompts, completions, [[0]] * len(prompts))
+
+
+CASES = {
+    "conversational": dict(prompts=CONVERSATIONAL),
+    "plain": dict(prompts=PLAIN),
+    # The trainer's `chat_template_kwargs` reach the reward model's template, a dataset's `tools` column does not.
+    "tools_and_chat_template_kwargs": dict(prompts=CONVERSATIONAL, tool_calls=True,
+                                           args={"chat_template_kwargs": {"style": "brief"}}, columns={"tools": TOOLS}),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("budget", [None, 64], ids=["one_row", "64_tokens_per_forward"])
-def test_rewards_equal_the_stock_reward_model_path(paths, tmp_path, conversational, budget):
-    prompts = CONVERSATIONAL if conversational else PLAIN
-    ps, cs = batch(prompts, conversational)
-    stock = grpo_trainer(paths, paths["disrm"], tmp_path, prompts)
-    expected = stock._calculate_rewards([{"prompt": p} for p in ps], ps, cs, [[0]] * len(ps))[:, 0]
+def test_rewards_equal_the_stock_reward_model_path(paths, tmp_path, case, budget):
+    """One GRPOTrainer with both reward functions: the DisRM path (stock, column 0) and `LongRMReward` (column 1),
+    each computed by TRL's own `_calculate_rewards`."""
+    spec = CASES[case]
+    conversational = spec["prompts"] is CONVERSATIONAL
+    ps, cs = batch(spec["prompts"], conversational, spec.get("tool_calls", False))
     reward = LongRMReward(paths["disrm"], max_tokens_per_forward=budget, device="cpu")
     assert reward.__name__ == "LongRMReward"
-    got = torch.tensor(reward(prompts=ps, completions=cs, completion_ids=None))
+    trainer = grpo_trainer(paths, [paths["disrm"], reward], tmp_path, spec["prompts"], **spec.get("args", {}))
+    rewards = calculate_rewards(trainer, ps, cs, **spec.get("columns", {}))
+    expected, got = rewards[:, 0], rewards[:, 1]
     assert expected.std() > 1e-3  # the completions get different rewards: a wrong token or order would show
-    torch.testing.assert_close(got, expected.float(), atol=1e-4, rtol=0)
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
+    if "args" in spec:  # the setting changes the rewards: without it (a direct call) they differ
+        direct = torch.tensor(reward(prompts=ps, completions=cs))
+        assert (direct - expected).abs().max() > 1e-3
     # Shuffled (equal prompts not consecutive): same rewards per completion.
     order = torch.randperm(len(ps), generator=torch.Generator().manual_seed(0)).tolist()
-    shuffled = reward(prompts=[ps[i] for i in order], completions=[cs[i] for i in order])
-    torch.testing.assert_close(torch.tensor(shuffled), got[order], atol=1e-5, rtol=0)
+    shuffled = calculate_rewards(trainer, [ps[i] for i in order], [cs[i] for i in order], **spec.get("columns", {}))
+    torch.testing.assert_close(shuffled[:, 1], got[order], atol=1e-5, rtol=0)
+
+
+def test_own_chat_template_kwargs_update_the_trainers(paths, tmp_path):
+    """`LongRMReward(chat_template_kwargs=...)` renders as stock does with the trainer's kwargs updated by those."""
+    ps, cs = batch(CONVERSATIONAL, True)
+    stock = grpo_trainer(paths, paths["disrm"], tmp_path, CONVERSATIONAL, chat_template_kwargs={"style": "long"})
+    expected = calculate_rewards(stock, ps, cs)[:, 0]
+    reward = LongRMReward(paths["disrm"], device="cpu", chat_template_kwargs={"style": "long"})
+    ours = grpo_trainer(paths, reward, tmp_path, CONVERSATIONAL, chat_template_kwargs={"style": "brief"})
+    torch.testing.assert_close(calculate_rewards(ours, ps, cs)[:, 0], expected, atol=1e-4, rtol=0)
+    # Outside a trainer: its own kwargs only.
+    torch.testing.assert_close(torch.tensor(reward(prompts=ps, completions=cs)), expected, atol=1e-4, rtol=0)
 
 
 def test_each_prompt_is_encoded_once_per_row(paths):
@@ -123,3 +182,31 @@ def test_instance_needs_its_tokenizer(paths):
     assert reward(prompts=PLAIN[:1], completions=[" a river"])[0] == pytest.approx(
         LongRMReward(paths["disrm"], device="cpu")(prompts=PLAIN[:1], completions=[" a river"])[0], abs=1e-5
     )
+
+
+def test_instance_goes_to_the_accelerator_device(paths, monkeypatch):
+    """Without `device`, a model instance goes where GRPOTrainer puts a reward model: the process's accelerator device
+    (`PartialState().device`; the meta device stands in for a GPU here)."""
+    import accelerate
+
+    class State:
+        device = torch.device("meta")
+
+    model = AutoModelForSequenceClassification.from_pretrained(paths["disrm"])
+    monkeypatch.setattr(accelerate, "PartialState", State)
+    assert LongRMReward(model, AutoTokenizer.from_pretrained(paths["disrm"])).judge.model.device.type == "meta"
+    assert LongRMReward(paths["disrm"]).judge.model.device.type == "meta"
+    assert LongRMReward(paths["disrm"], device="cpu").judge.model.device.type == "cpu"
+
+
+@pytest.mark.parametrize("position", [0, 1])
+def test_an_empty_sequence_is_refused_naming_its_row(paths, position):
+    """An empty prompt + completion has no token to score (stock fails on it alone); it is refused, not given the
+    other completion's score."""
+    ps, cs = [PLAIN[0], PLAIN[0]], [" a river", " the city"]
+    ps[position], cs[position] = "", ""
+    reward = LongRMReward(paths["disrm"], device="cpu")
+    with pytest.raises(ValueError, match=f"row {position} \\(prompt '', completion ''\\) has no token to score"):
+        reward(prompts=ps, completions=cs)
+    with pytest.raises(ValueError, match="row 0 .* has no token to score"):
+        reward(prompts=[""], completions=[""])

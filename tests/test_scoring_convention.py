@@ -3,12 +3,17 @@ its rendering. A tiny DisRM is trained one step by `SimPODisRMTrainer` and saved
 which writes a newline after its EOS; a template ending at its EOS with pad == EOS; a Llama-3-style one with no pad
 token), then scored by: the trainer itself (`sequence_scores` on its own packed batch), our evaluator
 (`DiscriminativeJudge`, shared prefix and padded), plain `AutoModelForSequenceClassification` with the chat template
-(left and right padding, mixed lengths), and TRL's `GRPOTrainer` reward-model path (`_calculate_rewards`). All agree
-within 1e-4."""
+(left and right padding, mixed lengths), TRL's `GRPOTrainer` reward-model path (`_calculate_rewards`) and
+`LongRMReward` in it (with and without `as_trained`). All agree within 1e-4.
+
+Plain-text rows, where GRPO reads another token (the completion without the trained EOS): training, the evaluator,
+`trl-longrm score` and `LongRMReward(as_trained=True)` agree; GRPO's path and `LongRMReward`'s default agree with each
+other, and differ from them."""
 
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import torch
@@ -16,7 +21,7 @@ from datasets import Dataset
 from trainer_helpers import cpu_args
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-from trl_longrm import SimPODisRMConfig, SimPODisRMTrainer
+from trl_longrm import LongRMReward, SimPODisRMConfig, SimPODisRMTrainer
 from trl_longrm.evaluation.judges import DiscriminativeJudge, JudgeRequest
 from trl_longrm.scoring import unused_special_token
 from trl_longrm.testing_utils import build_chat_tokenizer, save_tiny_model
@@ -100,16 +105,16 @@ def stock_scores(path, padding_side):
         return model(**batch).logits[:, 0].tolist()
 
 
-def evaluator_scores(path, shared_prefix):
+def evaluator_scores(path, shared_prefix, prompts=PROMPTS, responses=RESPONSES):
     judge = DiscriminativeJudge.from_pretrained(path, device="cpu", batch_size=2, shared_prefix=shared_prefix)
     requests = [JudgeRequest(f"x/{i}", p, "task", list(r), ranking=True) for i, (p, r) in
-                enumerate(zip(PROMPTS, RESPONSES))]  # fmt: skip
+                enumerate(zip(prompts, responses))]  # fmt: skip
     return [s for output in judge.judge(requests) for s in output.scores]
 
 
-def trainer_scores(trainer):
+def trainer_scores(trainer, prompts=PROMPTS, responses=RESPONSES):
     """The trainer's own reading: its packed batch of the groups, scored by `sequence_scores`."""
-    rows = [{"prompt": p, "chosen": r[0], "rejected": r[1:]} for p, r in zip(PROMPTS, RESPONSES)]
+    rows = [{"prompt": p, "chosen": r[0], "rejected": r[1:]} for p, r in zip(prompts, responses)]
     dataset = trainer._prepare_dataset(Dataset.from_list(rows), trainer.processing_class, trainer.args, "eval")
     batch = trainer._prepare_inputs(trainer.data_collator([dataset[i] for i in range(len(dataset))]))
     trainer.model.eval()
@@ -119,38 +124,93 @@ def trainer_scores(trainer):
     return [float(scores[i]) for i in order]
 
 
-def grpo_scores(path, tmp_path):
-    """TRL's GRPO with the DisRM path as `reward_funcs`: its own loading and reward computation."""
+def grpo_scores(path, tmp_path, prompts=PROMPTS, responses=RESPONSES, reward_funcs=()):
+    """TRL's GRPO with the DisRM path as `reward_funcs` (its own loading and reward computation), and `reward_funcs`
+    beside it: each function's rewards, by TRL's `_calculate_rewards`."""
     from trl import GRPOConfig, GRPOTrainer
 
     policy = save_tiny_model(tmp_path / "policy", tokenizer=AutoTokenizer.from_pretrained(path))
     trainer = GRPOTrainer(
         model=policy,
-        reward_funcs=path,
+        reward_funcs=[path, *reward_funcs],
         args=GRPOConfig(output_dir=str(tmp_path / "grpo"), use_cpu=True, bf16=False, report_to=[],
                         per_device_train_batch_size=2, num_generations=2, max_completion_length=4),  # fmt: skip
-        train_dataset=Dataset.from_list([{"prompt": p} for p in PROMPTS]),
+        train_dataset=Dataset.from_list([{"prompt": p} for p in prompts]),
     )
-    prompts = [p for p, rs in zip(PROMPTS, RESPONSES) for _ in rs]
-    completions = [[{"role": "assistant", "content": r}] for rs in RESPONSES for r in rs]
-    inputs = [{"prompt": p} for p in prompts]
-    rewards = trainer._calculate_rewards(inputs, prompts, completions, [[0]] * len(prompts))
-    return rewards[:, 0].tolist()
+    plain = isinstance(prompts[0], str)
+    flat = [p for p, rs in zip(prompts, responses) for _ in rs]
+    completions = [r if plain else [{"role": "assistant", "content": r}] for rs in responses for r in rs]
+    rewards = trainer._calculate_rewards([{"prompt": p} for p in flat], flat, completions, [[0]] * len(flat))
+    return rewards.T.tolist()
 
 
 def test_every_reader_scores_the_same_token(trained, tmp_path):
     _, trainer, path = trained
     reference = stock_scores(path, "right")
+    stock_grpo, long_rm_reward, as_trained = grpo_scores(path, tmp_path, reward_funcs=[
+        LongRMReward(path, device="cpu"), LongRMReward(path, device="cpu", as_trained=True, name="as_trained")])  # fmt: skip
     readers = {
         "stock, left padding": stock_scores(path, "left"),
         "trainer": trainer_scores(trainer),
         "evaluator, shared prefix": evaluator_scores(path, True),
         "evaluator, padded": evaluator_scores(path, False),
-        "GRPO reward model": grpo_scores(path, tmp_path),
+        "GRPO reward model": stock_grpo,
+        "LongRMReward in GRPO": long_rm_reward,
+        "LongRMReward(as_trained=True) in GRPO": as_trained,
     }
     assert max(reference) - min(reference) > 1e-3  # the scores differ between responses: a wrong token would show
     for name, scores in readers.items():
         torch.testing.assert_close(torch.tensor(scores), torch.tensor(reference), atol=1e-4, rtol=0, msg=name)
+
+
+PLAIN_PROMPTS = ["Which city has the long river? Answer:", "Name the capital of the country with the red planet book:"]
+PLAIN_RESPONSES = [[" " + response for response in responses] for responses in RESPONSES]
+
+
+@pytest.fixture(scope="module")
+def trained_plain(tmp_path_factory):
+    """(trainer, saved DisRM directory) of a DisRM trained one step on plain-text rows."""
+    root = tmp_path_factory.mktemp("plain")
+    base = save_tiny_model(root / "base", task="seq-cls", tokenizer=template_tokenizer("chatml"), seed=3)
+    rows = [{"prompt": p, "chosen": r[0], "rejected": r[1:]} for p, r in zip(PLAIN_PROMPTS, PLAIN_RESPONSES)]
+    args = SimPODisRMConfig(**cpu_args(root / "run", max_steps=1, learning_rate=1e-2, bf16=False))
+    trainer = SimPODisRMTrainer(model=base, args=args, train_dataset=Dataset.from_list(rows * 2))
+    trainer.train()
+    trainer.save_model(str(root / "disrm"))
+    return trainer, str(root / "disrm")
+
+
+def test_plain_text_grpo_reads_the_token_before_the_trained_eos(trained_plain, tmp_path):
+    """Plain-text rows: training, `trl-longrm eval` and `trl-longrm score` read prompt + response + EOS, and so does
+    `LongRMReward(as_trained=True)` in GRPO; GRPO's own path (and `LongRMReward`'s default, equal to it) reads the
+    decoded completion, which has no EOS: another token, another score."""
+    from trl_longrm.data import scoring_ids
+    from trl_longrm.evaluation.score import ScoreConfig, score
+
+    trainer, path = trained_plain
+    reference = trainer_scores(trainer, PLAIN_PROMPTS, PLAIN_RESPONSES)
+    data = tmp_path / "in.jsonl"
+    data.write_text("".join(json.dumps({"prompt": p, "completions": r}) + "\n"
+                            for p, r in zip(PLAIN_PROMPTS, PLAIN_RESPONSES)))  # fmt: skip
+    scored = score(ScoreConfig(model_path=path, data_path=str(data), output=str(tmp_path / "out.jsonl"), device="cpu"))
+    stock_grpo, long_rm_reward, as_trained = grpo_scores(path, tmp_path, PLAIN_PROMPTS, PLAIN_RESPONSES, [
+        LongRMReward(path, device="cpu"), LongRMReward(path, device="cpu", as_trained=True, name="as_trained")])  # fmt: skip
+    readers = {
+        "evaluator, shared prefix": evaluator_scores(path, True, PLAIN_PROMPTS, PLAIN_RESPONSES),
+        "evaluator, padded": evaluator_scores(path, False, PLAIN_PROMPTS, PLAIN_RESPONSES),
+        "trl-longrm score": [s for row in scored for s in row["scores"]],
+        "LongRMReward(as_trained=True) in GRPO": as_trained,
+    }
+    assert max(reference) - min(reference) > 1e-3
+    for name, scores in readers.items():
+        torch.testing.assert_close(torch.tensor(scores), torch.tensor(reference), atol=1e-4, rtol=0, msg=name)
+    torch.testing.assert_close(torch.tensor(long_rm_reward), torch.tensor(stock_grpo), atol=1e-4, rtol=0)
+    assert (torch.tensor(stock_grpo) - torch.tensor(reference)).abs().max() > 1e-3
+    # What differs, for this tokenizer (no BOS; completions start at a word boundary): the EOS alone.
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    for prompt, responses in zip(PLAIN_PROMPTS, PLAIN_RESPONSES):
+        grpo_ids = tokenizer([prompt + r for r in responses], add_special_tokens=False)["input_ids"]
+        assert scoring_ids(tokenizer, prompt, responses) == [ids + [tokenizer.eos_token_id] for ids in grpo_ids]
 
 
 def test_pad_choice_prefers_unused_pad_like_tokens_and_refuses_eos():

@@ -83,9 +83,15 @@ def disrm_model_card(
         SCORING_SNIPPET.format(model_id=model_id).rstrip(),
         "```",
         "",
-        "As a reward for online RL: `GRPOTrainer(reward_funcs=" + repr(model_id) + ", ...)` reads the same scores; "
-        "`trl_longrm.LongRMReward(" + repr(model_id) + ")` gives them with each prompt encoded once for all of its "
-        "completions.",
+        "As a reward for online RL: `GRPOTrainer(reward_funcs=" + repr(model_id) + ", ...)` reads the same scores "
+        "of conversations; `trl_longrm.LongRMReward(" + repr(model_id) + ")` gives them with each prompt encoded once "
+        "for all of its completions.",
+        "",
+        "Plain-text (not chat) prompts are scored in training, and by `trl-longrm score` and `trl-longrm eval`, as "
+        "the prompt (with the tokenizer's special tokens), the response, then an EOS, read at that EOS. `GRPOTrainer` "
+        "scores the text prompt + completion, tokenized as one without special tokens and without the EOS (it decodes "
+        "the completion without special tokens), so it reads the token before: another score. `LongRMReward` does as "
+        "`GRPOTrainer` by default; `LongRMReward(" + repr(model_id) + ", as_trained=True)` reads the trained token.",
         "",
         "## Citation",
         "",

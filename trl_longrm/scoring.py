@@ -4,9 +4,15 @@ The ecosystem's convention, which every trainer, evaluator and scorer of this pa
 sequence is the score head at its **last token**, the sequence being the conversation as the chat template renders it
 (`trl_longrm.data.scoring_ids`; ChatML's newline after `<|im_end|>` included), or a plain prompt and response ending
 with an EOS. That is the token transformers' sequence classification pools (the last token that is not the pad
-token), RewardTrainer trains and TRL's GRPO/RLOO read from a reward model, given one condition this module ensures on
-the checkpoints we train: **the pad token is not the EOS token**. With pad == EOS, stock pooling skips a sequence's
-final EOS as if it were padding and reads the token before it.
+token), RewardTrainer trains and, for a conversation, TRL's GRPO/RLOO read from a reward model, given one condition
+this module ensures on the checkpoints we train: **the pad token is not the EOS token**. With pad == EOS, stock pooling
+skips a sequence's final EOS as if it were padding and reads the token before it.
+
+Plain-text rows are the exception, inherited from TRL: GRPO/RLOO score the text prompt + completion, tokenized as one
+without special tokens, and the completion is the policy's output decoded without its EOS. They read the last token of
+the completion, the token before the EOS that training scored (and without the BOS that training's prompt gets from a
+tokenizer adding one). `trl_longrm.LongRMReward` reads GRPO's token by default, so that its rewards are stock's, and
+the trained one with `as_trained=True`.
 
 Example:
 ```python

@@ -407,7 +407,7 @@ def scoring_ids(
     conversation as the chat template renders it (the prompt once, with the generation prompt, then the response's
     turn and whatever the template writes after it), or a plain prompt and response with an EOS. The score is read at
     the last token (`trl_longrm.scoring.score_index`), where transformers' sequence classification, RewardTrainer and
-    GRPO read it.
+    GRPO read it (GRPO reads a plain-text row without the EOS: `trl_longrm.scoring`).
 
     Example:
     ```python

@@ -576,7 +576,17 @@ class DiscriminativeJudge:
     @torch.no_grad()
     def score_sequences(self, records: list[list[list[int]]]) -> list[float]:
         """Scores of token sequences as they are (no truncation), each read at its last token: `records` holds the
-        sequences of one prompt each (the prompt is encoded once per row under `shared_prefix`). Flat, in order."""
+        sequences of one prompt each (the prompt is encoded once per row under `shared_prefix`). Flat, in order.
+
+        An empty sequence has no last token, so no score: it is refused (scored in a packed or padded batch, it would
+        be read at a neighbour's token)."""
+        for r, record in enumerate(records):
+            for s, sequence in enumerate(record):
+                if not sequence:
+                    raise ValueError(
+                        f"Sequence {s} of record {r} is empty: a reward model's score is read at a sequence's last "
+                        "token, and it has none."
+                    )
         if self.shared_prefix:
             return self._shared_scores(records)
         sequences = [sequence for record in records for sequence in record]
@@ -685,7 +695,8 @@ def _shared_prefix_row(records: list[list[list[int]]]) -> dict[str, torch.Tensor
                 lengths.append(len(rest))
                 parents.append(prefix_segment)
                 score_positions.append(len(input_ids) - 1)
-            else:  # the candidate is the common prefix itself: its last token is the prefix's
+            else:  # the candidate is the common prefix itself: its last token is the prefix's (an empty candidate,
+                # which would get the previous record's last token, is refused by `score_sequences`)
                 score_positions.append(prefix_end - 1)
     as_tensor = lambda values: torch.tensor(values, dtype=torch.long)  # noqa: E731
     return {
