@@ -1,5 +1,6 @@
 """`trl-longrm score` / `score()`: a DisRM's scores as plain transformers reads them, rows kept in input order, a
-generative judge's pointwise scores and judgments, resume after a stop, several processes, bad rows named."""
+generative judge's pointwise scores and judgments, resume after a stop (refused under settings that change scores),
+several processes, and every user mistake as one error line (file, line and key) that blocks no corrected command."""
 
 from __future__ import annotations
 
@@ -13,8 +14,10 @@ import pytest
 import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-from trl_longrm.data import scoring_ids
-from trl_longrm.evaluation.score import ScoreConfig, ScoreInputError, read_rows, score
+from trl_longrm.cli import main
+from trl_longrm.data import DataFormatError, scoring_ids
+from trl_longrm.data.errors import RunConfigError
+from trl_longrm.evaluation.score import ScoreConfig, read_rows, score
 from trl_longrm.testing_utils import build_chat_tokenizer, save_tiny_model
 
 
@@ -118,7 +121,7 @@ def test_a_stopped_run_resumes(models, tmp_path):
     assert sum([r["scores"] for r in resumed], []) == pytest.approx(sum([r["scores"] for r in fresh], []), abs=1e-5)
     # Another input under the same output: refused rather than mixed.
     other = write_rows(tmp_path / "in.jsonl", ROWS[:2])
-    with pytest.raises(ScoreInputError, match="other settings"):
+    with pytest.raises(RunConfigError, match="other settings"):
         score(ScoreConfig(model_path=models["disrm"], data_path=other, output=str(out), device="cpu"))
 
 
@@ -126,7 +129,7 @@ def test_bad_rows_are_named_before_any_model_loads(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "x", "completions": ["a"]}\nnot json\n{"prompt": 3, "completions": []}\n'
                    '{"completions": ["a"], "scores": [1]}\n')  # fmt: skip
-    with pytest.raises(ScoreInputError) as error:
+    with pytest.raises(DataFormatError) as error:
         read_rows(bad)
     message = str(error.value)
     for expected in ("line 2: not valid JSON", "line 3: key `prompt`", "line 3: key `completions`",
@@ -155,3 +158,101 @@ def test_two_processes_score_as_one(models, tmp_path):
     two = [json.loads(line) for line in (tmp_path / "two.jsonl").read_text().splitlines()]
     assert [r["id"] for r in two] == ["a", "b", "c"]
     assert sum([r["scores"] for r in two], []) == pytest.approx(sum([r["scores"] for r in one], []), abs=1e-5)
+
+
+def run_score_cli(capsys, *argv) -> tuple[int, str]:
+    """`trl-longrm score ARGV` through the command line's `main` (an exception escaping it is a traceback): the exit
+    code and what went to stderr."""
+    code = main(["score", *argv])
+    return code, capsys.readouterr().err
+
+
+def assert_one_error(code: int, stderr: str, *expected: str):
+    assert code == 1 and "Traceback" not in stderr
+    assert stderr.count("trl-longrm: error:") == 1, stderr
+    for text in expected:
+        assert text in stderr, stderr
+
+
+def test_user_columns_named_like_bookkeeping_are_kept(models, tmp_path):
+    rows = [{"_line": "mine", "line": 7, "prompt": "Is the river long? Answer:", "completions": [" yes", " no"]}]
+    data = write_rows(tmp_path / "in.jsonl", rows)
+    written = score(ScoreConfig(model_path=models["disrm"], data_path=data, output=str(tmp_path / "out.jsonl"),
+                                device="cpu"))  # fmt: skip
+    assert [{k: v for k, v in row.items() if k != "scores"} for row in written] == rows
+    assert written[0]["scores"] == pytest.approx(reference_scores(models["disrm"], rows[0]), abs=1e-4)
+
+
+@pytest.mark.parametrize(
+    "model, change, setting",
+    [("disrm", {"dtype": "float32"}, "dtype"), ("disrm", {"shared_prefix": False}, "shared_prefix"),
+     ("grm", {"max_new_tokens": 5}, "max_new_tokens")],
+)  # fmt: skip
+def test_resume_refuses_a_setting_that_changes_scores(models, tmp_path, model, change, setting):
+    data = write_rows(tmp_path / "in.jsonl", ROWS[1:2])
+    settings = dict(model_path=models[model], data_path=data, output=str(tmp_path / "out.jsonl"), device="cpu",
+                    max_new_tokens=4)  # fmt: skip
+    first = score(ScoreConfig(**settings))
+    with pytest.raises(RunConfigError, match=rf"other settings \({setting}: "):
+        score(ScoreConfig(**{**settings, **change}))
+    # The same settings resume (nothing left to score), and the batch size is no setting of the scores.
+    assert score(ScoreConfig(**{**settings, "batch_size": 3})) == first
+
+
+def test_resume_refuses_an_edited_template(models, tmp_path, capsys):
+    from trl_longrm.evaluation.templates import PromptTemplate
+
+    pointwise = PromptTemplate.default().pointwise
+    section = {"system": pointwise.system, "user": pointwise.user, "verdict": pointwise.verdict}
+    template = tmp_path / "prompts.yaml"
+    template.write_text(json.dumps({"pointwise": section}))  # JSON is YAML
+    data = write_rows(tmp_path / "in.jsonl", ROWS[1:2])
+    argv = ["--model-path", models["grm"], "--data-path", data, "--output", str(tmp_path / "out.jsonl"), "--device",
+            "cpu", "--max-new-tokens", "4", "--prompt-template", str(template)]  # fmt: skip
+    assert run_score_cli(capsys, *argv)[0] == 0
+    # The same prompt read from another file is the same setting: the run resumes.
+    moved = tmp_path / "moved.yaml"
+    moved.write_text(template.read_text())
+    assert run_score_cli(capsys, *argv[:-1], str(moved))[0] == 0
+    template.write_text(json.dumps({"pointwise": {**section, "system": "Rate the response."}}))
+    assert_one_error(*run_score_cli(capsys, *argv), "out.jsonl.parts holds rows scored with other settings",
+                     "prompt_template: ")  # fmt: skip
+
+
+def test_a_run_that_scored_nothing_does_not_lock_its_output(models, tmp_path, capsys):
+    data = write_rows(tmp_path / "in.jsonl", ROWS[1:2])
+    argv = ["--model-path", models["grm"], "--data-path", data, "--output", str(tmp_path / "out.jsonl"), "--device",
+            "cpu", "--max-new-tokens", "4"]  # fmt: skip
+    assert_one_error(*run_score_cli(capsys, *argv, "--is-disrm"), f"{models['grm']} is a LlamaForCausalLM checkpoint")
+    assert run_score_cli(capsys, *argv)[0] == 0
+    assert len(json.loads((tmp_path / "out.jsonl").read_text())["judgments"]) == 2
+
+
+@pytest.mark.parametrize("mistake", ["batch_size", "num_processes", "model_path", "template", "template_for_disrm"])
+def test_flag_and_model_mistakes_are_one_error_line(models, tmp_path, capsys, mistake):
+    data = write_rows(tmp_path / "in.jsonl", ROWS[1:2])
+    bad_template = tmp_path / "prompts.yaml"
+    bad_template.write_text("pointwise: 3\n")
+    argv, expected = {
+        "batch_size": (["--batch-size", "0"], "`batch_size` must be >= 1, got 0"),
+        "num_processes": (["--num-processes", "0"], "--num-processes must be >= 1, got 0"),
+        "model_path": (["--model-path", str(tmp_path / "no_model")], f"{tmp_path / 'no_model'}"),
+        "template": (["--prompt-template", str(bad_template)], f"{bad_template}: section `pointwise` must be"),
+        "template_for_disrm": (["--model-path", models["disrm"], "--prompt-template", str(bad_template)],
+                               f"prompt_template='{bad_template}' is for a generative judge, but {models['disrm']}"),
+    }[mistake]  # fmt: skip
+    model = [] if mistake in ("model_path", "template_for_disrm") else ["--model-path", models["grm"]]
+    code, stderr = run_score_cli(capsys, *model, "--data-path", data, "--output", str(tmp_path / "out.jsonl"),
+                                 "--device", "cpu", *argv)  # fmt: skip
+    assert_one_error(code, stderr, expected)
+    assert not (tmp_path / "out.jsonl").exists()
+
+
+def test_bytes_that_are_not_utf8_are_named_by_file_and_line(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    line = b'{"prompt": "caf\xe9", "completions": ["a"]}\n'  # Latin-1, not UTF-8
+    bad.write_bytes(b'{"prompt": "x", "completions": ["a"]}\n' + line)
+    run = subprocess.run([sys.executable, "-m", "trl_longrm", "score", "--model-path", str(tmp_path / "no_model"),
+                          "--data-path", str(bad), "--output", str(tmp_path / "o.jsonl")],
+                         capture_output=True, text=True, cwd=ROOT)  # fmt: skip
+    assert_one_error(run.returncode, run.stderr, f"{bad}, line 2: not UTF-8 text (byte 0xe9 at byte {line.index(0xE9) + 1} of")

@@ -25,7 +25,7 @@ from pathlib import Path
 import yaml
 from trl import ModelConfig, ScriptArguments, TrlParser
 
-from trl_longrm.data.errors import DataFormatError
+from trl_longrm.data.errors import USER_ERRORS, DataFormatError, RunConfigError, report_user_error
 from trl_longrm.sequence_parallel.config import ulysses_group_size
 
 
@@ -226,10 +226,6 @@ def _describe_start(script_args, training_args) -> str:
         return start_plan(script_args, training_args).describe()
     except ValueError as error:  # reported among the problems of `check_paths`
         return f"cannot start: {error}"
-
-
-class RunConfigError(ValueError):
-    """A mistake in a run's configuration or data: `main` prints it once, as one message, without a traceback."""
 
 
 def _model_problems(model: str, problems: list[str], notes: list[str]) -> None:
@@ -522,10 +518,8 @@ def main(argv: list[str] | None = None) -> int:
         datasets.disable_progress_bars()
     try:
         return _main(script_args, training_args, model_args, report_to_notes(argv, training_args))
-    except (RunConfigError, DataFormatError) as error:
-        if is_main_process():
-            print(f"trl-longrm: error: {error}", file=sys.stderr, flush=True)
-        return 1
+    except USER_ERRORS as error:
+        return report_user_error(error)
     except KeyboardInterrupt:
         if is_main_process():
             print(

@@ -1,6 +1,19 @@
-"""The one exception raised for malformed data, carrying where the problem is (source, row, key)."""
+"""The exceptions of a user's mistakes, and how the command line reports them.
+
+`DataFormatError` is raised for malformed data and carries where the problem is (source, row or line, key);
+`RunConfigError` for a mistake in a run's settings (a flag, a model that cannot be used as asked, an output folder of
+another run). `report_user_error` prints either once, as one line without a traceback.
+"""
 
 from __future__ import annotations
+
+import os
+import sys
+
+
+# What every command prints before a user's mistake (`trl_longrm.cli.ERROR_MARK`, which `run_launch` looks for in a
+# launch's output, spells it out: importing this package would slow down `trl-longrm --help`).
+ERROR_PREFIX = "trl-longrm: error:"
 
 
 class DataFormatError(ValueError):
@@ -49,3 +62,20 @@ class DataFormatError(ValueError):
 
 def _rebuild(message, source, index, key, line=None):
     return DataFormatError(message, source=source, index=index, key=key, line=line)
+
+
+class RunConfigError(ValueError):
+    """A mistake in a run's configuration or data: the command prints it once, as one message, without a traceback."""
+
+
+# What the commands report as the user's mistake rather than as a failure of the program.
+USER_ERRORS = (DataFormatError, RunConfigError)
+
+
+def report_user_error(error: BaseException | str) -> int:
+    """Print `error` (an exception or a message) as the user's mistake, by the main process only where a launch
+    started several, and return the exit code of a command that stops on it, 1."""
+    # Before or without accelerate: the launcher's global rank, 0 for a single process.
+    if os.environ.get("RANK", "0") == "0":
+        print(f"{ERROR_PREFIX} {error}", file=sys.stderr, flush=True)
+    return 1

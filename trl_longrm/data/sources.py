@@ -7,7 +7,7 @@ an in-memory `Dataset`/`DatasetDict`, a list of dicts, or a Hugging Face Hub dat
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +67,23 @@ def line_of_row(path: str | os.PathLike, index: int) -> int | None:
                 if row == index:
                     return number
     return None
+
+
+def text_lines(path: str | os.PathLike, source: str | None = None) -> Iterator[tuple[int, str]]:
+    """The lines of a text file (JSON Lines) with their 1-based numbers; a line that is not UTF-8 text is a
+    [`DataFormatError`] naming the file (`source` if given) and the line, which the codec's own error names neither."""
+    with open(path, "rb") as handle:
+        for number, raw in enumerate(handle, start=1):
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as error:
+                raise DataFormatError(
+                    f"not UTF-8 text (byte 0x{raw[error.start]:02x} at byte {error.start + 1} of the line); save the "
+                    "file as UTF-8",
+                    source=source or os.fspath(path),
+                    line=number,
+                ) from None
+            yield number, text
 
 
 def locate_error(error: DataFormatError, path: str | os.PathLike | None) -> DataFormatError:
@@ -174,6 +191,11 @@ def read_source(
         problem = file_split_problem(path, split) or empty_file_reason(path)
         if problem:
             raise DataFormatError(problem, source=name)
+        if builder == "json":
+            # Arrow reads bytes that are not UTF-8 into its strings without complaint; they fail later, when a row is
+            # read, without a file or line.
+            for _ in text_lines(path, source=name):
+                pass
         try:
             loaded = datasets.load_dataset(builder, data_files=str(path), split="train", keep_in_memory=keep_in_memory)
             return loaded, name

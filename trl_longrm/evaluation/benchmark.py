@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from trl_longrm.data.errors import DataFormatError
 from trl_longrm.evaluation.config import FORMATS
 
 
@@ -50,8 +52,16 @@ class BenchmarkRecord:
         return "\n\n".join(message["content"] for message in self.prompt_messages)
 
 
+def jsonl_lines(path: str | Path) -> Iterator[tuple[int, str]]:
+    """The non-blank lines of a JSON Lines file with their 1-based numbers (`trl_longrm.data.sources.text_lines`: a
+    line that is not UTF-8 text is a `DataFormatError` naming the file and line)."""
+    from trl_longrm.data.sources import text_lines
+
+    return ((number, text) for number, text in text_lines(path) if text.strip())
+
+
 def _fail(path: Path, line: int, key: str, reason: str):
-    raise ValueError(f"{path}, line {line}: key `{key}` {reason}.")
+    raise DataFormatError(f"{path}, line {line}: key `{key}` {reason}.")
 
 
 def parse_record(raw: dict[str, Any], task: str, path: Path, line: int, untyped: bool = False) -> BenchmarkRecord:
@@ -111,17 +121,14 @@ def load_task_file(path: str | Path, task: str, untyped: bool = False) -> list[B
     """Read every record of one task file (line numbers start at 1); `untyped` as in `parse_record`."""
     path = Path(path)
     records = []
-    with path.open(encoding="utf-8") as handle:
-        for line_number, text in enumerate(handle, start=1):
-            if not text.strip():
-                continue
-            try:
-                raw = json.loads(text)
-            except json.JSONDecodeError as error:
-                raise ValueError(f"{path}, line {line_number}: not valid JSON ({error}).") from error
-            if not isinstance(raw, dict):
-                raise ValueError(f"{path}, line {line_number}: expected a JSON object, got {type(raw).__name__}.")
-            records.append(parse_record(raw, task, path, line_number, untyped))
+    for line_number, text in jsonl_lines(path):
+        try:
+            raw = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise DataFormatError(f"{path}, line {line_number}: not valid JSON ({error}).") from None
+        if not isinstance(raw, dict):
+            raise DataFormatError(f"{path}, line {line_number}: expected a JSON object, got {type(raw).__name__}.")
+        records.append(parse_record(raw, task, path, line_number, untyped))
     return records
 
 
@@ -169,7 +176,7 @@ def load_benchmark(
                 skipped += 1
                 continue
             if record.id in seen:
-                raise ValueError(
+                raise DataFormatError(
                     f"{path}, line {record.line}: key `id` duplicates the record on line {seen[record.id]}."
                 )
             seen[record.id] = record.line
@@ -201,12 +208,12 @@ def load_preference_records(source, split: str | None = None, name: str | None =
         if any(value not in (None, [], {}) for value in template_kwargs.values()):
             # The judges render their own prompts (the benchmark's protocol), so a row's template arguments would
             # be dropped: refused rather than evaluated differently from how the row was trained.
-            raise ValueError(
+            raise DataFormatError(
                 f"{source} row {row_index}: the evaluation renders its own judge prompts and cannot pass the row's "
                 "`tools` / `chat_template_kwargs` to them; remove those columns to evaluate this data."
             )
         if row.get("completion_messages"):
-            raise ValueError(
+            raise DataFormatError(
                 f"{source} row {row_index}: a response of several messages or with tool calls cannot be placed in the "
                 "evaluation's judge prompts, which take one response text; evaluate rows with plain responses."
             )

@@ -104,13 +104,17 @@ def config_from_args(args: argparse.Namespace) -> EvalConfig:
 def run_eval(args: argparse.Namespace) -> int:
     """Run `trl-longrm eval` with parsed flags; prints the Markdown table and returns the exit code."""
     # Imported here: they pull in torch and transformers, which `trl-longrm --help` does not need.
+    from trl_longrm.data.errors import USER_ERRORS, report_user_error
     from trl_longrm.evaluation.report import markdown_table
     from trl_longrm.evaluation.runner import evaluate_reward_model
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    config = config_from_args(args)
+    try:
+        config = config_from_args(args)  # checks the flags together: every error is a bad value or combination
+    except ValueError as error:
+        return report_user_error(error)
     if args.num_processes < 1:
-        raise SystemExit(f"--num-processes must be >= 1, got {args.num_processes}.")
+        return report_user_error(f"--num-processes must be >= 1, got {args.num_processes}.")
     if args.num_processes > 1 and int(os.environ.get("WORLD_SIZE", "1")) == 1:
         # Not launched yet: start the processes. Processes x threads must not exceed the cores.
         from trl_longrm.cpu_threads import launch_env
@@ -121,12 +125,8 @@ def run_eval(args: argparse.Namespace) -> int:
         return subprocess.call(command, env=env)
     try:
         results = evaluate_reward_model(config)
-    except FileNotFoundError as error:  # a missing benchmark folder or task file: the user's paths, one line
-        if int(os.environ.get("RANK", "0")) == 0:
-            import sys
-
-            print(f"trl-longrm: error: {error}", file=sys.stderr)
-        return 1
+    except (*USER_ERRORS, FileNotFoundError) as error:  # bad data, flags or model; a missing folder or file
+        return report_user_error(error)
     if int(os.environ.get("RANK", "0")) == 0:
         print(markdown_table(results))
         print(f"Predictions and results written to {config.save_path}")
@@ -165,10 +165,16 @@ def run_score(args: argparse.Namespace) -> int:
     """Run `trl-longrm score`: bad input is reported by file, line and key (exit 1) before any model loads."""
     import sys
 
-    from trl_longrm.evaluation.score import ScoreConfig, ScoreInputError, read_rows, score
+    from trl_longrm.data.errors import USER_ERRORS, report_user_error
+    from trl_longrm.evaluation.score import ScoreConfig, read_rows, score
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    config = ScoreConfig(**{field.name: getattr(args, field.name) for field in dataclasses.fields(ScoreConfig)})
+    try:
+        config = ScoreConfig(**{field.name: getattr(args, field.name) for field in dataclasses.fields(ScoreConfig)})
+    except ValueError as error:  # a bad flag value
+        return report_user_error(error)
+    if args.num_processes < 1:
+        return report_user_error(f"--num-processes must be >= 1, got {args.num_processes}.")
     try:
         read_rows(config.data_path)
         if args.num_processes > 1 and int(os.environ.get("WORLD_SIZE", "1")) == 1:
@@ -187,10 +193,8 @@ def run_score(args: argparse.Namespace) -> int:
             print("Launching:", " ".join(command), flush=True)
             return subprocess.call(command, env=launch_env(args.num_processes))
         score(config)
-    except ScoreInputError as error:
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"trl-longrm: error: {error}", file=sys.stderr)
-        return 1
+    except (*USER_ERRORS, FileNotFoundError) as error:  # bad rows, flags or model; a missing file
+        return report_user_error(error)
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"Scores written to {config.output}")
     return 0

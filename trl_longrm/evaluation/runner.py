@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from trl_longrm.data.errors import DataFormatError, RunConfigError
 from trl_longrm.evaluation.benchmark import BenchmarkRecord, find_task_files, load_benchmark, load_preference_records
 from trl_longrm.evaluation.config import FORMATS, EvalConfig
 from trl_longrm.evaluation.judges import Judge, JudgeOutput, JudgeRequest, load_judge
@@ -75,12 +76,12 @@ class PredictionStore:
                 continue
             try:
                 prediction = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise ValueError(f"{self.path}, line {number}: not valid JSON ({error}).") from error
-            if "id" not in prediction:
-                raise ValueError(f"{self.path}, line {number}: key `id` is missing.")
+            except ValueError as error:  # not JSON, or not UTF-8 (`UnicodeDecodeError`)
+                raise DataFormatError(f"{self.path}, line {number}: not valid JSON ({error}).") from None
+            if not isinstance(prediction, dict) or "id" not in prediction:
+                raise DataFormatError(f"{self.path}, line {number}: key `id` is missing.")
             if prediction["id"] in predictions:
-                raise ValueError(f"{self.path}, line {number}: key `id` repeats record {prediction['id']!r}.")
+                raise DataFormatError(f"{self.path}, line {number}: key `id` repeats record {prediction['id']!r}.")
             predictions[prediction["id"]] = prediction
         return predictions
 
@@ -184,13 +185,14 @@ def load_records(config: EvalConfig) -> list[BenchmarkRecord]:
     if config.resolved_data_format() == "long_rewardbench":
         records = load_benchmark(config.data_path, config.tasks, config.formats, untyped=config.protocol == "longrm")
     elif "PairWise" not in config.formats:
-        raise ValueError(f"A preference dataset only has PairWise records, but formats={config.formats}.")
+        raise RunConfigError(f"A preference dataset only has PairWise records, but formats={config.formats}.")
     else:
         records = load_preference_records(config.data_path, split=config.split)
     if not records:
-        raise ValueError(
-            f"No records to evaluate in {config.data_path} for tasks {config.tasks}, formats {config.formats}."
-        )
+        where = config.data_path
+        if config.resolved_data_format() == "long_rewardbench":
+            where = ", ".join(str(path) for path in find_task_files(config.data_path, config.tasks))
+        raise DataFormatError(f"No records to evaluate in {where} (tasks {config.tasks}, formats {config.formats}).")
     return records
 
 
@@ -221,15 +223,23 @@ def _run_identity(config: EvalConfig, model_type: str) -> dict:
     }
 
 
+def _holds_predictions(save_path: Path) -> bool:
+    """Whether `save_path` holds any prediction (merged, or in a process's shard)."""
+    files = [save_path / PREDICTIONS_FILE, *save_path.glob(SHARD_PATTERN)]
+    return any(path.is_file() and path.stat().st_size > 0 for path in files)
+
+
 def _check_run_identity(save_path: Path, identity: dict, write: bool = True):
     path = save_path / RUN_FILE
-    if path.exists():
+    # Only predictions tie the folder to its settings: a run that stopped before judging anything (a wrong flag, a
+    # model that failed to load) left nothing to mix with, so the corrected command starts afresh there.
+    if path.exists() and _holds_predictions(save_path):
         previous = json.loads(path.read_text(encoding="utf-8"))
         keys = list(identity) + [k for k in previous if k not in identity]
         changed = {k: (previous.get(k), identity.get(k)) for k in keys if previous.get(k) != identity.get(k)}
         if changed:
             details = ", ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in changed.items())
-            raise ValueError(
+            raise RunConfigError(
                 f"{save_path} holds predictions of a different run ({details}); use another --save-path or delete it."
             )
     elif write:
@@ -261,6 +271,27 @@ def _results_stem(config: EvalConfig) -> str:
     if {task.lower() for task in config.tasks} >= present and sorted(config.formats) == sorted(FORMATS):
         return "results"
     return "results." + "+".join(config.tasks) + "." + "+".join(config.formats)
+
+
+def model_error(model_path: str, error: Exception) -> RunConfigError:
+    """`error`, raised reading the model at `model_path`, as the user's mistake: one message naming the path (for a
+    path that is no local folder, where it was looked for)."""
+    from trl_longrm.data.sources import looks_local, missing_path_message
+
+    reason = str(error)
+    if not Path(model_path).expanduser().exists():
+        # Transformers' own message for a local path that is not there speaks of the Hub and repo ids.
+        reason = missing_path_message(model_path) + ("" if looks_local(model_path) else f"; as a Hub id: {reason}")
+    return RunConfigError(reason if str(model_path) in reason else f"model_path={model_path!r}: {reason}")
+
+
+def load_user_judge(model_path: str, **kwargs) -> Judge:
+    """`load_judge`, where a model that cannot be used as asked (a missing or unreadable folder, a checkpoint of the
+    other head than `is_disrm` says, an adapter whose base is not there) is the user's mistake (`model_error`)."""
+    try:
+        return load_judge(model_path, **kwargs)
+    except (OSError, ValueError) as error:
+        raise model_error(model_path, error) from None
 
 
 def evaluate_reward_model(config: EvalConfig, judge: Judge | None = None) -> dict:
@@ -313,7 +344,7 @@ def evaluate_reward_model(config: EvalConfig, judge: Judge | None = None) -> dic
     own_store = store if state.num_processes == 1 else PredictionStore(save_path / SHARD_NAME.format(state.process_index))
     if judge is None and mine:
         device = config.device if config.device is not None or state.num_processes == 1 else str(state.device)
-        judge = load_judge(
+        judge = load_user_judge(
             config.model_path,
             is_disrm=config.is_disrm,
             max_length=config.max_length,

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import yaml
 
+from trl_longrm.data.errors import DataFormatError
+
 
 DEFAULT_TEMPLATE_PATH = Path(__file__).resolve().parent / "templates" / "default.yaml"
 
@@ -105,25 +107,28 @@ class PromptTemplate:
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> PromptTemplate:
-        """Read and check a template file; every problem is a `ValueError` naming the file and the key."""
+        """Read and check a template file; every problem is a `DataFormatError` (a `ValueError`) naming the file and
+        the key."""
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"Prompt template {path} not found (resolved from {Path.cwd()}).")
         try:
             raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+        except UnicodeDecodeError as error:
+            raise DataFormatError(f"{path}: not UTF-8 text (byte {error.start + 1} of the file).") from None
         except yaml.YAMLError as error:
-            raise ValueError(f"{path}: not valid YAML ({error}).") from error
+            raise DataFormatError(f"{path}: not valid YAML ({error}).") from error
         if not isinstance(raw, dict):
-            raise ValueError(f"{path}: expected a mapping with the sections {sorted(_SECTIONS)}.")
+            raise DataFormatError(f"{path}: expected a mapping with the sections {sorted(_SECTIONS)}.")
         unknown = sorted(set(raw) - set(_SECTIONS))
         if unknown:
-            raise ValueError(f"{path}: unknown section(s) {unknown}; expected {sorted(_SECTIONS)}.")
+            raise DataFormatError(f"{path}: unknown section(s) {unknown}; expected {sorted(_SECTIONS)}.")
         default = None if path == DEFAULT_TEMPLATE_PATH else cls.default()
         sections = {}
         for name in _SECTIONS:
             if name not in raw:
                 if default is None:
-                    raise ValueError(f"{path}: section `{name}` is missing.")
+                    raise DataFormatError(f"{path}: section `{name}` is missing.")
                 # A file may give only the protocols it changes; the others keep the built-in prompts.
                 sections[name] = getattr(default, name)
                 continue
@@ -178,46 +183,48 @@ def _placeholders(path: Path, key: str, text: str) -> set[str]:
     try:
         return {name for _, name, _, _ in string.Formatter().parse(text) if name is not None}
     except ValueError as error:
-        raise ValueError(f"{path}: key `{key}` is not a valid template ({error}; write a literal brace as {{{{).") from error
+        raise DataFormatError(
+            f"{path}: key `{key}` is not a valid template ({error}; write a literal brace as {{{{)."
+        ) from error
 
 
 def _read_section(path: Path, name: str, raw) -> JudgePrompt:
     formats, allowed, required = _SECTIONS[name]
     if not isinstance(raw, dict):
-        raise ValueError(f"{path}: section `{name}` must be a mapping of {sorted(_KEYS)}.")
+        raise DataFormatError(f"{path}: section `{name}` must be a mapping of {sorted(_KEYS)}.")
     keys = _KEYS - ({"response", "separator"} if name == "pointwise" else set())
     unknown = sorted(set(raw) - keys)
     if unknown:
-        raise ValueError(f"{path}: key(s) {[f'{name}.{k}' for k in unknown]} unknown; expected {sorted(keys)}.")
+        raise DataFormatError(f"{path}: key(s) {[f'{name}.{k}' for k in unknown]} unknown; expected {sorted(keys)}.")
     needed = {"system", "user", "verdict"} | ({"response"} if name != "pointwise" else set())
     for key in sorted(needed):
         if key not in raw:
-            raise ValueError(f"{path}: key `{name}.{key}` is missing.")
+            raise DataFormatError(f"{path}: key `{name}.{key}` is missing.")
     for key, value in raw.items():
         if not isinstance(value, str):
-            raise ValueError(f"{path}: key `{name}.{key}` must be a string, got {type(value).__name__}.")
+            raise DataFormatError(f"{path}: key `{name}.{key}` must be a string, got {type(value).__name__}.")
     if raw["verdict"] not in formats:
-        raise ValueError(f"{path}: key `{name}.verdict` is {raw['verdict']!r}; supported: {list(formats)}.")
+        raise DataFormatError(f"{path}: key `{name}.verdict` is {raw['verdict']!r}; supported: {list(formats)}.")
     message_fields = allowed - {"label", "response"} if name != "pointwise" else allowed
     for key in ("system", "user"):
         unknown = _placeholders(path, f"{name}.{key}", raw[key]) - message_fields
         if unknown:
-            raise ValueError(
+            raise DataFormatError(
                 f"{path}: key `{name}.{key}` uses unknown placeholder(s) {sorted(unknown)}; "
                 f"available: {sorted(message_fields)}."
             )
     missing = required - _placeholders(path, f"{name}.user", raw["user"])
     if missing:
-        raise ValueError(f"{path}: key `{name}.user` must contain the placeholder(s) {sorted(missing)}.")
+        raise DataFormatError(f"{path}: key `{name}.user` must contain the placeholder(s) {sorted(missing)}.")
     if name != "pointwise":
         unknown = _placeholders(path, f"{name}.response", raw["response"]) - {"label", "response"}
         if unknown:
-            raise ValueError(
+            raise DataFormatError(
                 f"{path}: key `{name}.response` uses unknown placeholder(s) {sorted(unknown)}; available: "
                 "['label', 'response']."
             )
         if "response" not in _placeholders(path, f"{name}.response", raw["response"]):
-            raise ValueError(f"{path}: key `{name}.response` must contain the placeholder ['response'].")
+            raise DataFormatError(f"{path}: key `{name}.response` must contain the placeholder ['response'].")
     return JudgePrompt(
         system=raw["system"],
         user=raw["user"],
