@@ -8,8 +8,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from cli_helpers import assert_one_error, run_cli
 
-from trl_longrm.cli import main
 from trl_longrm.evaluation import make_toy_benchmark
 from trl_longrm.testing_utils import build_chat_tokenizer, save_tiny_model
 
@@ -31,17 +31,7 @@ def paths(tmp_path_factory):
 
 
 def run_eval_cli(capsys, *argv) -> tuple[int, str]:
-    """`trl-longrm eval ARGV` through the command line's `main` (an exception escaping it is a traceback): the exit
-    code and what went to stderr."""
-    code = main(["eval", *argv])
-    return code, capsys.readouterr().err
-
-
-def assert_one_error(code: int, stderr: str, *expected: str):
-    assert code == 1 and "Traceback" not in stderr
-    assert stderr.count("trl-longrm: error:") == 1, stderr
-    for text in expected:
-        assert text in stderr, stderr
+    return run_cli(capsys, "eval", *argv)
 
 
 @pytest.mark.parametrize(

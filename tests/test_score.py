@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from cli_helpers import assert_one_error, run_cli
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-from trl_longrm.cli import main
 from trl_longrm.data import DataFormatError, scoring_ids
 from trl_longrm.data.errors import RunConfigError
 from trl_longrm.evaluation.score import ScoreConfig, read_rows, score
@@ -161,17 +161,7 @@ def test_two_processes_score_as_one(models, tmp_path):
 
 
 def run_score_cli(capsys, *argv) -> tuple[int, str]:
-    """`trl-longrm score ARGV` through the command line's `main` (an exception escaping it is a traceback): the exit
-    code and what went to stderr."""
-    code = main(["score", *argv])
-    return code, capsys.readouterr().err
-
-
-def assert_one_error(code: int, stderr: str, *expected: str):
-    assert code == 1 and "Traceback" not in stderr
-    assert stderr.count("trl-longrm: error:") == 1, stderr
-    for text in expected:
-        assert text in stderr, stderr
+    return run_cli(capsys, "score", *argv)
 
 
 def test_user_columns_named_like_bookkeeping_are_kept(models, tmp_path):

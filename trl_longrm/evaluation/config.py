@@ -12,6 +12,19 @@ FORMATS = ("PairWise", "BestOfN")
 LENGTH_BUCKETS = ("4k", "8k", "16k", "32k", "64k", "128k")
 RANK_SUBTYPES = ("2", "3", "4")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def check_judging_settings(config) -> None:
+    """The settings `EvalConfig` and `ScoreConfig` share (`batch_size`, `max_length`, `max_new_tokens`, `dtype`),
+    checked once for both."""
+    if config.batch_size < 1:
+        raise ValueError(f"`batch_size` must be >= 1, got {config.batch_size}.")
+    if config.max_length < 16:
+        raise ValueError(f"`max_length` must be >= 16 tokens, got {config.max_length}.")
+    if config.max_new_tokens < 1:
+        raise ValueError(f"`max_new_tokens` must be >= 1, got {config.max_new_tokens}.")
+    if config.dtype not in DTYPES:
+        raise ValueError(f"`dtype` must be one of {list(DTYPES)}, got {config.dtype!r}.")
 DATA_FORMATS = ("auto", "long_rewardbench", "preference")
 JUDGE_PROTOCOLS = ("pairwise", "pointwise")
 PROTOCOLS = ("default", "longrm")
@@ -169,12 +182,7 @@ class EvalConfig:
             raise ValueError(f"Unknown format(s) {unknown}; expected a subset of {list(FORMATS)}.")
         if not self.tasks:
             raise ValueError("`tasks` is empty; name at least one task.")
-        if self.batch_size < 1:
-            raise ValueError(f"`batch_size` must be >= 1, got {self.batch_size}.")
-        if self.max_length < 16:
-            raise ValueError(f"`max_length` must be >= 16 tokens, got {self.max_length}.")
-        if self.max_new_tokens < 1:
-            raise ValueError(f"`max_new_tokens` must be >= 1, got {self.max_new_tokens}.")
+        check_judging_settings(self)
         if self.data_format not in DATA_FORMATS:
             raise ValueError(f"`data_format` must be one of {list(DATA_FORMATS)}, got {self.data_format!r}.")
         if self.judge_protocol not in JUDGE_PROTOCOLS:
@@ -191,7 +199,5 @@ class EvalConfig:
                 f"`max_new_tokens` ({self.max_new_tokens}) must be below `max_length` ({self.max_length}): the prompt "
                 "and the judgment share the context."
             )
-        if self.dtype not in DTYPES:
-            raise ValueError(f"`dtype` must be one of {list(DTYPES)}, got {self.dtype!r}.")
         if self.save_path is None:
             self.save_path = os.path.join("eval_results", os.path.basename(os.path.normpath(self.model_path)))

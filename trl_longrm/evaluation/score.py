@@ -29,7 +29,7 @@ import torch
 
 from trl_longrm.data.errors import DataFormatError, RunConfigError
 from trl_longrm.evaluation.benchmark import jsonl_lines
-from trl_longrm.evaluation.config import DTYPES
+from trl_longrm.evaluation.config import check_judging_settings
 
 
 logger = logging.getLogger(__name__)
@@ -71,14 +71,7 @@ class ScoreConfig:
     )
 
     def __post_init__(self):
-        if self.batch_size < 1:
-            raise ValueError(f"`batch_size` must be >= 1, got {self.batch_size}.")
-        if self.max_length < 16:
-            raise ValueError(f"`max_length` must be >= 16 tokens, got {self.max_length}.")
-        if self.max_new_tokens < 1:
-            raise ValueError(f"`max_new_tokens` must be >= 1, got {self.max_new_tokens}.")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"`dtype` must be one of {list(DTYPES)}, got {self.dtype!r}.")
+        check_judging_settings(self)
 
 
 def _is_messages(value) -> bool:
