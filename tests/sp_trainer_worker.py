@@ -318,6 +318,32 @@ def run_modes_task(out_dir: Path, world_size: int, tokenizer, mode: str, ulysses
         del trainer
 
 
+# Tiled MLPs (`mlp_tile_tokens`) on a group of the whole world: (trainer kind, rejected responses per prompt); the
+# slices are smaller than a rank's share of a row, so every MLP is tiled.
+TILED_RUNS, TILE_TOKENS = [("grm", 3), ("disrm", 3), ("sft", 1)], 16
+
+
+def tiled_trainer(kind, output_dir, tokenizer, num_rejected, **overrides):
+    """Two SGD steps of `kind` with shared prefixes (the SFT trainer packs), no evaluation."""
+    settings = dict(per_device_train_batch_size=TRAIN_BATCH, max_steps=2, learning_rate=0.05, optim="sgd",
+                    max_grad_norm=0.0, lr_scheduler_type="constant", logging_steps=1)  # fmt: skip
+    settings.update(dict(shared_prefix=True) if kind != "sft" else {})
+    return build_trainer(kind, output_dir, tokenizer, TRAIN_GROUPS, TRAIN_SEED, num_rejected, **{**settings, **overrides})
+
+
+def run_tiled_task(out_dir: Path, world_size: int, tokenizer, mode: str) -> None:
+    for kind, num_rejected in TILED_RUNS:
+        trainer = tiled_trainer(kind, out_dir / f"tiled_{mode}_{kind}", tokenizer, num_rejected,
+                                sequence_parallel_size=world_size, sequence_parallel_mode=mode,
+                                mlp_tile_tokens=TILE_TOKENS)  # fmt: skip
+        trainer.train()
+        if dist.get_rank() == 0:
+            model = trainer.accelerator.unwrap_model(trainer.model)
+            params = {n: p.detach().clone() for n, p in model.named_parameters()}
+            torch.save(params, out_dir / f"tiled_{mode}_{kind}_world{world_size}.pt")
+        del trainer
+
+
 # accelerate's parallelism_config read as our Ulysses: (trainer kind, rejected per prompt, config overrides); the SFT
 # run keeps TRL's padded batches (padding_free=False), which stock SFTTrainer trains under accelerate's Ulysses.
 ACCELERATE_RUNS = [("grm", 3, {}), ("disrm", 3, {}), ("sft", 1, {"padding_free": False})]
@@ -359,6 +385,8 @@ def gloo_worker(rank: int, world_size: int, out_dir: str, tasks: list[str]) -> N
         elif task.startswith("mode:"):  # "mode:ulysses" or "mode:hybrid:2"
             _, mode, *ulysses = task.split(":")
             run_modes_task(out, world_size, tokenizer, mode, int(ulysses[0]) if ulysses else None)
+        elif task.startswith("tiled:"):  # "tiled:ring" or "tiled:ulysses"
+            run_tiled_task(out, world_size, tokenizer, task.partition(":")[2])
         elif task == "accelerate_config":
             run_accelerate_task(out, tokenizer, "config")
         elif task == "bad_configs":

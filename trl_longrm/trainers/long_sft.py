@@ -17,6 +17,7 @@ from trl_longrm.data.records import resolve_sft_layout
 from trl_longrm.heads import add_token_logprob_head
 from trl_longrm.packing import SFTCollator
 from trl_longrm.sequence_parallel import SequenceParallelConfig
+from trl_longrm.tiled_mlp import apply_tiled_mlp
 from trl_longrm.trainers.common import (
     LongContextDataArguments,
     attention_reasons,
@@ -298,6 +299,7 @@ class LongSFTTrainer(SequenceParallelMixin, SFTTrainer):
                 setattr(args, name, value)
         self._pad_token_id = pad_token_id_of(self._tokenizer)
         if self._stock_path:
+            apply_tiled_mlp(self.model, args.mlp_tile_tokens)  # a model-level setting: stock's forward is tiled too
             return
         self.data_collator = data_collator or SFTCollator(
             pad_token_id=self._pad_token_id,

@@ -29,6 +29,7 @@ from trl_longrm.sequence_parallel import (
 from trl_longrm.sequence_parallel.collectives import all_reduce_autograd, destroy_process_groups
 from trl_longrm.sequence_parallel.metrics_gather import gather_for_metrics
 from trl_longrm.sequence_parallel.sharding import packed_row_metadata, shared_row_metadata
+from trl_longrm.tiled_mlp import apply_tiled_mlp
 from trl_longrm.trainers.common import model_inputs
 
 
@@ -111,6 +112,7 @@ class SequenceParallelMixin:
         if args.padding_free or packed_for_sp:
             # Our attention keeps the documents of a packed row apart without an L x L mask (and runs the ring).
             apply_ring_attention(self.model, args)
+        apply_tiled_mlp(self.model, getattr(args, "mlp_tile_tokens", None))
 
     @property
     def sequence_parallel_size(self) -> int:

@@ -19,6 +19,7 @@ from trl_longrm.heads import add_token_logprob_head  # noqa: E402
 from trl_longrm.losses import AVERAGED_LOSS_TYPES, CPO_LOSS_TYPES, cpo_loss, group_values  # noqa: E402
 from trl_longrm.packing import PreferenceCollator, is_shared_prefix_batch  # noqa: E402
 from trl_longrm.sequence_parallel import SequenceParallelConfig  # noqa: E402
+from trl_longrm.tiled_mlp import apply_tiled_mlp  # noqa: E402
 from trl_longrm.trainers.common import (  # noqa: E402
     SHARED_PREFIX_HELP,
     LongContextDataArguments,
@@ -181,6 +182,7 @@ class SimPOGRMTrainer(SequenceParallelMixin, CPOTrainer):
         self._stock_path = self._use_stock_path(model, args, train_dataset, eval_dataset)
         if self._stock_path:
             super().__init__(**stock_kwargs)
+            apply_tiled_mlp(self.model, args.mlp_tile_tokens)  # a model-level setting: stock's forward is tiled too
             return
         args = padded_fallback_args(model, args, type(self).__name__)
         tokenizer = resolve_tokenizer(model, processing_class, args.trust_remote_code)

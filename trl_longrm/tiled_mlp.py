@@ -1,0 +1,89 @@
+"""Sequence-tiled MLP: each decoder layer's MLP computed over slices of a rank's tokens (ALST's TiledMLP).
+
+An MLP is applied to every token on its own, so slicing the tokens changes nothing in its outputs or gradients; what
+it changes is memory. A whole row's MLP materialises its intermediate activations (gate, up, their product: 3 x
+`intermediate_size` per token, 3.5x the hidden state of Llama-3-8B) at once in forward, and again when gradient
+checkpointing recomputes the layer in backward: 128K tokens on one rank make 10.5 GiB of them in bf16. Tiled, each slice
+runs under `torch.utils.checkpoint` (non-reentrant): the forward keeps only the slice's output, the backward recomputes
+one slice's intermediates at a time. The peak then holds one slice's intermediates, at the cost of one more forward of
+the MLP per step (with gradient checkpointing, which recomputes the layer anyway, three forwards instead of two).
+
+Gradients reach the parameters through autograd as usual (DDP's and DeepSpeed's hooks see them), so the tiled model
+trains the same weights, to rounding of the summation order of each weight's gradient over the slices.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+
+TILED_MARK = "_longrm_mlp_tile_tokens"
+
+
+def tiled_mlp_forward(forward, hidden_states: torch.Tensor, tile_tokens: int) -> torch.Tensor:
+    """`forward(hidden_states)` over slices of at most `tile_tokens` tokens (dim -2), each checkpointed when gradients
+    are recorded; a plain call when the tokens fit in one slice."""
+    length = hidden_states.shape[-2]
+    if length <= tile_tokens:
+        return forward(hidden_states)
+    tiles = hidden_states.split(tile_tokens, dim=-2)  # views; the split's backward is one concatenation
+    if torch.is_grad_enabled():
+        outputs = [checkpoint(forward, tile, use_reentrant=False) for tile in tiles]
+    else:
+        outputs = [forward(tile) for tile in tiles]
+    for output in outputs[:1]:
+        if not isinstance(output, torch.Tensor):
+            raise NotImplementedError(
+                f"mlp_tile_tokens: this MLP returns {type(output).__name__}, not a tensor (a Mixture-of-Experts block "
+                "with router outputs?); only per-token MLPs that return their hidden states can be tiled."
+            )
+    return torch.cat(outputs, dim=-2)
+
+
+def decoder_mlps(model: nn.Module) -> list[nn.Module]:
+    """The MLP of every decoder layer of `model` (a transformers model, possibly wrapped by peft): the modules found
+    as the `mlp` attribute of a layer of the backbone's `layers` list."""
+    mlps = []
+    for module in model.modules():
+        layers = getattr(module, "layers", None)
+        if isinstance(layers, nn.ModuleList):
+            mlps.extend(layer.mlp for layer in layers if isinstance(getattr(layer, "mlp", None), nn.Module))
+            if mlps:
+                return mlps
+    return mlps
+
+
+def apply_tiled_mlp(model: nn.Module, tile_tokens: int | None) -> int:
+    """Compute every decoder layer's MLP over slices of at most `tile_tokens` tokens (None: leave the model as it is).
+    Returns the number of MLPs tiled; raises if `model` has no decoder MLP to tile. Applying again changes the size.
+
+    Example:
+    ```python
+    >>> apply_tiled_mlp(model, 8192)  # each MLP sees at most 8192 tokens at once
+    ```
+    """
+    if tile_tokens is None:
+        return 0
+    if not isinstance(tile_tokens, int) or tile_tokens < 1:
+        raise ValueError(f"mlp_tile_tokens must be a positive integer or None, got {tile_tokens!r}.")
+    mlps = decoder_mlps(model)
+    if not mlps:
+        raise NotImplementedError(
+            f"mlp_tile_tokens={tile_tokens}: {type(model).__name__} has no decoder layers with an `mlp` module to tile."
+        )
+    for mlp in mlps:
+        if not hasattr(mlp, TILED_MARK):
+            untiled = mlp.forward
+
+            def forward(self, hidden_states, *args, _untiled=untiled, **kwargs):
+                if args or kwargs:  # not a per-token call we know how to slice
+                    return _untiled(hidden_states, *args, **kwargs)
+                return tiled_mlp_forward(_untiled, hidden_states, getattr(self, TILED_MARK))
+
+            mlp.forward = types.MethodType(forward, mlp)
+        setattr(mlp, TILED_MARK, tile_tokens)
+    return len(mlps)
