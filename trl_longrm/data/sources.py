@@ -211,6 +211,21 @@ def _normalize_all(
         raise locate_error(error, source if isinstance(source, (str, os.PathLike)) else None) from None
 
 
+def holds_json_feature(feature) -> bool:
+    """Whether a `datasets` feature is, or contains, a `Json` feature (datasets >= 4.7)."""
+    if _JSON_FEATURE is not None and isinstance(feature, _JSON_FEATURE):
+        return True
+    if isinstance(feature, dict):
+        return any(holds_json_feature(inner) for inner in feature.values())
+    inner = getattr(feature, "feature", None)  # List, LargeList, Sequence
+    return inner is not None and holds_json_feature(inner)
+
+
+_JSON_FEATURE = getattr(datasets, "Json", None)
+# Name prefix of the source columns read under another name while normalising (see `_normalize_rows`).
+_HIDDEN_PREFIX = "__trl_longrm_source__"
+
+
 def _normalize_rows(rows, name, resolve, normalize, num_proc) -> Dataset:
     if isinstance(rows, list):
         first = rows[0]
@@ -226,10 +241,18 @@ def _normalize_rows(rows, name, resolve, normalize, num_proc) -> Dataset:
     if isinstance(rows, list):
         dataset = Dataset.from_list([_normalize_checked(row, index, **kwargs) for index, row in enumerate(rows)])
     else:
+        # `map` writes an output column in the type of the input column of the same name when the values fit it, and
+        # a `Json` column (datasets >= 4.7: TRL's tool-call data keeps `chosen` / `rejected` message lists so) takes
+        # any value: the canonical JSON text of the responses would be stored as JSON values and read back as lists
+        # (a string as a list of characters). Such columns are read under other names, so the records' types are
+        # inferred from the records themselves.
+        hidden = {c: f"{_HIDDEN_PREFIX}{c}" for c, feature in rows.features.items() if holds_json_feature(feature)}
+        if hidden:
+            rows = rows.rename_columns(hidden)
         dataset = rows.map(
             _normalize_checked,
             with_indices=True,
-            fn_kwargs=kwargs,
+            fn_kwargs={**kwargs, "renamed": {new: old for old, new in hidden.items()}},
             remove_columns=rows.column_names,
             num_proc=num_proc,
             desc=f"Normalising {name}",
@@ -251,7 +274,9 @@ def _with_row_flags(record: dict) -> dict:
     return record
 
 
-def _normalize_checked(row, index, source, layout, expected, normalize):
+def _normalize_checked(row, index, source, layout, expected, normalize, renamed=None):
+    if renamed:
+        row = {renamed.get(key, key): value for key, value in row.items()}
     record = _with_row_flags(normalize(row, index=index, source=source, layout=layout))
     for key, kind in {**expected, **dict.fromkeys(record.keys() - expected.keys(), type(None))}.items():
         if key not in record or not isinstance(record[key], kind):

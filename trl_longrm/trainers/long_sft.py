@@ -14,6 +14,7 @@ from trl.chat_template_utils import get_training_chat_template
 
 from trl_longrm.data.errors import DataFormatError
 from trl_longrm.data.records import resolve_sft_layout
+from trl_longrm.data.sources import holds_json_feature
 from trl_longrm.heads import add_token_logprob_head
 from trl_longrm.packing import SFTCollator
 from trl_longrm.sequence_parallel import SequenceParallelConfig
@@ -97,6 +98,23 @@ def _has_feature(feature, name: str) -> bool:
     return inner is not None and _has_feature(inner, name)
 
 
+def _json_values_have_key(dataset: Dataset, name: str) -> bool:
+    """Whether a value of a column stored with datasets' `Json` feature (TRL's tool-call data keeps its messages so)
+    holds a mapping with a non-None `name`: its schema, unlike a struct's, does not list the keys."""
+    columns = [column for column, feature in dataset.features.items() if holds_json_feature(feature)]
+
+    def found(value) -> bool:
+        if isinstance(value, dict):
+            return value.get(name) is not None or any(found(v) for v in value.values())
+        return isinstance(value, list) and any(found(v) for v in value)
+
+    for column in columns:
+        for batch in dataset.select_columns([column]).iter(batch_size=256):  # bounded memory
+            if found(batch[column]):
+                return True
+    return False
+
+
 def _labels_differ_from_inputs(dataset: Dataset) -> bool:
     """Whether some `labels` are neither the input token nor -100 (our collator derives labels from a mask)."""
     for batch in dataset.select_columns(["input_ids", "labels"]).iter(batch_size=256):  # bounded memory
@@ -159,7 +177,9 @@ def dataset_reasons(name: str, dataset) -> list[str]:
     stock_only = [c for c in STOCK_ONLY_COLUMNS if c in columns]
     if stock_only:
         reasons.append(f"the {name} dataset has the column(s) {stock_only}")
-    if "input_ids" not in columns and _has_feature(dataset.features, "tool_calls"):
+    if "input_ids" not in columns and (
+        _has_feature(dataset.features, "tool_calls") or _json_values_have_key(dataset, "tool_calls")
+    ):
         reasons.append(f"the {name} dataset has assistant `tool_calls`")
     if "input_ids" in columns and "labels" in columns and _labels_differ_from_inputs(dataset):
         reasons.append(f"the {name} dataset's `labels` differ from its `input_ids`")
