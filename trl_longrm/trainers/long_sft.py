@@ -86,6 +86,15 @@ class LongSFTConfig(SFTConfig, LongContextDataArguments, SequenceParallelConfig)
     def __post_init__(self):
         super().__post_init__()
         SequenceParallelConfig.__post_init__(self)
+        if (self.packing or self.eval_packing) and self.max_length is None and self.max_tokens_per_row is None:
+            # Packing bins examples into rows of `max_tokens_per_row` (default `max_length`): with neither there is no
+            # row size, and training unpacked instead would ignore `packing`. Stock SFTTrainer refuses it too.
+            field_name = "packing" if self.packing else "eval_packing"
+            raise ValueError(
+                f"{field_name}=True needs a row size: set max_length (packed rows hold up to max_length tokens) or "
+                "max_tokens_per_row; both are None. (Stock SFTTrainer: when packing is enabled, `max_length` can't "
+                "be `None`.)"
+            )
 
 
 def _has_feature(feature, name: str) -> bool:
