@@ -114,6 +114,25 @@ def check_shared_prefix_args(args) -> None:
         )
 
 
+def keep_heads_under_liger(args, trainer_name: str) -> None:
+    """With `use_liger_kernel=True`, `Trainer.train()` applies Liger's kernels to the model, and Liger's fused linear
+    cross-entropy (on unless `liger_kernel_config` turns it off) replaces the model's `forward`: that would remove
+    our sparse LM head or last-token score head, leaving the full `[L, vocab]` logits (an out-of-memory error at long
+    rows) or an error. As TRL's SFTTrainer does for its fused LM head, only Liger's layer kernels (RMSNorm, RoPE,
+    SwiGLU, ...) are applied then; asking for the fused cross-entropy is an error naming the field."""
+    if not args.use_liger_kernel:
+        return
+    liger_kernel_config = dict(args.liger_kernel_config or {})
+    if liger_kernel_config.get("fused_linear_cross_entropy"):
+        raise ValueError(
+            f'{trainer_name}: `liger_kernel_config={{"fused_linear_cross_entropy": True}}` with `use_liger_kernel=True` '
+            "is not supported: Liger's fused linear cross-entropy replaces the model's forward, which this trainer "
+            "patches with its sparse head (it computes only the logits or scores the loss reads). Leave it unset or "
+            "False: Liger's other kernels are applied."
+        )
+    args.liger_kernel_config = {**liger_kernel_config, "fused_linear_cross_entropy": False}
+
+
 def resolve_tokenizer(model, processing_class: PreTrainedTokenizerBase | None, trust_remote_code: bool = False):
     """The tokenizer a trainer needs before TRL's `__init__` runs (to tokenise our data formats)."""
     if processing_class is not None:

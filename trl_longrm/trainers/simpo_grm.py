@@ -23,6 +23,7 @@ from trl_longrm.trainers.common import (  # noqa: E402
     SHARED_PREFIX_HELP,
     LongContextDataArguments,
     check_shared_prefix_args,
+    keep_heads_under_liger,
     lm_head_reasons,
     model_skeleton,
     pad_token_id_of,
@@ -183,6 +184,7 @@ class SimPOGRMTrainer(SequenceParallelMixin, CPOTrainer):
             super().__init__(**stock_kwargs)
             return
         args = padded_fallback_args(model, args, type(self).__name__)
+        keep_heads_under_liger(args, type(self).__name__)
         tokenizer = resolve_tokenizer(model, processing_class, args.trust_remote_code)
         train_dataset = prepare_preference_dataset(train_dataset, tokenizer, args, "train", "cpo")
         if isinstance(eval_dataset, dict):
