@@ -25,6 +25,7 @@ from trl_longrm.trainers.common import (
     model_skeleton,
     pad_token_id_of,
     prepare_sft_dataset,
+    sampler_length_column,
 )
 from trl_longrm.trainers.parallel import SequenceParallelMixin
 
@@ -403,6 +404,12 @@ class LongSFTTrainer(SequenceParallelMixin, SFTTrainer):
         dataset = _as_stock_labels(
             prepare_sft_dataset(dataset, tokenizer, args, dataset_name, budget, assistant_only_loss)
         )
+        length_column = sampler_length_column(args)
+        if length_column is not None and "num_tokens" in dataset.column_names:
+            # A packed row's `input_ids` are its sequences, whose count the length-grouped samplers would read instead
+            # of its tokens (stock's packed rows are flat): they read this column.
+            dataset = dataset.remove_columns([c for c in (length_column,) if c in dataset.column_names])
+            dataset = dataset.add_column(length_column, list(dataset["num_tokens"]))
         if args.shuffle_dataset:
             dataset = dataset.shuffle(seed=args.seed)
         return dataset
@@ -517,6 +524,10 @@ class LongSFTTrainer(SequenceParallelMixin, SFTTrainer):
             return super()._set_signature_columns_if_needed()
         if self._signature_columns is None:
             self._signature_columns = ["input_ids", "labels", "completion_mask", "num_tokens"]
+            if self.args.packing or self.args.eval_packing or self.args.max_tokens_per_row:
+                # The tokens of each packed row, for the length-grouped samplers (see `_prepare_dataset`). Unpacked,
+                # they read `input_ids` as stock does, which drops a `length` column of the user's as unused.
+                self._signature_columns.append(self.args.length_column_name)
 
     # ------------------------------------------------------------------ loss and metrics
 

@@ -150,6 +150,8 @@ class SimPODisRMTrainer(SequenceParallelMixin, RewardTrainer):
     def _set_signature_columns_if_needed(self):
         if self._signature_columns is None:
             self._signature_columns = [*GROUP_COLUMNS, *REWARD_COLUMNS, "margin", "num_tokens"]
+            # The lengths transformers' length-grouped samplers read (`common.with_sampler_lengths`).
+            self._signature_columns.append(self.args.length_column_name)
 
     def sequence_scores(self, model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Score of every sequence of the batch, `[S]`, from the hidden state at its last token."""

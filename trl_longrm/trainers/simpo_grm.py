@@ -268,6 +268,8 @@ class SimPOGRMTrainer(SequenceParallelMixin, CPOTrainer):
             return super()._set_signature_columns_if_needed()
         if self._signature_columns is None:
             self._signature_columns = [*GROUP_COLUMNS, *CPO_COLUMNS, "margin", "num_tokens"]
+            # The lengths transformers' length-grouped samplers read (`common.with_sampler_lengths`).
+            self._signature_columns.append(self.args.length_column_name)
 
     def sequence_logps(self, model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """Summed log-prob and number of scored tokens of every sequence of the batch, `[S]` each."""
