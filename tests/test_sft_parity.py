@@ -251,6 +251,31 @@ def test_packed_dataset_has_stock_seq_lengths(tmp_path, tokenizer):
     assert len(ours_lengths) == len(stock.train_dataset["seq_lengths"])
 
 
+@pytest.mark.parametrize("packing_field", ["packing", "eval_packing"])
+def test_packing_without_a_row_size_refused_as_stock(tmp_path, tokenizer, packing_field):
+    """`packing=True` with `max_length=None` (and no `max_tokens_per_row`) has no row size: stock SFTTrainer refuses
+    it, and so does LongSFTConfig, at once, naming the fields (it must not train unpacked instead)."""
+    data = Dataset.from_list(text_rows(4))
+    common = cpu_args(tmp_path, max_length=None, **{packing_field: True})
+    with pytest.raises(ValueError, match="When packing is enabled, `max_length` can't be `None`"):
+        SFTTrainer(
+            model=model_for(tokenizer),
+            args=SFTConfig(**common),
+            train_dataset=data,
+            eval_dataset=data,
+            processing_class=tokenizer,
+        )
+    with pytest.raises(ValueError, match=f"{packing_field}=True needs a row size: set max_length .* max_tokens_per_row"):
+        LongSFTConfig(**common)
+    # A row size from `max_tokens_per_row` alone is enough: the rows are packed to it.
+    args = LongSFTConfig(**common, max_tokens_per_row=40)
+    ours = LongSFTTrainer(
+        model=model_for(tokenizer), args=args, train_dataset=data, eval_dataset=data, processing_class=tokenizer
+    )
+    packed = ours.eval_dataset if packing_field == "eval_packing" else ours.train_dataset
+    assert "num_tokens" in packed.column_names and max(packed["num_tokens"]) <= 40
+
+
 def conversations():
     return Dataset.from_list(
         [

@@ -345,11 +345,14 @@ def pack_examples(
     return Dataset.from_dict(packs)
 
 
-def pack_groups(dataset: Dataset, max_tokens_per_row: int, shared_prefix: bool = False) -> Dataset:
+def pack_groups(
+    dataset: Dataset, max_tokens_per_row: int, shared_prefix: bool = False, keep_columns: tuple[str, ...] = ()
+) -> Dataset:
     """Bin whole tokenised preference groups into packs of at most `max_tokens_per_row` tokens as they will be
-    placed in the row (the prompt once per group with `shared_prefix`); see the module docstring."""
+    placed in the row (the prompt once per group with `shared_prefix`); see the module docstring. Each of
+    `keep_columns` becomes the list of its groups' values in each pack, as `margin` does."""
     sizes = [group_num_tokens(row, shared_prefix) for row in dataset]
-    return pack_examples(dataset, sizes, max_tokens_per_row, (*GROUP_COLUMNS, "margin"))
+    return pack_examples(dataset, sizes, max_tokens_per_row, (*GROUP_COLUMNS, "margin", *keep_columns))
 
 
 def pack_sft_examples(dataset: Dataset, max_tokens_per_row: int) -> Dataset:

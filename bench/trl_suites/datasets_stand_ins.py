@@ -9,7 +9,13 @@ README.md whose `configs:` YAML maps config names to files, so that `load_datase
 The scripts are read from a TRL checkout (`--trl-src`, extracted by `run.py`); none is copied into this repository.
 The toolcall generator is taken from an older revision (`--toolcall-script`): the Hub copy of `toolcall` still holds
 `tools` as JSON strings (the tests call `json.loads(example["tools"])`), while the script at TRL main writes them as
-structured values. After the build this module checks that `tools` is a column of JSON strings.
+structured values. Its message lists (`messages`, `chosen`, `rejected`), on the other hand, are stored as the
+generator at TRL main stores them, with datasets' `Json` feature (`Dataset.from_dict(..., on_mixed_types="use_json")`,
+`arrow.json` in the parquet files): each message keeps only its own keys (a tool call has no `content`, a tool answer
+has a `name`). Inferred as structs instead, every message would get the keys of all the others, filled with None,
+which hides what a trainer does with the Hub's data. The toolcall generator therefore runs with `use_json` as the
+default of `Dataset.from_dict`. After the build this module checks both: `tools` is a column of JSON strings, and the
+message lists are `Json` values.
 
     python datasets_stand_ins.py --trl-src WORK/trl --toolcall-script WORK/trl/toolcall/generate_toolcall_dataset.py \
         --hub WORK/hubroot
@@ -25,7 +31,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import pyarrow.parquet as pq
-from datasets import DatasetDict
+from datasets import Dataset, DatasetDict, Features, Json, List
 
 
 # The test split fraction the scripts use by default (their `test_size` argument).
@@ -87,6 +93,39 @@ def check_toolcall_tools_are_json_strings(root: Path) -> None:
                 )
 
 
+# Columns of the toolcall configs holding lists of messages, stored as `List(Json())` as on the Hub.
+TOOLCALL_MESSAGE_COLUMNS = ("messages", "chosen", "rejected")
+
+
+def check_toolcall_messages_are_json(root: Path) -> None:
+    """Fail unless every message list of the toolcall stand-in is stored with datasets' `Json` feature."""
+    for path in sorted((root / "trl-internal-testing" / "toolcall").glob("*/*.parquet")):
+        features = Features.from_arrow_schema(pq.read_schema(path))
+        for column in TOOLCALL_MESSAGE_COLUMNS:
+            if column in features and features[column] != List(Json()):
+                raise SystemExit(
+                    f"toolcall stand-in {path}: `{column}` is stored as {features[column]}, not as a list of Json "
+                    "values as on the Hub (TRL's generator builds it with on_mixed_types='use_json')."
+                )
+
+
+class JsonDefault:
+    """`Dataset.from_dict` with `on_mixed_types="use_json"` unless the caller passes it, while in this context."""
+
+    def __enter__(self):
+        self.original = Dataset.from_dict.__func__
+
+        def from_dict(cls, *args, **kwargs):
+            kwargs.setdefault("on_mixed_types", "use_json")
+            return self.original(cls, *args, **kwargs)
+
+        Dataset.from_dict = classmethod(from_dict)
+        return self
+
+    def __exit__(self, *exc):
+        Dataset.from_dict = classmethod(self.original)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--trl-src", type=Path, required=True, help="folder with TRL's scripts/ (extracted by run.py)")
@@ -104,9 +143,14 @@ def main(argv: list[str] | None = None) -> None:
     ]
     for path, repo_id in generators:
         module = load_script(path, f"_trl_dataset_script_{path.stem}")
-        module.main(TEST_SIZE, True, repo_id)
+        if repo_id.endswith("/toolcall"):
+            with JsonDefault():
+                module.main(TEST_SIZE, True, repo_id)
+        else:
+            module.main(TEST_SIZE, True, repo_id)
     hub.write_cards()
     check_toolcall_tools_are_json_strings(hub.root)
+    check_toolcall_messages_are_json(hub.root)
     for repo_id, configs in hub.configs.items():
         print(f"[dataset] {repo_id}: {len(configs)} configs ({', '.join(configs)})", flush=True)
 

@@ -223,22 +223,41 @@ def _normalize_all(
     normalize: Callable[..., dict],
     num_proc: int | None,
     keep_in_memory: bool | None,
+    keep_columns: tuple[str, ...] = (),
 ) -> Dataset:
     rows, name = read_source(source, split, source_name, keep_in_memory)
     if len(rows) == 0:
         raise DataFormatError("the data source has no rows", source=name)
     try:
-        return _normalize_rows(rows, name, resolve, normalize, num_proc)
+        return _normalize_rows(rows, name, resolve, normalize, num_proc, keep_columns)
     except DataFormatError as error:
         raise locate_error(error, source if isinstance(source, (str, os.PathLike)) else None) from None
 
 
-def _normalize_rows(rows, name, resolve, normalize, num_proc) -> Dataset:
+def holds_json_feature(feature) -> bool:
+    """Whether a `datasets` feature is, or contains, a `Json` feature (datasets >= 4.7)."""
+    if _JSON_FEATURE is not None and isinstance(feature, _JSON_FEATURE):
+        return True
+    if isinstance(feature, dict):
+        return any(holds_json_feature(inner) for inner in feature.values())
+    inner = getattr(feature, "feature", None)  # List, LargeList, Sequence
+    return inner is not None and holds_json_feature(inner)
+
+
+_JSON_FEATURE = getattr(datasets, "Json", None)
+# Name prefix of the source columns read under another name while normalising (see `_normalize_rows`).
+_HIDDEN_PREFIX = "__trl_longrm_source__"
+
+
+def _normalize_rows(rows, name, resolve, normalize, num_proc, keep_columns=()) -> Dataset:
     if isinstance(rows, list):
         first = rows[0]
         columns = first.keys() if isinstance(first, dict) else []
     else:
         first, columns = rows[0], rows.column_names
+    missing = [column for column in keep_columns if column not in columns]
+    if missing:
+        raise DataFormatError(f"no column(s) {missing} to keep; the columns are {sorted(columns)}", source=name)
     layout = resolve(columns, name)
     # Arrow needs one type per column, so every row must be of the kind (conversational or not) of the first one.
     first_record = _with_row_flags(normalize(first, index=0, source=name, layout=layout))
@@ -246,13 +265,30 @@ def _normalize_rows(rows, name, resolve, normalize, num_proc) -> Dataset:
 
     kwargs = {"source": name, "layout": layout, "expected": expected, "normalize": normalize}
     if isinstance(rows, list):
-        dataset = Dataset.from_list([_normalize_checked(row, index, **kwargs) for index, row in enumerate(rows)])
+        dataset = Dataset.from_list(
+            [
+                {**_normalize_checked(row, index, **kwargs), **{column: row[column] for column in keep_columns}}
+                for index, row in enumerate(rows)
+            ]
+        )
     else:
+        # `map` writes an output column in the type of the input column of the same name when the values fit it, and
+        # a `Json` column (datasets >= 4.7: TRL's tool-call data keeps `chosen` / `rejected` message lists so) takes
+        # any value: the canonical JSON text of the responses would be stored as JSON values and read back as lists
+        # (a string as a list of characters). Such columns are read under other names, so the records' types are
+        # inferred from the records themselves.
+        hidden = {
+            column: f"{_HIDDEN_PREFIX}{column}"
+            for column, feature in rows.features.items()
+            if holds_json_feature(feature) and column not in keep_columns
+        }
+        if hidden:
+            rows = rows.rename_columns(hidden)
         dataset = rows.map(
             _normalize_checked,
             with_indices=True,
-            fn_kwargs=kwargs,
-            remove_columns=rows.column_names,
+            fn_kwargs={**kwargs, "renamed": {new: old for old, new in hidden.items()}},
+            remove_columns=[column for column in rows.column_names if column not in keep_columns],
             num_proc=num_proc,
             desc=f"Normalising {name}",
         )
@@ -273,7 +309,9 @@ def _with_row_flags(record: dict) -> dict:
     return record
 
 
-def _normalize_checked(row, index, source, layout, expected, normalize):
+def _normalize_checked(row, index, source, layout, expected, normalize, renamed=None):
+    if renamed:
+        row = {renamed.get(key, key): value for key, value in row.items()}
     record = _with_row_flags(normalize(row, index=index, source=source, layout=layout))
     for key, kind in {**expected, **dict.fromkeys(record.keys() - expected.keys(), type(None))}.items():
         if key not in record or not isinstance(record[key], kind):
@@ -314,13 +352,15 @@ def load_preference_dataset(
     source_name: str | None = None,
     num_proc: int | None = None,
     keep_in_memory: bool | None = None,
+    keep_columns: tuple[str, ...] = (),
 ) -> Dataset:
     """Load preference data from any supported source as canonical groups `{prompt, chosen, rejected[, margin]}`.
 
     `data_format` is `"longrm"` (`chat_template`/`chosen`/`rejects`), `"trl"` (`prompt`/`chosen`/`rejected`, prompt
     possibly implicit) or `"auto"` (detected from the columns); the `*_key` arguments rename the columns read.
     `source_name` replaces the name used in messages (pass it for in-memory data); `keep_in_memory` is as in
-    [`load_raw_dataset`].
+    [`load_raw_dataset`]. `keep_columns` are source columns carried to each group unchanged (e.g. the `length`
+    column a length-grouped sampler reads).
 
     Example:
     ```python
@@ -333,7 +373,9 @@ def load_preference_dataset(
     def resolve(columns, name):
         return resolve_supported_preference_layout(columns, data_format, prompt_key, chosen_key, rejected_key, name)
 
-    return _normalize_all(source, split, source_name, resolve, normalize_preference_record, num_proc, keep_in_memory)
+    return _normalize_all(
+        source, split, source_name, resolve, normalize_preference_record, num_proc, keep_in_memory, tuple(keep_columns)
+    )
 
 
 def load_sft_dataset(

@@ -460,10 +460,16 @@ def _map_row(row, index, tokenize, empty, **kwargs):
     return {**(empty if out is None else out), _STATUS: status}
 
 
-def _tokenize_dataset(dataset, tokenize, features, tokenizer, max_length, truncation, num_proc, source_name, kwargs):
+def _tokenize_dataset(
+    dataset, tokenize, features, tokenizer, max_length, truncation, num_proc, source_name, kwargs, keep_columns=()
+):
     _check_policy(max_length, truncation)
     source = source_name or "<dataset>"
     empty = {name: (0.0 if name == "margin" else []) for name in features}
+    missing = [column for column in keep_columns if column not in dataset.column_names]
+    if missing:
+        raise ValueError(f"{source}: no column(s) {missing} to keep; the columns are {dataset.column_names}")
+    kept_features = {column: dataset.features[column] for column in keep_columns}
     mapped = dataset.map(
         _map_row,
         with_indices=True,
@@ -476,9 +482,9 @@ def _tokenize_dataset(dataset, tokenize, features, tokenizer, max_length, trunca
             "source": source,
             "chat_template_kwargs": kwargs,
         },
-        remove_columns=dataset.column_names,
+        remove_columns=[column for column in dataset.column_names if column not in keep_columns],
         # Explicit types: a batch made only of dropped rows would otherwise infer `list<null>` columns.
-        features=Features({**features, _STATUS: Value("string")}),
+        features=Features({**kept_features, **features, _STATUS: Value("string")}),
         num_proc=num_proc,
         desc=f"Tokenising {source}",
     )
@@ -515,12 +521,14 @@ def tokenize_preference_dataset(
     source_name: str | None = None,
     chat_template_kwargs: dict[str, Any] | None = None,
     whole_rendering: bool = False,
+    keep_columns: tuple[str, ...] = (),
 ) -> tuple[Dataset, TokenizationReport]:
     """Tokenise canonical preference groups (see [`load_preference_dataset`]) with `datasets.map`; `whole_rendering`
     as in [`tokenize_preference_record`] (True for a reward model's sequences).
 
-    Returns the dataset with columns `prompt_ids`, `chosen_completion_ids`, `rejected_completion_ids` (and `margin`)
-    and a [`TokenizationReport`] with the dropped/truncated counts, which are also logged once.
+    Returns the dataset with columns `prompt_ids`, `chosen_completion_ids`, `rejected_completion_ids` (and `margin`,
+    and the `keep_columns` of `dataset`, unchanged) and a [`TokenizationReport`] with the dropped/truncated counts,
+    which are also logged once.
 
     Example:
     ```python
@@ -542,6 +550,7 @@ def tokenize_preference_dataset(
         num_proc,
         source_name,
         chat_template_kwargs,
+        tuple(keep_columns),
     )
 
 

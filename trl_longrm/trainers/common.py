@@ -124,6 +124,25 @@ def check_shared_prefix_args(args) -> None:
         )
 
 
+def keep_heads_under_liger(args, trainer_name: str) -> None:
+    """With `use_liger_kernel=True`, `Trainer.train()` applies Liger's kernels to the model, and Liger's fused linear
+    cross-entropy (on unless `liger_kernel_config` turns it off) replaces the model's `forward`: that would remove
+    our sparse LM head or last-token score head, leaving the full `[L, vocab]` logits (an out-of-memory error at long
+    rows) or an error. As TRL's SFTTrainer does for its fused LM head, only Liger's layer kernels (RMSNorm, RoPE,
+    SwiGLU, ...) are applied then; asking for the fused cross-entropy is an error naming the field."""
+    if not args.use_liger_kernel:
+        return
+    liger_kernel_config = dict(args.liger_kernel_config or {})
+    if liger_kernel_config.get("fused_linear_cross_entropy"):
+        raise ValueError(
+            f'{trainer_name}: `liger_kernel_config={{"fused_linear_cross_entropy": True}}` with `use_liger_kernel=True` '
+            "is not supported: Liger's fused linear cross-entropy replaces the model's forward, which this trainer "
+            "patches with its sparse head (it computes only the logits or scores the loss reads). Leave it unset or "
+            "False: Liger's other kernels are applied."
+        )
+    args.liger_kernel_config = {**liger_kernel_config, "fused_linear_cross_entropy": False}
+
+
 def resolve_tokenizer(model, processing_class: PreTrainedTokenizerBase | None, trust_remote_code: bool = False):
     """The tokenizer a trainer needs before TRL's `__init__` runs (to tokenise our data formats)."""
     if processing_class is not None:
@@ -272,11 +291,15 @@ def prepare_preference_dataset(dataset, tokenizer, args, dataset_name: str, stoc
         return None
     if isinstance(dataset, IterableDataset):
         return _stream_preference_dataset(dataset, tokenizer, args, dataset_name, stock_columns)
+    length_column = sampler_length_column(args)
     if _is_packed(dataset, "prompt_ids"):
-        return dataset  # packed by `pack_groups` already (a dataset prepared once, passed again)
+        # packed by `pack_groups` already (a dataset prepared once, passed again)
+        return with_sampler_lengths(dataset, length_column, uses_shared_prefix(args))
     if stock_columns == "reward":
         dataset = _legacy_reward_columns(dataset)
     columns = dataset.column_names
+    # The user's own lengths for the sampler, as stock reads them: carried to each group (and summed per pack).
+    keep = (length_column,) if length_column is not None and length_column in columns else ()
     if all(c in columns for c in REWARD_COLUMNS) and "prompt_ids" not in columns:
         dataset = _drop_sequences_over(dataset, args.max_length, dataset_name)
     elif not (all(c in columns for c in GROUP_COLUMNS) or all(c in columns for c in CPO_COLUMNS)):
@@ -286,6 +309,7 @@ def prepare_preference_dataset(dataset, tokenizer, args, dataset_name: str, stoc
             chosen_key=args.chosen_key,
             rejected_key=args.rejected_key,
             source_name=f"{dataset_name} dataset",
+            keep_columns=keep,
         )
         dataset, _ = tokenize_preference_dataset(
             dataset,
@@ -295,12 +319,49 @@ def prepare_preference_dataset(dataset, tokenizer, args, dataset_name: str, stoc
             num_proc=args.dataset_num_proc,
             source_name=dataset_name,
             whole_rendering=stock_columns == "reward",
+            keep_columns=keep,
         )
     if args.max_tokens_per_row:
         if "prompt_ids" not in dataset.column_names:  # stock columns: back to groups, which are what is binned
-            dataset = dataset.map(group_of, remove_columns=[c for c in dataset.column_names if c != "margin"])
-        return pack_groups(dataset, args.max_tokens_per_row, shared_prefix=uses_shared_prefix(args))
-    return with_stock_columns(dataset, stock_columns, num_proc=args.dataset_num_proc)
+            unused = [c for c in dataset.column_names if c not in ("margin", *keep)]
+            dataset = dataset.map(group_of, remove_columns=unused)
+        dataset = pack_groups(
+            dataset, args.max_tokens_per_row, shared_prefix=uses_shared_prefix(args), keep_columns=keep
+        )
+        if keep:  # a pack's length: the sum of its groups' lengths
+            dataset = dataset.map(lambda pack: {length_column: sum(pack[length_column])})
+    else:
+        dataset = with_stock_columns(dataset, stock_columns, num_proc=args.dataset_num_proc)
+    return with_sampler_lengths(dataset, length_column, uses_shared_prefix(args))
+
+
+# transformers' samplers that order or batch rows by length (`train_sampling_strategy`). They read the dataset's
+# `length_column_name` column, else the length of each row's `input_ids`, which preference rows do not have.
+LENGTH_SAMPLING_STRATEGIES = ("group_by_length", "batch_rebalance")
+
+
+def sampler_length_column(args) -> str | None:
+    """The column transformers' Trainer reads the row lengths from (`length_column_name`) when its sampler uses them;
+    None otherwise."""
+    if getattr(args, "train_sampling_strategy", None) in LENGTH_SAMPLING_STRATEGIES:
+        return args.length_column_name
+    return None
+
+
+def with_sampler_lengths(dataset, length_column: str | None, shared_prefix: bool):
+    """`dataset` of preference groups (or packs of them) with `length_column`: the tokens each row places in a batch
+    (a group's sequences as the collator lays them out, a pack's `num_tokens`), which the length-grouped samplers
+    then read. A column of that name already there is the user's and is kept, as stock reads it. Unchanged when
+    `length_column` is None."""
+    from trl_longrm.packing import group_num_tokens
+
+    if length_column is None or not isinstance(dataset, Dataset) or length_column in dataset.column_names:
+        return dataset
+    if "num_tokens" in dataset.column_names:
+        lengths = list(dataset["num_tokens"])
+    else:
+        lengths = [group_num_tokens(row, shared_prefix) for row in dataset]
+    return dataset.add_column(length_column, lengths)
 
 
 def model_skeleton(name: str, args):

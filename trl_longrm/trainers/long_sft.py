@@ -14,6 +14,7 @@ from trl.chat_template_utils import get_training_chat_template
 
 from trl_longrm.data.errors import DataFormatError
 from trl_longrm.data.records import resolve_sft_layout
+from trl_longrm.data.sources import holds_json_feature
 from trl_longrm.heads import add_token_logprob_head
 from trl_longrm.packing import SFTCollator
 from trl_longrm.sequence_parallel import SequenceParallelConfig
@@ -25,6 +26,7 @@ from trl_longrm.trainers.common import (
     model_skeleton,
     pad_token_id_of,
     prepare_sft_dataset,
+    sampler_length_column,
 )
 from trl_longrm.trainers.parallel import SequenceParallelMixin
 
@@ -86,6 +88,15 @@ class LongSFTConfig(SFTConfig, LongContextDataArguments, SequenceParallelConfig)
     def __post_init__(self):
         super().__post_init__()
         SequenceParallelConfig.__post_init__(self)
+        if (self.packing or self.eval_packing) and self.max_length is None and self.max_tokens_per_row is None:
+            # Packing bins examples into rows of `max_tokens_per_row` (default `max_length`): with neither there is no
+            # row size, and training unpacked instead would ignore `packing`. Stock SFTTrainer refuses it too.
+            field_name = "packing" if self.packing else "eval_packing"
+            raise ValueError(
+                f"{field_name}=True needs a row size: set max_length (packed rows hold up to max_length tokens) or "
+                "max_tokens_per_row; both are None. (Stock SFTTrainer: when packing is enabled, `max_length` can't "
+                "be `None`.)"
+            )
 
 
 def _has_feature(feature, name: str) -> bool:
@@ -96,6 +107,23 @@ def _has_feature(feature, name: str) -> bool:
         return any(_has_feature(value, name) for value in feature)
     inner = getattr(feature, "feature", None)
     return inner is not None and _has_feature(inner, name)
+
+
+def _json_values_have_key(dataset: Dataset, name: str) -> bool:
+    """Whether a value of a column stored with datasets' `Json` feature (TRL's tool-call data keeps its messages so)
+    holds a mapping with a non-None `name`: its schema, unlike a struct's, does not list the keys."""
+    columns = [column for column, feature in dataset.features.items() if holds_json_feature(feature)]
+
+    def found(value) -> bool:
+        if isinstance(value, dict):
+            return value.get(name) is not None or any(found(v) for v in value.values())
+        return isinstance(value, list) and any(found(v) for v in value)
+
+    for column in columns:
+        for batch in dataset.select_columns([column]).iter(batch_size=256):  # bounded memory
+            if found(batch[column]):
+                return True
+    return False
 
 
 def _labels_differ_from_inputs(dataset: Dataset) -> bool:
@@ -160,7 +188,9 @@ def dataset_reasons(name: str, dataset) -> list[str]:
     stock_only = [c for c in STOCK_ONLY_COLUMNS if c in columns]
     if stock_only:
         reasons.append(f"the {name} dataset has the column(s) {stock_only}")
-    if "input_ids" not in columns and _has_feature(dataset.features, "tool_calls"):
+    if "input_ids" not in columns and (
+        _has_feature(dataset.features, "tool_calls") or _json_values_have_key(dataset, "tool_calls")
+    ):
         reasons.append(f"the {name} dataset has assistant `tool_calls`")
     if "input_ids" in columns and "labels" in columns and _labels_differ_from_inputs(dataset):
         reasons.append(f"the {name} dataset's `labels` differ from its `input_ids`")
@@ -376,6 +406,12 @@ class LongSFTTrainer(SequenceParallelMixin, SFTTrainer):
         dataset = _as_stock_labels(
             prepare_sft_dataset(dataset, tokenizer, args, dataset_name, budget, assistant_only_loss)
         )
+        length_column = sampler_length_column(args)
+        if length_column is not None and "num_tokens" in dataset.column_names:
+            # A packed row's `input_ids` are its sequences, whose count the length-grouped samplers would read instead
+            # of its tokens (stock's packed rows are flat): they read this column.
+            dataset = dataset.remove_columns([c for c in (length_column,) if c in dataset.column_names])
+            dataset = dataset.add_column(length_column, list(dataset["num_tokens"]))
         if args.shuffle_dataset:
             dataset = dataset.shuffle(seed=args.seed)
         return dataset
@@ -490,6 +526,10 @@ class LongSFTTrainer(SequenceParallelMixin, SFTTrainer):
             return super()._set_signature_columns_if_needed()
         if self._signature_columns is None:
             self._signature_columns = ["input_ids", "labels", "completion_mask", "num_tokens"]
+            if self.args.packing or self.args.eval_packing or self.args.max_tokens_per_row:
+                # The tokens of each packed row, for the length-grouped samplers (see `_prepare_dataset`). Unpacked,
+                # they read `input_ids` as stock does, which drops a `length` column of the user's as unused.
+                self._signature_columns.append(self.args.length_column_name)
 
     # ------------------------------------------------------------------ loss and metrics
 

@@ -17,6 +17,7 @@ from trl_longrm.trainers.common import (
     SHARED_PREFIX_HELP,
     LongContextDataArguments,
     check_shared_prefix_args,
+    keep_heads_under_liger,
     padded_fallback_args,
     prepare_preference_dataset,
     reduce_over_rows,
@@ -89,6 +90,7 @@ class SimPODisRMTrainer(SequenceParallelMixin, RewardTrainer):
             args = SimPODisRMConfig(output_dir="simpo-disrm")
         # A model whose attention the packed padding-free rows cannot use (sliding windows, ...) trains padded.
         args = padded_fallback_args(model, args, type(self).__name__)
+        keep_heads_under_liger(args, type(self).__name__)
         self._user_collator = data_collator
         super().__init__(model, args, data_collator, *pargs, **kwargs)
         # Saved with a pad token other than EOS, the model is scored by stock consumers where it is trained: at each
@@ -148,6 +150,8 @@ class SimPODisRMTrainer(SequenceParallelMixin, RewardTrainer):
     def _set_signature_columns_if_needed(self):
         if self._signature_columns is None:
             self._signature_columns = [*GROUP_COLUMNS, *REWARD_COLUMNS, "margin", "num_tokens"]
+            # The lengths transformers' length-grouped samplers read (`common.with_sampler_lengths`).
+            self._signature_columns.append(self.args.length_column_name)
 
     def sequence_scores(self, model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Score of every sequence of the batch, `[S]`, from the hidden state at its last token."""

@@ -24,6 +24,7 @@ from trl_longrm.trainers.common import (  # noqa: E402
     SHARED_PREFIX_HELP,
     LongContextDataArguments,
     check_shared_prefix_args,
+    keep_heads_under_liger,
     lm_head_reasons,
     model_skeleton,
     pad_token_id_of,
@@ -185,6 +186,7 @@ class SimPOGRMTrainer(SequenceParallelMixin, CPOTrainer):
             apply_tiled_mlp(self.model, args.mlp_tile_tokens)  # a model-level setting: stock's forward is tiled too
             return
         args = padded_fallback_args(model, args, type(self).__name__)
+        keep_heads_under_liger(args, type(self).__name__)
         tokenizer = resolve_tokenizer(model, processing_class, args.trust_remote_code)
         train_dataset = prepare_preference_dataset(train_dataset, tokenizer, args, "train", "cpo")
         if isinstance(eval_dataset, dict):
@@ -268,6 +270,8 @@ class SimPOGRMTrainer(SequenceParallelMixin, CPOTrainer):
             return super()._set_signature_columns_if_needed()
         if self._signature_columns is None:
             self._signature_columns = [*GROUP_COLUMNS, *CPO_COLUMNS, "margin", "num_tokens"]
+            # The lengths transformers' length-grouped samplers read (`common.with_sampler_lengths`).
+            self._signature_columns.append(self.args.length_column_name)
 
     def sequence_logps(self, model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """Summed log-prob and number of scored tokens of every sequence of the batch, `[S]` each."""
