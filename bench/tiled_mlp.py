@@ -1,0 +1,100 @@
+"""The sequence-tiled MLP (`mlp_tile_tokens`) on CPU: peak tensor memory and time of a training step, with and without,
+side by side in one run. Our SimPO-GRM trainer, one process, TRL's gradient checkpointing, the benchmark model of
+`common.py` with a Llama-like MLP ratio (intermediate 3.5x hidden), one group of a long prompt per step.
+
+Peak memory is the live tensor bytes' peak inside the last step (`tensor_memory.TensorMemoryRecorder`, the CPU analogue
+of `torch.cuda.max_memory_allocated`); time is the median step of a second, unprofiled run (each run in its own process).
+
+    python bench/tiled_mlp.py --out bench/results/tiled_mlp.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import common  # noqa: E402
+
+
+INTERMEDIATE_SIZE = 896  # 3.5 x hidden_size 256, as Llama-3-8B's 14336 / 4096
+
+
+def run(prompt_length: int, tile_tokens: int | None, steps: int, profile: bool) -> dict:
+    from trl_longrm.testing_utils import build_chat_tokenizer, build_tiny_model
+
+    tokenizer = build_chat_tokenizer()
+    groups = common.random_groups(steps, prompt_length, 256, tokenizer.eos_token_id)
+    callbacks = []
+    if profile:
+        from tensor_memory import TensorMemoryRecorder
+
+        recorder = TensorMemoryRecorder()
+        recorder.start()
+        callbacks.append(recorder)
+    model = build_tiny_model(common.ARCH, "causal-lm", tokenizer, **{**common.MODEL_OVERRIDES,
+                                                                      "intermediate_size": INTERMEDIATE_SIZE})  # fmt: skip
+    timer = common.StepTimer()
+    with tempfile.TemporaryDirectory() as output_dir:
+        trainer = common.build_trainer("grm", "ours", model, tokenizer, groups, output_dir, steps, [timer, *callbacks],
+                                       mlp_tile_tokens=tile_tokens)  # fmt: skip
+        trainer.train()
+    result = {"step_seconds": timer.times}
+    if profile:
+        result["tensor_steps"] = [{k: s[k] for k in ("step", "start_bytes", "peak_bytes")} for s in recorder.finish(steps)]
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--prompt-length", type=int, default=16384)
+    parser.add_argument("--tile-tokens", type=int, default=2048)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--out", default=str(HERE / "results" / "tiled_mlp.json"))
+    parser.add_argument("--worker", help=argparse.SUPPRESS)  # internal: one run, its JSON on stdout
+    cli = parser.parse_args()
+    if cli.worker:
+        tile, profile = json.loads(cli.worker)
+        print("RESULT " + json.dumps(run(cli.prompt_length, tile, cli.steps, profile)))
+        return
+    results = {}
+    for tile in (None, cli.tile_tokens):
+        for profile in (True, False):
+            command = [sys.executable, __file__, "--prompt-length", str(cli.prompt_length), "--steps", str(cli.steps),
+                       "--worker", json.dumps([tile, profile])]  # fmt: skip
+            output = subprocess.run(command, capture_output=True, text=True, check=True).stdout
+            record = json.loads(output.rsplit("RESULT ", 1)[1])
+            results.setdefault(str(tile), {}).update(record)
+    peak = {k: r["tensor_steps"][-1]["peak_bytes"] for k, r in results.items()}
+    step = {k: statistics.median(r["step_seconds"][1:]) for k, r in results.items()}
+    report = {
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "versions": common.software_versions(),
+        "machine": common.machine_description(),
+        "model": {**common.MODEL_OVERRIDES, "intermediate_size": INTERMEDIATE_SIZE, "arch": common.ARCH},
+        "prompt_length": cli.prompt_length,
+        "tile_tokens": cli.tile_tokens,
+        "runs": results,
+        "summary": {
+            "peak_mib_untiled": round(peak["None"] / 2**20, 1),
+            "peak_mib_tiled": round(peak[str(cli.tile_tokens)] / 2**20, 1),
+            "peak_ratio_tiled_vs_untiled": round(peak[str(cli.tile_tokens)] / peak["None"], 3),
+            "step_seconds_untiled": round(step["None"], 3),
+            "step_seconds_tiled": round(step[str(cli.tile_tokens)], 3),
+            "step_time_ratio_tiled_vs_untiled": round(step[str(cli.tile_tokens)] / step["None"], 3),
+        },
+    }
+    Path(cli.out).write_text(json.dumps(report, indent=1))
+    print(json.dumps(report["summary"]))
+
+
+if __name__ == "__main__":
+    main()
