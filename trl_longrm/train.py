@@ -1,5 +1,6 @@
 """Run one LongRM training stage from a YAML recipe: `python -m trl_longrm recipe.yaml` (what
-`accelerate launch -m trl_longrm recipe.yaml` runs on every process).
+`accelerate launch -m trl_longrm recipe.yaml` runs on every process, and `accelerate launch recipe.yaml` through
+`trl_longrm.recipe_codec`).
 
 A recipe names its `stage` (`sft`, `simpo_grm` or `simpo_disrm`); the rest are fields of `LongRMScriptArguments`, of
 the stage's config (`LongSFTConfig`, `SimPOGRMConfig`, `SimPODisRMConfig`) and of TRL's `ModelConfig` (model path,
@@ -26,10 +27,12 @@ from trl import ModelConfig, ScriptArguments, TrlParser
 
 from trl_longrm.data.errors import USER_ERRORS, DataFormatError, RunConfigError, report_user_error
 from trl_longrm.launch import (
+    RECIPE_FIRST_LINE,
     find_accelerate_config,
     flag_value,
     positional_recipe_to_config,
     read_recipe,
+    runs_under_accelerate_launch,
 )
 from trl_longrm.sequence_parallel.config import ulysses_group_size
 
@@ -69,7 +72,8 @@ class LongRMScriptArguments(ScriptArguments):
         default=None,
         metadata={
             "help": "Accelerate config file that `trl-longrm train` launches with (a path, or a file name under "
-            "accelerate_configs/). Ignored by `python -m trl_longrm`. Default None: accelerate's default."
+            "accelerate_configs/). Not read by `accelerate launch recipe.yaml`, which runs with accelerate's own "
+            "flags (a note says where they differ). Default None: accelerate's default."
         },
     )
     num_processes: int | None = field(
@@ -481,9 +485,9 @@ def run(script_args, training_args, model_args, start=None):
     return trainer
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, notes: list[str] | tuple[str, ...] = ()) -> int:
     """Run (or with `--dry_run` check and plan) one stage; a user's mistake is printed once, without a traceback,
-    and gives exit code 1."""
+    and gives exit code 1. `notes` are printed (by rank 0) with the run's own."""
     argv = sys.argv[1:] if argv is None else argv
     script_args, training_args, model_args = parse_args(argv)
     if not is_main_process():
@@ -493,7 +497,10 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger("trl_longrm").setLevel(logging.ERROR)
         datasets.disable_progress_bars()
     try:
-        return _main(script_args, training_args, model_args, report_to_notes(argv, training_args))
+        notes = [*notes, *report_to_notes(argv, training_args)]
+        if script_args.dry_run:
+            notes += recipe_form_notes(argv)
+        return _main(script_args, training_args, model_args, notes)
     except USER_ERRORS as error:
         return report_user_error(error)
     except KeyboardInterrupt:
@@ -535,6 +542,17 @@ def report_to_notes(argv: list[str], training_args) -> list[str]:
             "the log and to trainer_state.json; install one, or name one in report_to"
         ]
     return []
+
+
+def recipe_form_notes(argv: list[str]) -> list[str]:
+    """A note where the recipe lacks the first line that lets `accelerate launch recipe.yaml` run it."""
+    path = flag_value(positional_recipe_to_config(argv), "--config")
+    if path is None or runs_under_accelerate_launch(path):
+        return []
+    return [
+        f"{path}: its first line is not `{RECIPE_FIRST_LINE}`, so `accelerate launch {path}` would run the YAML as "
+        "Python; `trl-longrm train` and `accelerate launch -m trl_longrm` run it as it is"
+    ]
 
 
 def typical_group_layout(script_args, training_args, model_args, sample: int = 64) -> dict:
