@@ -7,7 +7,7 @@ PYTEST_ARGS ?=
 
 .PHONY: install test test-fast demo bench bench-quick lint clean
 
-$(STAMP): pyproject.toml constraints.txt
+$(STAMP): pyproject.toml setup.py constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# torch first, pinned: the CPU build lies on this machine's disk; an unpinned torch pulls a multi-GB CUDA build.

@@ -8,10 +8,10 @@ import signal
 import subprocess
 import sys
 import threading
-from pathlib import Path
 
 from trl_longrm.cpu_threads import launch_env, oversubscription
 from trl_longrm.evaluation.cli import add_eval_arguments, add_score_arguments, run_eval, run_score
+from trl_longrm.launch import find_accelerate_config, launch_settings, local_processes
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -50,32 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def find_accelerate_config(name: str) -> str:
-    """A path as given, else a file of that name under ./accelerate_configs or the project's accelerate_configs."""
-    candidates = [
-        Path(name),
-        Path("accelerate_configs") / name,
-        Path(__file__).resolve().parents[1] / "accelerate_configs" / name,
-    ]
-    for candidate in candidates:
-        if candidate.is_file():
-            return str(candidate)
-    raise FileNotFoundError(f"Accelerate config {name!r} not found (looked at {', '.join(map(str, candidates))}).")
-
-
-def _launch_settings(recipe: str, overrides: list[str]) -> tuple[str | None, str | None]:
-    """The accelerate config and process count a run uses: the command line's, else the recipe's."""
-    from trl_longrm.train import _flag_value, read_recipe
-
-    settings = read_recipe(["--config", recipe])
-    accelerate_config = _flag_value(overrides, "--accelerate_config") or settings.get("accelerate_config")
-    num_processes = _flag_value(overrides, "--num_processes") or settings.get("num_processes")
-    return accelerate_config, num_processes
-
-
 def launch_command(recipe: str, overrides: list[str]) -> list[str]:
     """The `accelerate launch` command line that runs `recipe` with the recipe's accelerate settings."""
-    accelerate_config, num_processes = _launch_settings(recipe, overrides)
+    accelerate_config, num_processes = launch_settings(recipe, overrides)
     # `--quiet`: a run that failed has printed why; accelerate's own traceback of the launch would only bury it.
     command = [sys.executable, "-m", "accelerate.commands.launch", "--quiet"]
     if accelerate_config:
@@ -83,20 +60,6 @@ def launch_command(recipe: str, overrides: list[str]) -> list[str]:
     if num_processes:
         command += ["--num_processes", str(num_processes)]
     return [*command, "-m", "trl_longrm", recipe, *overrides]
-
-
-def local_processes(recipe: str, overrides: list[str]) -> int:
-    """Processes this machine runs for `recipe`: its process count over the accelerate config's `num_machines`."""
-    import yaml
-
-    accelerate_config, processes = _launch_settings(recipe, overrides)
-    launcher = {}
-    if accelerate_config:
-        with open(find_accelerate_config(str(accelerate_config)), encoding="utf-8") as f:
-            launcher = yaml.safe_load(f) or {}
-    processes = int(processes or launcher.get("num_processes") or 1)
-    machines = int(launcher.get("num_machines") or 1)
-    return max(1, processes // max(1, machines))
 
 
 def run_train(args: argparse.Namespace, overrides: list[str]) -> int:

@@ -1,5 +1,6 @@
 """Run one LongRM training stage from a YAML recipe: `python -m trl_longrm recipe.yaml` (what
-`accelerate launch -m trl_longrm recipe.yaml` runs on every process).
+`accelerate launch -m trl_longrm recipe.yaml` runs on every process, and `accelerate launch recipe.yaml` through
+`trl_longrm.recipe_codec`).
 
 A recipe names its `stage` (`sft`, `simpo_grm` or `simpo_disrm`); the rest are fields of `LongRMScriptArguments`, of
 the stage's config (`LongSFTConfig`, `SimPOGRMConfig`, `SimPODisRMConfig`) and of TRL's `ModelConfig` (model path,
@@ -22,10 +23,17 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import yaml
 from trl import ModelConfig, ScriptArguments, TrlParser
 
 from trl_longrm.data.errors import USER_ERRORS, DataFormatError, RunConfigError, report_user_error
+from trl_longrm.launch import (
+    RECIPE_FIRST_LINE,
+    find_accelerate_config,
+    flag_value,
+    positional_recipe_to_config,
+    read_recipe,
+    runs_under_accelerate_launch,
+)
 from trl_longrm.sequence_parallel.config import ulysses_group_size
 
 
@@ -64,7 +72,8 @@ class LongRMScriptArguments(ScriptArguments):
         default=None,
         metadata={
             "help": "Accelerate config file that `trl-longrm train` launches with (a path, or a file name under "
-            "accelerate_configs/). Ignored by `python -m trl_longrm`. Default None: accelerate's default."
+            "accelerate_configs/). Not read by `accelerate launch recipe.yaml`, which runs with accelerate's own "
+            "flags (a note says where they differ). Default None: accelerate's default."
         },
     )
     num_processes: int | None = field(
@@ -89,35 +98,8 @@ class LongRMScriptArguments(ScriptArguments):
     )
 
 
-def positional_recipe_to_config(argv: list[str]) -> list[str]:
-    """`recipe.yaml` as the first argument means `--config recipe.yaml` (as `accelerate launch -m` passes it)."""
-    if argv and not argv[0].startswith("-") and argv[0].endswith((".yaml", ".yml")):
-        return ["--config", argv[0], *argv[1:]]
-    return list(argv)
-
-
-def _flag_value(argv: list[str], name: str) -> str | None:
-    for i, arg in enumerate(argv):
-        if arg == name and i + 1 < len(argv):
-            return argv[i + 1]
-        if arg.startswith(name + "="):
-            return arg.split("=", 1)[1]
-    return None
-
-
-def read_recipe(argv: list[str]) -> dict:
-    path = _flag_value(argv, "--config")
-    if path is None:
-        return {}
-    with open(path, encoding="utf-8") as handle:
-        recipe = yaml.safe_load(handle) or {}
-    if not isinstance(recipe, dict):
-        raise ValueError(f"Recipe {path} must be a YAML mapping of option names to values.")
-    return recipe
-
-
 def resolve_stage(argv: list[str]) -> str | None:
-    stage = _flag_value(argv, "--stage") or read_recipe(argv).get("stage")
+    stage = flag_value(argv, "--stage") or read_recipe(argv).get("stage")
     if stage is not None and stage not in STAGES:
         raise ValueError(f"Unknown stage {stage!r}; expected one of {sorted(STAGES)}.")
     return stage
@@ -158,14 +140,14 @@ def parse_args(argv: list[str] | None = None, check_only: bool = False):
         if "-h" in argv or "--help" in argv:
             parser.parse_args_and_config(argv)  # prints the shared options and exits
         parser.error(f"No `stage` given: set `stage:` in the recipe or pass --stage, one of {sorted(STAGES)}.")
-    if (check_only or _wants_dry_run(argv)) and _flag_value(argv, "--use_cpu") is None and not _has_accelerator():
+    if (check_only or _wants_dry_run(argv)) and flag_value(argv, "--use_cpu") is None and not _has_accelerator():
         # TrainingArguments refuses bf16 without a GPU; a dry run only validates and prints, so validate as CPU.
         argv = [*argv, "--use_cpu", "true"]
     return parser.parse_args_and_config(argv)
 
 
 def _wants_dry_run(argv: list[str]) -> bool:
-    value = _flag_value(argv, "--dry_run") or _flag_value(argv, "--dry-run")
+    value = flag_value(argv, "--dry_run") or flag_value(argv, "--dry-run")
     flagged = any(a in ("--dry_run", "--dry-run") for a in argv)
     return flagged and (value is None or value.lower() in ("true", "1", "yes") or value.startswith("-"))
 
@@ -297,8 +279,6 @@ def check_paths(script_args, training_args, model_args) -> tuple[list[str], list
     "dataset_name='nope.jsonl': no such file or folder (resolved against /home/me/project)"
     ```
     """
-    from trl_longrm.cli import find_accelerate_config
-
     problems, notes = [], []
     if model_args.model_name_or_path is None:
         problems.append("model_name_or_path is not set")
@@ -505,9 +485,9 @@ def run(script_args, training_args, model_args, start=None):
     return trainer
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, notes: list[str] | tuple[str, ...] = ()) -> int:
     """Run (or with `--dry_run` check and plan) one stage; a user's mistake is printed once, without a traceback,
-    and gives exit code 1."""
+    and gives exit code 1. `notes` are printed (by rank 0) with the run's own."""
     argv = sys.argv[1:] if argv is None else argv
     script_args, training_args, model_args = parse_args(argv)
     if not is_main_process():
@@ -517,7 +497,10 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger("trl_longrm").setLevel(logging.ERROR)
         datasets.disable_progress_bars()
     try:
-        return _main(script_args, training_args, model_args, report_to_notes(argv, training_args))
+        notes = [*notes, *report_to_notes(argv, training_args)]
+        if script_args.dry_run:
+            notes += recipe_form_notes(argv)
+        return _main(script_args, training_args, model_args, notes)
     except USER_ERRORS as error:
         return report_user_error(error)
     except KeyboardInterrupt:
@@ -552,13 +535,24 @@ def preflight(argv: list[str]) -> int | None:
 def report_to_notes(argv: list[str], training_args) -> list[str]:
     """A note where `report_to: all` finds no tracker installed (TrainingArguments then reports to none, silently)."""
     argv = positional_recipe_to_config(argv)
-    requested = _flag_value(argv, "--report_to") or read_recipe(argv).get("report_to")
+    requested = flag_value(argv, "--report_to") or read_recipe(argv).get("report_to")
     if requested in ("all", ["all"]) and not training_args.report_to:
         return [
             "report_to=all: no tracker is installed (tensorboard, wandb, trackio, mlflow, ...), so metrics go only to "
             "the log and to trainer_state.json; install one, or name one in report_to"
         ]
     return []
+
+
+def recipe_form_notes(argv: list[str]) -> list[str]:
+    """A note where the recipe lacks the first line that lets `accelerate launch recipe.yaml` run it."""
+    path = flag_value(positional_recipe_to_config(argv), "--config")
+    if path is None or runs_under_accelerate_launch(path):
+        return []
+    return [
+        f"{path}: its first line is not `{RECIPE_FIRST_LINE}`, so `accelerate launch {path}` would run the YAML as "
+        "Python; `trl-longrm train` and `accelerate launch -m trl_longrm` run it as it is"
+    ]
 
 
 def typical_group_layout(script_args, training_args, model_args, sample: int = 64) -> dict:
