@@ -1,6 +1,7 @@
-"""The documentation points at things that exist: every relative link of README.md, CHANGELOG.md and docs/*.md leads
-to a file (and, with an anchor, to one of its headings), and every repository path the text names in backticks
-exists."""
+"""The documentation points at things that exist and its marked examples run: every relative link of README.md,
+CHANGELOG.md and docs/*.md leads to a file (and, with an anchor, to one of its headings), every repository path the
+text names in backticks exists, and every code block after a `<!-- runnable: SETUP -->` line runs on tiny models
+prepared by the setup of that name."""
 
 import re
 from pathlib import Path
@@ -53,3 +54,44 @@ def test_named_paths_exist(page):
         if not (ROOT / path).exists():
             missing.append(name)
     assert not missing, f"{page.name} names paths that do not exist: {missing}"
+
+
+RUNNABLE = re.compile(r"<!-- runnable: (\w+) -->\n```python\n(.*?)```", re.S)
+
+
+def runnable_blocks():
+    return [(page, setup, code) for page in PAGES for setup, code in RUNNABLE.findall(page.read_text())]
+
+
+def setup_disrm(tmp_path):
+    """A saved DisRM (a tiny sequence classifier whose pad token is not its EOS) at `./disrm`, a conversation and two
+    responses: what the scoring snippet of a DisRM's model card reads."""
+    from trl_longrm.testing_utils import build_chat_tokenizer, save_tiny_model
+
+    save_tiny_model(tmp_path / "disrm", task="seq-cls", tokenizer=build_chat_tokenizer(), seed=3)
+    prompt = [{"role": "system", "content": "Judge."}, {"role": "user", "content": "Is the river long?"}]
+    return {"prompt": prompt, "responses": ["Yes, very long.", "No."]}
+
+
+SETUPS = {"disrm": setup_disrm}
+
+
+def test_runnable_blocks_are_marked():
+    assert runnable_blocks(), "no code block is marked runnable"
+
+
+@pytest.mark.parametrize("page,setup,code", runnable_blocks(), ids=lambda v: getattr(v, "name", str(v)[:20]))
+def test_runnable_blocks_run(page, setup, code, tmp_path, monkeypatch):
+    import torch
+
+    monkeypatch.chdir(tmp_path)
+    namespace = SETUPS[setup](tmp_path)
+    exec(compile(code, f"{page.name} (runnable: {setup})", "exec"), namespace)
+    if setup == "disrm":  # one score per response, each the score of the response alone (padding read correctly)
+        scores = namespace["scores"]
+        assert scores.shape == (len(namespace["responses"]),) and torch.isfinite(scores).all()
+        tokenizer, model = namespace["tokenizer"], namespace["model"]
+        for text, score in zip(namespace["texts"], scores):
+            alone = tokenizer(text, add_special_tokens=False, return_tensors="pt")
+            with torch.no_grad():
+                torch.testing.assert_close(model(**alone).logits[0, 0], score, rtol=1e-4, atol=1e-5)
