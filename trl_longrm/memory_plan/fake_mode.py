@@ -94,17 +94,27 @@ class HybridFakeMode(TorchDispatchMode):
         self._original_apply = original = torch.nn.Module._apply
 
         def _apply(module, fn, recurse=True):
-            # `model.to(device)` of a model already there (the Trainer and accelerate move it): torch swaps every fake
-            # parameter with itself, which fails ("Couldn't swap"); a move that changes nothing is skipped instead.
-            tensors = [*module.parameters(), *module.buffers()]
-            if tensors and any(_is_fake(t) for t in tensors):
-                with torch.no_grad():
-                    unchanged = all(
-                        (out := fn(t)) is t or (out.dtype == t.dtype and out.device == t.device) for t in tensors
-                    )
-                if unchanged:
-                    return module
-            return original(module, fn, recurse)
+            # torch moves or casts a fake parameter by swapping it with the converted one, which fails (a fake tensor
+            # has weak references): `model.to(device)` of a model already there (the Trainer and accelerate move it;
+            # `cpu:0` is `cpu`) is skipped, and a real cast (PEFT casts new adapters to the base layer's dtype)
+            # replaces the parameter by a new one, before any optimizer holds it.
+            if not any(_is_fake(t) for t in (*module.parameters(), *module.buffers())):
+                return original(module, fn, recurse)
+            if recurse:
+                for child in module.children():
+                    child._apply(fn)
+            with torch.no_grad():
+                for store in (module._parameters, module._buffers):
+                    for key, tensor in store.items():
+                        if tensor is None:
+                            continue
+                        out = fn(tensor)
+                        if out is tensor or (out.dtype == tensor.dtype and out.device.type == tensor.device.type):
+                            continue
+                        if isinstance(tensor, torch.nn.Parameter):
+                            out = torch.nn.Parameter(out, requires_grad=tensor.requires_grad)
+                        store[key] = out
+            return module
 
         torch.nn.Module._apply = _apply
         return super().__enter__()

@@ -70,6 +70,9 @@ class TracedStep:
     peak: int
     at_peak: dict[str, int]
     at_start: dict[str, int]
+    # The peak before the optimizer step (forward, backward, clipping) and inside it (with `zero_grad`), by kind.
+    forward_backward_peak: dict[str, int]
+    optimizer_peak: dict[str, int]
     trainable_parameters: int
     total_parameters: int
     weight_bytes: int
@@ -155,6 +158,31 @@ def fake_world(rank: int, world_size: int):
                 os.environ[key] = value
 
 
+def _memory_tracker():
+    """torch's `MemTracker`, except that gradient hooks go on trainable parameters only: it registers one on every
+    parameter a module uses, which raises for frozen ones (LoRA's base weights)."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    class _Tracker(MemTracker):
+        def _track_module_params_and_buffers(self, module, install_grad_hooks=True):
+            frozen = [p for p in module.parameters() if not p.requires_grad]
+            for param in frozen:  # no hook to install: marked as installed
+                self._param_to_grad_hook_handles.setdefault(param, ())
+            try:
+                return super()._track_module_params_and_buffers(module, install_grad_hooks)
+            finally:
+                for param in frozen:
+                    if self._param_to_grad_hook_handles.get(param) == ():
+                        del self._param_to_grad_hook_handles[param]
+
+        def _deregister_param_and_optimizer_hooks(self):
+            for param in [p for p, handles in self._param_to_grad_hook_handles.items() if handles == ()]:
+                del self._param_to_grad_hook_handles[param]
+            super()._deregister_param_and_optimizer_hooks()
+
+    return _Tracker()
+
+
 class _TraceStep(TrainerCallback):
     """Primes the optimizer's states (as after a first step: they are alive through every later one), then tracks
     the first optimizer step with a `MemTracker`."""
@@ -163,10 +191,17 @@ class _TraceStep(TrainerCallback):
         self.tracker = None
         self.at_start = None
         self.peak = None
+        self.forward_backward_peak = None
         self.trainer = None
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
-        from torch.distributed._tools.mem_tracker import MemTracker
+        from torch.nn.parallel import DistributedDataParallel
+
+        wrapped = getattr(self.trainer, "model_wrapped", None)
+        if isinstance(wrapped, DistributedDataParallel):
+            # The fake process group's all-reduce completes with no tensor, which DDP's reducer refuses; a hook that
+            # returns the bucket as it is stands for it (the real all-reduce and average are in place).
+            wrapped.register_comm_hook(None, _bucket_as_reduced)
 
         inner = getattr(optimizer, "optimizer", optimizer)
         trainable = [p for p in model.parameters() if p.requires_grad]
@@ -176,10 +211,22 @@ class _TraceStep(TrainerCallback):
             warnings.simplefilter("ignore")  # "optimizer.step() before lr_scheduler.step()": the priming step
             inner.step()
         inner.zero_grad(set_to_none=True)
-        self.tracker = MemTracker()
+        self.tracker = _memory_tracker()
         self.tracker.track_external(model, inner)
         self.tracker.__enter__()
         self.at_start = _by_kind(self.tracker.get_tracker_snapshot("current"))
+
+    def on_substep_end(self, args, state, control, **kwargs):
+        # Another micro-batch of the same step follows: its modules run again, which MemTracker's per-module stats
+        # (not used here) refuse unless cleared; the whole-step totals and peak are kept.
+        self.tracker.reset_mod_stats()
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        # The peak so far is the forward/backward one; the optimizer step's own starts from what is live now.
+        tracker = self.tracker
+        self.forward_backward_peak = tracker.get_tracker_snapshot("peak")
+        tracker._peak_mem_snap = tracker.get_tracker_snapshot("current")
+        tracker._peak_mem = {dev: snap["Total"] for dev, snap in tracker._peak_mem_snap.items()}
 
     def on_step_end(self, args, state, control, **kwargs):
         if self.tracker is not None and self.peak is None:
@@ -189,6 +236,12 @@ class _TraceStep(TrainerCallback):
     def close(self):
         if self.tracker is not None and self.peak is None:
             self.tracker.__exit__(None, None, None)
+
+
+def _bucket_as_reduced(state, bucket):
+    future = torch.futures.Future()
+    future.set_result(bucket.buffer())
+    return future
 
 
 def _by_kind(snapshot) -> dict[str, int]:
@@ -264,6 +317,7 @@ def trace_step(stage: str, training_args, model_config, shape: GroupShape, *, pe
                 model=model, args=args, train_dataset=dataset, processing_class=tokenizer, peft_config=peft_config,
                 callbacks=[callback],
             )  # fmt: skip
+            callback.trainer = trainer
             try:
                 trainer.train()
             finally:
@@ -277,10 +331,14 @@ def trace_step(stage: str, training_args, model_config, shape: GroupShape, *, pe
                 if isinstance(v, torch.Tensor) and v.dim() > 0
             )  # fmt: skip
             row_tokens = groups_per_row * group_tokens if row_budget else per_device * group_tokens
+            forward_backward, optimizer_phase = _by_kind(callback.forward_backward_peak), _by_kind(callback.peak)
+            at_peak = max(forward_backward, optimizer_phase, key=lambda kinds: kinds["total"])
             traced = TracedStep(
-                peak=_by_kind(callback.peak)["total"],
-                at_peak=_by_kind(callback.peak),
+                peak=at_peak["total"],
+                at_peak=at_peak,
                 at_start=callback.at_start,
+                forward_backward_peak=forward_backward,
+                optimizer_peak=optimizer_phase,
                 trainable_parameters=sum(p.numel() for p in trainable),
                 total_parameters=sum(p.numel() for p in parameters),
                 weight_bytes=sum(p.numel() * p.element_size() for p in parameters),

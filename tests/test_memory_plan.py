@@ -1,0 +1,105 @@
+"""The memory plan against measurement: the peak a plan predicts by tracing one optimizer step of our trainer on fake
+tensors, vs the peak live tensor bytes of the same step of a real run on CPU (`bench/tensor_memory.py`'s recorder of
+allocator events, the CPU analogue of `torch.cuda.max_memory_allocated`), within 10%.
+
+The model is small but not trivial (hidden 256, 2 layers, vocabulary 2048) and rows hold 3-4K tokens, so that
+activations, not weights, decide the peak. Each case covers several settings: the three trainers, shared prefixes at
+k = 4, packing, LoRA, gradient checkpointing on and off, float32 and bf16, one process and gloo groups of 2 (ring and
+Ulysses; marked slow, like the other multi-process tests).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import Qwen3Config
+
+from trl_longrm import LongSFTConfig, SimPODisRMConfig, SimPOGRMConfig
+from trl_longrm.memory_plan import GroupShape, plan_memory
+
+
+TOLERANCE = 0.10
+
+CONFIGS = {"simpo_grm": SimPOGRMConfig, "simpo_disrm": SimPODisRMConfig, "sft": LongSFTConfig}
+
+# name -> (stage, config overrides, group shape, LoRA, bf16, processes)
+CASES = {
+    "grm_shared_k4_checkpointing_fp32": ("simpo_grm", {"gradient_checkpointing": True}, (2048, 256, 4), False, False, 1),
+    "disrm_shared_k4_no_checkpointing_fp32": ("simpo_disrm", {"gradient_checkpointing": False}, (2048, 256, 4), False,
+                                              False, 1),
+    "sft_packed_checkpointing_bf16": ("sft", {"packing": True, "max_tokens_per_row": 4096,
+                                              "gradient_checkpointing": True}, (1536, 512, 0), False, True, 1),
+    "grm_lora_accumulation_bf16": ("simpo_grm", {"gradient_checkpointing": True, "gradient_accumulation_steps": 2},
+                                   (2048, 256, 4), True, True, 1),
+    "disrm_lora_unshared_packed_fp32": ("simpo_disrm", {"shared_prefix": False, "max_tokens_per_row": 4096,
+                                                        "gradient_checkpointing": True}, (512, 128, 4), True, False, 1),
+    "grm_ring2_checkpointing_fp32": ("simpo_grm", {"gradient_checkpointing": True, "sequence_parallel_size": 2},
+                                     (2048, 256, 4), False, False, 2),
+    "disrm_ulysses2_no_checkpointing_fp32": ("simpo_disrm", {"gradient_checkpointing": False,
+                                                             "sequence_parallel_size": 2,
+                                                             "sequence_parallel_mode": "ulysses"},
+                                             (2048, 256, 4), False, False, 2),
+    "sft_ring2_packed_lora_bf16": ("sft", {"packing": True, "max_tokens_per_row": 4096, "gradient_checkpointing": True,
+                                           "sequence_parallel_size": 2}, (1536, 512, 0), True, True, 2),
+}  # fmt: skip
+
+
+def model_config() -> Qwen3Config:
+    return Qwen3Config(
+        vocab_size=2048, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=64, tie_word_embeddings=False, max_position_embeddings=32768,
+    )  # fmt: skip
+
+
+def build_case(name: str):
+    """`(stage, training_args, model_config, shape, peft_config, dtype, rows_per_step)` of case `name`."""
+    from peft import LoraConfig
+
+    stage, overrides, (prompt, response, k), lora, bf16, _ = CASES[name]
+    options = dict(output_dir="unused", use_cpu=True, report_to=[], per_device_train_batch_size=1,
+                   gradient_accumulation_steps=1, max_length=8192, bf16=bf16, seed=0)  # fmt: skip
+    args = CONFIGS[stage](**{**options, **overrides})
+    peft_config = None
+    if lora:
+        task = "SEQ_CLS" if stage == "simpo_disrm" else "CAUSAL_LM"
+        peft_config = LoraConfig(r=8, lora_alpha=8, target_modules="all-linear", task_type=task)
+    shape = GroupShape(prompt, response, k)
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    budget = overrides.get("max_tokens_per_row")
+    rows = max(budget // shape.tokens(overrides.get("shared_prefix", True), stage), 1) if budget else 1
+    return stage, args, model_config(), shape, peft_config, dtype, rows
+
+
+def assert_within(predicted: int, measured: int, what: str) -> None:
+    error = predicted / measured - 1
+    print(f"{what}: predicted {predicted / 2**20:.1f} MiB, measured {measured / 2**20:.1f} MiB, error {error:+.1%}")
+    assert abs(error) <= TOLERANCE, f"{what}: predicted {predicted} vs measured {measured} bytes ({error:+.1%})"
+
+
+@pytest.mark.parametrize("name", [n for n, case in CASES.items() if case[-1] == 1])
+def test_plan_matches_measured_peak_one_process(name):
+    from memory_plan_worker import measure_step
+
+    stage, args, config, shape, peft_config, dtype, rows = build_case(name)
+    plan = plan_memory(stage, args, config, shape, peft_config=peft_config, dtype=dtype)
+    measured = measure_step(stage, args, config, shape, peft_config, dtype, rows)
+    assert plan.trainable_parameters < plan.total_parameters if peft_config else True
+    assert_within(plan.peak, measured, name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [n for n, case in CASES.items() if case[-1] == 2])
+def test_plan_matches_measured_peak_gloo_group_of_two(name, tmp_path):
+    from memory_plan_worker import measure_on_rank
+
+    from trl_longrm.sequence_parallel.launch import run_on_gloo_ranks
+
+    stage, args, config, shape, peft_config, dtype, _ = build_case(name)
+    run_on_gloo_ranks(measure_on_rank, 2, str(tmp_path), {"name": name}, timeout=300)
+    for rank in range(2):
+        measured = json.loads((tmp_path / f"rank{rank}.json").read_text())["peak_bytes"]
+        plan = plan_memory(stage, args, config, shape, peft_config=peft_config, dtype=dtype, world_size=2, rank=rank)
+        assert plan.distributed == "ddp"
+        assert_within(plan.peak, measured, f"{name} rank {rank}")
