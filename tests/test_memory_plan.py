@@ -46,9 +46,9 @@ CASES = {
 }  # fmt: skip
 
 
-def model_config() -> Qwen3Config:
+def model_config(layers: int = 2) -> Qwen3Config:
     return Qwen3Config(
-        vocab_size=2048, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+        vocab_size=2048, hidden_size=256, intermediate_size=512, num_hidden_layers=layers, num_attention_heads=4,
         num_key_value_heads=2, head_dim=64, tie_word_embeddings=False, max_position_embeddings=32768,
     )  # fmt: skip
 
@@ -103,3 +103,23 @@ def test_plan_matches_measured_peak_gloo_group_of_two(name, tmp_path):
         plan = plan_memory(stage, args, config, shape, peft_config=peft_config, dtype=dtype, world_size=2, rank=rank)
         assert plan.distributed == "ddp"
         assert_within(plan.peak, measured, f"{name} rank {rank}")
+
+
+def test_per_layer_extrapolation_matches_a_full_trace():
+    """A deep model is traced with 2 and 3 layers and extended per layer (what makes an 8B plan take seconds): for a
+    6-layer model the extrapolated parts and peak equal those of tracing all 6 layers, on a ring rank too."""
+    from trl_longrm.memory_plan.trace import trace_step
+
+    stage, args, _, shape, _, dtype, _ = build_case("grm_shared_k4_checkpointing_fp32")
+    config = model_config(layers=6)
+    for world_size, rank in ((1, 0), (2, 1)):
+        args.sequence_parallel_size = world_size
+        full = trace_step(stage, args, config, shape, dtype=dtype, world_size=world_size, rank=rank)
+        extended = trace_step(stage, args, config, shape, dtype=dtype, world_size=world_size, rank=rank,
+                              max_traced_layers=3)  # fmt: skip
+        assert extended.notes and not full.notes
+        assert extended.total_parameters == full.total_parameters
+        for phase in ("forward_backward_peak", "optimizer_peak"):
+            for kind, value in getattr(full, phase).items():
+                assert abs(getattr(extended, phase)[kind] - value) <= 0.01 * full.peak, (phase, kind)
+        assert abs(extended.peak / full.peak - 1) < 0.01

@@ -40,6 +40,11 @@ _SHAPE_FACTORIES = {
     aten.new_full.default: lambda shape, kw, a: torch.full(a[1], a[2], **kw),
 }
 
+# Real tensors are metadata: a value per token of a row at most. A pointwise op of real inputs whose (broadcast) result
+# is larger than this is data (a mask of queries x keys that CPU attention kernels build), made fake: computing it for
+# real would cost the trace seconds per layer at 128K tokens.
+LARGEST_REAL_ELEMENTS = 2**22
+
 _BOOL_INDEXED = {aten.index.Tensor, aten.index_put.default, aten.index_put_.default, aten._unsafe_index_put.default}
 
 
@@ -57,6 +62,17 @@ def _factory_is_float(func, args, kwargs) -> bool:
     except (TypeError, RuntimeError):
         return False
     return isinstance(out, torch.Tensor) and (out.dtype.is_floating_point or out.dtype.is_complex)
+
+
+def _broadcast_numel(tensors) -> int:
+    try:
+        shape = torch.broadcast_shapes(*(t.shape for t in tensors))
+    except RuntimeError:
+        return 0
+    numel = 1
+    for size in shape:
+        numel *= size
+    return numel
 
 
 def _mask_to_indices(indices):
@@ -129,6 +145,9 @@ class HybridFakeMode(TorchDispatchMode):
         tensors = [value for value in flat if isinstance(value, torch.Tensor)]
         if not any(_is_fake(t) for t in tensors):
             if not tensors and _factory_is_float(func, args, kwargs):
+                with self.fake_mode:
+                    return func(*args, **kwargs)
+            if len(tensors) > 1 and torch.Tag.pointwise in func.tags and _broadcast_numel(tensors) > LARGEST_REAL_ELEMENTS:
                 with self.fake_mode:
                     return func(*args, **kwargs)
             return func(*args, **kwargs)

@@ -44,6 +44,9 @@ CUDA_CONTEXT_BYTES = 750 * 2**20
 NCCL_BUFFER_BYTES = 256 * 2**20
 CUDA_FRAGMENTATION_FRACTION = 0.05
 
+# Layers traced before the per-layer extrapolation (`trace_step`): 3 and 2 layers, a few seconds each at 128K tokens.
+DEFAULT_MAX_TRACED_LAYERS = 3
+
 
 @dataclass
 class MemoryPlan:
@@ -167,6 +170,7 @@ def plan_memory(
     rank: int = 0,
     distributed: str | None = None,
     device: str = "cpu",
+    max_traced_layers: int | None = DEFAULT_MAX_TRACED_LAYERS,
 ) -> MemoryPlan:
     """The memory plan of rank `rank` of a `world_size`-process run of `stage` ('sft', 'simpo_grm', 'simpo_disrm') with
     `training_args` (the stage's config, as a recipe builds it) on a model of `model_config` (a transformers config, or
@@ -174,6 +178,8 @@ def plan_memory(
 
     `distributed`: 'single', 'ddp', 'zero2' or 'zero3' (default: 'single' on one process, else 'ddp'). `device`:
     'cpu' counts tensors only (what a CPU run's allocator events show); 'cuda' adds the CUDA terms.
+    `max_traced_layers`: deeper models are traced with this many layers and one less, and extrapolated per layer
+    (`trace_step`); None traces every layer (an 8B model at 128K then takes minutes on two cores).
 
     Example:
     ```python
@@ -192,7 +198,8 @@ def plan_memory(
         raise ValueError(f"distributed={distributed!r}: expected 'single', 'ddp', 'zero2' or 'zero3'.")
     started = time.perf_counter()
     traced = trace_step(stage, training_args, model_config, shape, peft_config=peft_config, dtype=dtype,
-                        world_size=world_size, rank=rank)  # fmt: skip
+                        world_size=world_size, rank=rank, max_traced_layers=max_traced_layers,
+                        ddp=distributed not in ("zero2", "zero3"))  # fmt: skip
     seconds = time.perf_counter() - started
     phase, (parts, terms, peak) = _combine(traced, distributed, world_size, device)
     sp = getattr(training_args, "sequence_parallel_size", 1) or 1
@@ -235,5 +242,7 @@ def load_model_config(path):
         path = path / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such config.json")
-    config_dict, _ = AutoConfig.get_config_dict(str(path))
+    import json
+
+    config_dict = json.loads(path.read_text())
     return AutoConfig.for_model(**config_dict)

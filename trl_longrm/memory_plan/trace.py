@@ -159,11 +159,19 @@ def fake_world(rank: int, world_size: int):
 
 
 def _memory_tracker():
-    """torch's `MemTracker`, except that gradient hooks go on trainable parameters only: it registers one on every
-    parameter a module uses, which raises for frozen ones (LoRA's base weights)."""
-    from torch.distributed._tools.mem_tracker import MemTracker
+    """torch's `MemTracker`, except that (1) gradient hooks go on trainable parameters only: it registers one on every
+    parameter a module uses, which raises for frozen ones (LoRA's base weights); (2) only the whole step's peak is
+    kept, not every module's: its per-module update visits every module at every op, quadratic in the layers (a
+    36-layer trace ran for over 10 minutes)."""
+    from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker
 
     class _Tracker(MemTracker):
+        def _update_peak_stats(self, peak_state):
+            for dev, dev_snap in self._curr_mem_snap.items():
+                if self._peak_mem.get(dev, 0) < dev_snap[_TOTAL_KEY]:
+                    self._peak_mem[dev] = dev_snap[_TOTAL_KEY]
+                    self._peak_mem_snap[dev] = dict(dev_snap)
+
         def _track_module_params_and_buffers(self, module, install_grad_hooks=True):
             frozen = [p for p in module.parameters() if not p.requires_grad]
             for param in frozen:  # no hook to install: marked as installed
@@ -280,9 +288,70 @@ def build_model(stage: str, model_config, dtype: torch.dtype | None):
         torch.set_default_dtype(previous)
 
 
+def with_layers(model_config, layers: int):
+    """A copy of `model_config` with its first `layers` decoder layers (per-layer lists cut to match)."""
+    config = copy.deepcopy(model_config)
+    config.num_hidden_layers = layers
+    for name in ("layer_types", "mlp_only_layers"):
+        value = getattr(config, name, None)
+        if isinstance(value, list) and len(value) > layers:
+            setattr(config, name, value[:layers])
+    return config
+
+
+def _extrapolate(small: TracedStep, large: TracedStep, small_layers: int, large_layers: int, layers: int) -> TracedStep:
+    """The step of a `layers`-layer model from traces of `small_layers` and `large_layers` (consecutive) layers:
+    every size is affine in the layer count (each layer adds its weights, gradients, optimizer states, and the
+    activations it keeps; the peak's other parts are those of one layer, or of the head), so each part of each
+    phase is extended by its measured per-layer increment."""
+    scale = (layers - small_layers) / (large_layers - small_layers)
+
+    def extend(a, b):
+        if isinstance(a, dict):
+            return {key: extend(a[key], b[key]) for key in a}
+        return round(a + (b - a) * scale)
+
+    values = {}
+    for f in dataclasses.fields(TracedStep):
+        a, b = getattr(small, f.name), getattr(large, f.name)
+        if f.name in ("row_tokens", "rank_tokens"):
+            values[f.name] = a
+        elif f.name == "notes":
+            values[f.name] = [*a, f"extrapolated to {layers} layers from traces of {small_layers} and {large_layers}"]
+        else:
+            values[f.name] = extend(a, b)
+    # The peak is the larger phase's total, recomputed from the extended phases (a phase may overtake the other).
+    phases = (values["forward_backward_peak"], values["optimizer_peak"])
+    values["at_peak"] = max(phases, key=lambda kinds: kinds["total"])
+    values["peak"] = values["at_peak"]["total"]
+    return TracedStep(**values)
+
+
 def trace_step(stage: str, training_args, model_config, shape: GroupShape, *, peft_config=None,
-               dtype: torch.dtype | None = None, world_size: int = 1, rank: int = 0) -> TracedStep:  # fmt: skip
-    """Trace one optimizer step of `stage`'s trainer on rank `rank` of `world_size` (see the module docstring)."""
+               dtype: torch.dtype | None = None, world_size: int = 1, rank: int = 0,
+               max_traced_layers: int | None = None, ddp: bool = True) -> TracedStep:  # fmt: skip
+    """Trace one optimizer step of `stage`'s trainer on rank `rank` of `world_size` (see the module docstring).
+
+    `max_traced_layers`: a model with more decoder layers is traced with `max_traced_layers - 1` and
+    `max_traced_layers` of them and extrapolated per layer (`_extrapolate`; checked against full traces in
+    tests/test_memory_plan.py). None traces every layer. `ddp=False` leaves the model unwrapped on several ranks (a
+    ZeRO run: DeepSpeed, not DDP, holds its gradients; `plan.zero_terms` adds them)."""
+    layers = model_config.num_hidden_layers
+    if max_traced_layers is not None and layers > max_traced_layers:
+        if max_traced_layers < 2:
+            raise ValueError("max_traced_layers must be at least 2 (two traces give the per-layer increment).")
+        traces = [
+            _trace_step(stage, training_args, with_layers(model_config, n), shape, peft_config=peft_config,
+                        dtype=dtype, world_size=world_size, rank=rank, ddp=ddp)  # fmt: skip
+            for n in (max_traced_layers - 1, max_traced_layers)
+        ]
+        return _extrapolate(*traces, max_traced_layers - 1, max_traced_layers, layers)
+    return _trace_step(stage, training_args, model_config, shape, peft_config=peft_config, dtype=dtype,
+                       world_size=world_size, rank=rank, ddp=ddp)  # fmt: skip
+
+
+def _trace_step(stage: str, training_args, model_config, shape: GroupShape, *, peft_config=None,
+                dtype: torch.dtype | None = None, world_size: int = 1, rank: int = 0, ddp: bool = True) -> TracedStep:  # fmt: skip
     from trl_longrm.testing_utils import build_chat_tokenizer
     from trl_longrm.train import stage_classes
 
@@ -318,6 +387,8 @@ def trace_step(stage: str, training_args, model_config, shape: GroupShape, *, pe
                 callbacks=[callback],
             )  # fmt: skip
             callback.trainer = trainer
+            if not ddp:
+                trainer.accelerator.prepare_model = lambda model, *args, **kwargs: model
             try:
                 trainer.train()
             finally:
