@@ -11,6 +11,7 @@ Ulysses; marked slow, like the other multi-process tests).
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,6 +19,9 @@ from transformers import Qwen3Config
 
 from trl_longrm import LongSFTConfig, SimPODisRMConfig, SimPOGRMConfig
 from trl_longrm.memory_plan import GroupShape, plan_memory
+
+
+RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 
 
 TOLERANCE = 0.10
@@ -123,3 +127,46 @@ def test_per_layer_extrapolation_matches_a_full_trace():
             for kind, value in getattr(full, phase).items():
                 assert abs(getattr(extended, phase)[kind] - value) <= 0.01 * full.peak, (phase, kind)
         assert abs(extended.peak / full.peak - 1) < 0.01
+
+
+def test_dry_run_prints_the_memory_plan_of_a_recipe(tmp_path, capsys):
+    """`trl-longrm train RECIPE --dry_run` prints each traced rank's plan (as JSON and as a table) for the model shape
+    named by `model_config`, and whether it fits `--device_memory_gib`; the same plan as `plan_memory` gives."""
+    from trl_longrm.memory_plan.recipe import recipe_memory_plans
+    from trl_longrm.train import main, parse_args
+
+    config_path = tmp_path / "config.json"
+    model_config(layers=2).to_json_file(config_path)
+    argv = [str(RECIPES / "tiny" / "simpo_disrm.yaml"), "--dry_run", "--model_config", str(config_path),
+            "--max_length", "2048", "--plan_response_tokens", "256", "--plan_num_rejected", "2",
+            "--output_dir", str(tmp_path / "out"), "--device_memory_gib", "0.05"]  # fmt: skip
+    main(argv)  # exit 1: the recipe's data and model are not on disk here (reported), the plan is printed anyway
+    out = capsys.readouterr().out
+    start = out.index('{\n  "memory_plan"')
+    summary = json.loads(out[start : out.index("\n}\n", start) + 3])["memory_plan"]
+    assert summary["group"] == {"prompt_tokens": 2048 - 256, "response_tokens": 256, "num_rejected": 2}
+    ranks = summary["ranks"]
+    assert [r["rank"] for r in ranks] == list(range(len(ranks))) and ranks[0]["stage"] == "simpo_disrm"
+    script, args, model = parse_args(argv)
+    again, _ = recipe_memory_plans(script, args, model, ranks[0]["world_size"], RECIPES / "tiny")
+    assert [r["peak"] for r in again["ranks"]] == [r["peak"] for r in ranks]
+    assert summary["fits"] == (max(r["peak"] for r in ranks) <= 0.05 * 2**30)
+    assert ("does NOT fit 0.05 GiB" in out) == (not summary["fits"])
+    assert "peak of the traced ranks" in out
+
+
+@pytest.mark.slow
+def test_dry_run_of_the_paper_grm_recipe_plans_qwen3_8b_in_a_minute(capsys):
+    """The paper's SimPO-GRM recipe (Qwen3-8B, 131,072 tokens, ring of 8, ZeRO-2): its dry run plans ranks 0 and 7
+    from the shipped config.json in under 60 s each."""
+    from trl_longrm.train import main
+
+    main([str(RECIPES / "simpo_grm.yaml"), "--dry_run"])
+    out = capsys.readouterr().out
+    start = out.index('{\n  "memory_plan"')
+    summary = json.loads(out[start : out.index("\n}\n", start) + 3])["memory_plan"]
+    assert [r["rank"] for r in summary["ranks"]] == [0, 7]
+    for plan in summary["ranks"]:
+        assert plan["distributed"] == "zero2" and plan["device"] == "cuda"
+        assert plan["total_parameters"] > 8e9 and plan["rank_tokens"] * 8 == plan["row_tokens"]
+        assert plan["trace_seconds"] < 60

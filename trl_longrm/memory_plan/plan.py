@@ -226,8 +226,16 @@ def plan_memory(
         peak_phase=phase,
         traced_peak=traced.peak,
         trace_seconds=round(seconds, 2),
-        notes=list(traced.notes),
+        notes=[*traced.notes, *_kernel_notes(device)],
     )
+
+
+def _kernel_notes(device: str) -> list[str]:
+    if device != "cuda":
+        return []
+    # The trace runs on CPU fake tensors, so the ring attention resolves its CPU kernels (PyTorch's fused CPU
+    # attention, masked blocks of 1024 queries), not flash-attn's / torch's varlen kernels a CUDA run uses.
+    return ["attention traced with the CPU kernels; a CUDA run uses the varlen kernels (flash-attn or torch)"]
 
 
 def load_model_config(path):

@@ -91,4 +91,10 @@ def recipe_memory_plans(script_args, training_args, model_args, world_size: int,
         "fits": all(p.fits(device_bytes) for p in plans),
         "ranks": [p.to_dict() for p in plans],
     }
-    return summary, "\n".join(p.describe(device_bytes) for p in plans)
+    verdict = "fits" if summary["fits"] else "does NOT fit"
+    last = (
+        f"peak of the traced ranks {summary['peak_gib']:.2f} GiB: {verdict} {script_args.device_memory_gib:g} GiB per "
+        f"device ({distributed}, {world_size} processes, groups of {shape.prompt_tokens:,} prompt tokens + "
+        f"{1 + shape.num_rejected if stage != 'sft' else 1} x {shape.response_tokens:,})"
+    )
+    return summary, "\n".join([*(p.describe(device_bytes) for p in plans), last])
