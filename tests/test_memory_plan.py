@@ -170,3 +170,13 @@ def test_dry_run_of_the_paper_grm_recipe_plans_qwen3_8b_in_a_minute(capsys):
         assert plan["distributed"] == "zero2" and plan["device"] == "cuda"
         assert plan["total_parameters"] > 8e9 and plan["rank_tokens"] * 8 == plan["row_tokens"]
         assert plan["trace_seconds"] < 60
+
+
+def test_dry_run_names_a_missing_model_config(tmp_path, capsys):
+    from trl_longrm.train import main
+
+    missing = tmp_path / "nope.json"
+    argv = [str(RECIPES / "tiny" / "simpo_grm.yaml"), "--dry_run", "--model_config", str(missing)]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert f"memory plan: {missing}: no such config.json" in err and "Traceback" not in err

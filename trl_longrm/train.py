@@ -659,7 +659,10 @@ def _main(script_args, training_args, model_args, notes: list[str] = (), recipe_
         print(json.dumps({"plan": plan}, indent=2, default=str))
         print(json.dumps({"training_args": training_args.to_dict()}, indent=2, default=str))
         if script_args.memory_plan and is_main_process():
-            print_memory_plan(script_args, training_args, model_args, plan["world_size"], recipe_dir)
+            try:
+                print_memory_plan(script_args, training_args, model_args, plan["world_size"], recipe_dir)
+            except (FileNotFoundError, ValueError) as error:  # a model_config that is not there, a bad shape
+                problems.append(f"memory plan: {error}")
         if problems:
             print(f"trl-longrm: error: {problems_message(problems)}", file=sys.stderr, flush=True)
             return 1
