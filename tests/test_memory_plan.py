@@ -180,3 +180,29 @@ def test_dry_run_names_a_missing_model_config(tmp_path, capsys):
     assert main(argv) == 1
     err = capsys.readouterr().err
     assert f"memory plan: {missing}: no such config.json" in err and "Traceback" not in err
+
+
+def test_longest_group_that_fits_is_bracketed_by_traced_plans(tmp_path):
+    """`--plan_longest_group`: the prompt found fits the device on its traced plan and a prompt at most 1024 tokens
+    longer does not, both checked here with `plan_memory` directly."""
+    from trl_longrm.memory_plan.recipe import SEARCH_GRANULARITY, recipe_memory_plans
+    from trl_longrm.train import parse_args
+
+    config_path = tmp_path / "config.json"
+    model_config(layers=2).to_json_file(config_path)
+    argv = [str(RECIPES / "tiny" / "simpo_grm.yaml"), "--dry_run", "--model_config", str(config_path),
+            "--max_length", "4096", "--per_device_train_batch_size", "1", "--plan_response_tokens", "256",
+            "--plan_num_rejected", "4", "--device_memory_gib", "0.2", "--plan_longest_group", "true",
+            "--output_dir", str(tmp_path / "out")]  # fmt: skip
+    script, args, model = parse_args(argv)
+    summary, text = recipe_memory_plans(script, args, model, 1, RECIPES / "tiny")
+    found = summary["longest_group"]
+    assert 0 < found["prompt_tokens"] < 4096 - 256 and found["plans_traced"] <= 9, found["traced_prompts"]
+    assert f"longest group that fits: {found['prompt_tokens']:,} prompt tokens" in text
+    device = int(0.2 * 2**30)
+
+    def peak(prompt):
+        args.max_length = prompt + 256
+        return plan_memory("simpo_grm", args, model_config(), GroupShape(prompt, 256, 4)).peak
+
+    assert peak(found["prompt_tokens"]) <= device < peak(found["prompt_tokens"] + SEARCH_GRANULARITY)

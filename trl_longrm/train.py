@@ -89,6 +89,14 @@ class LongRMScriptArguments(ScriptArguments):
     plan_response_tokens: int = field(
         default=2048, metadata={"help": "Tokens of each response of the planned group. Default 2048."}
     )
+    plan_longest_group: bool = field(
+        default=False,
+        metadata={
+            "help": "With --dry_run's memory plan, also search the longest prompt (same responses, k and layout) "
+            "whose plan fits `device_memory_gib`, each step a traced plan (a few minutes for an 8B model). Default "
+            "False."
+        },
+    )
     plan_num_rejected: int = field(
         default=4, metadata={"help": "Rejected responses per planned group (preference stages). Default 4 (LongRM)."}
     )
