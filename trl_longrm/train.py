@@ -57,7 +57,7 @@ class LongRMScriptArguments(ScriptArguments):
         default=False,
         metadata={
             "help": "Print the resolved configuration and the plan (world size, ring groups, batch sizes, tokens "
-            "per step) and exit without loading weights. Default False."
+            "per step, and with `memory_plan` each rank's memory) and exit without loading weights. Default False."
         },
     )
     memory_plan: bool = field(
