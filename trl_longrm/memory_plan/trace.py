@@ -352,6 +352,11 @@ def trace_step(stage: str, training_args, model_config, shape: GroupShape, *, pe
 
 def _trace_step(stage: str, training_args, model_config, shape: GroupShape, *, peft_config=None,
                 dtype: torch.dtype | None = None, world_size: int = 1, rank: int = 0, ddp: bool = True) -> TracedStep:  # fmt: skip
+    """One trace of `trace_step`: the trainer built on fake weights and `trainer.train()` for one optimizer step.
+
+    The dataset holds the rows of that step for every data-parallel replica (the sampler gives this rank its
+    replica's): a row is one micro-batch of `per_device_train_batch_size` groups, or with `max_tokens_per_row` (SFT:
+    packing) as many groups of the shape as the row holds."""
     from trl_longrm.testing_utils import build_chat_tokenizer
     from trl_longrm.train import stage_classes
 
@@ -368,9 +373,7 @@ def _trace_step(stage: str, training_args, model_config, shape: GroupShape, *, p
     if stage == "sft" and getattr(training_args, "packing", False):
         row_budget = row_budget or training_args.max_length
     groups_per_row = max(row_budget // group_tokens, 1) if row_budget else per_device
-    num_rows = groups_per_row * accumulation * (world_size // sp) if row_budget else per_device * accumulation * (
-        world_size // sp
-    )
+    num_rows = groups_per_row * accumulation * (world_size // sp)
     callback = _TraceStep()
     with fake_world(rank, world_size), tempfile.TemporaryDirectory() as tmp:
         args = fresh_args(
@@ -388,6 +391,7 @@ def _trace_step(stage: str, training_args, model_config, shape: GroupShape, *, p
             )  # fmt: skip
             callback.trainer = trainer
             if not ddp:
+                # A ZeRO run: DeepSpeed (which does not run on fake tensors) takes the place of DDP's wrapper.
                 trainer.accelerator.prepare_model = lambda model, *args, **kwargs: model
             try:
                 trainer.train()
