@@ -25,7 +25,8 @@ LOW_MEMORY = [f"{stage}_{kind}.yaml" for stage in ("sft", "simpo_grm", "simpo_di
 def test_recipe_dry_run_matches_the_paper(name, capsys):
     from trl_longrm.train import main
 
-    assert main([str(RECIPES / name), "--dry_run"]) == 0
+    # The memory plan (tests/test_memory_plan.py) traces an 8B step: not what this test checks.
+    assert main([str(RECIPES / name), "--dry_run", "--memory_plan", "false"]) == 0
     assert '"plan"' in capsys.readouterr().out
     script, args, model = parse_args([str(RECIPES / name), "--dry_run"])
     plan = training_plan(script, args, model)

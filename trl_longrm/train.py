@@ -65,8 +65,48 @@ class LongRMScriptArguments(ScriptArguments):
         default=False,
         metadata={
             "help": "Print the resolved configuration and the plan (world size, ring groups, batch sizes, tokens "
-            "per step) and exit without loading weights. Default False."
+            "per step, and with `memory_plan` each rank's memory) and exit without loading weights. Default False."
         },
+    )
+    memory_plan: bool = field(
+        default=True,
+        metadata={
+            "help": "With --dry_run, also print each rank's memory plan (weights, gradients, optimizer states, "
+            "activations, temporaries, named DeepSpeed/CUDA terms, peak), traced from one optimizer step of the "
+            "trainer on fake tensors (`trl_longrm.memory_plan`), and whether it fits `device_memory_gib`. Default True."
+        },
+    )
+    model_config: str | None = field(
+        default=None,
+        metadata={
+            "help": "config.json whose model shape the memory plan traces, for a model not on disk yet (a Hub name, "
+            "an earlier stage's output): relative to the working directory, else to the recipe's folder. Default "
+            "None: `model_name_or_path`/config.json when local. Nothing is downloaded."
+        },
+    )
+    device_memory_gib: float = field(
+        default=80.0, metadata={"help": "Memory of one device (GiB) the memory plan checks the peak against. Default 80."}
+    )
+    plan_prompt_tokens: int | None = field(
+        default=None,
+        metadata={
+            "help": "Prompt tokens of the group the memory plan traces. Default None: `max_length` minus "
+            "`plan_response_tokens` (the longest group the run admits)."
+        },
+    )
+    plan_response_tokens: int = field(
+        default=2048, metadata={"help": "Tokens of each response of the planned group. Default 2048."}
+    )
+    plan_longest_group: bool = field(
+        default=False,
+        metadata={
+            "help": "With --dry_run's memory plan, also search the longest prompt (same responses, k and layout) "
+            "whose plan fits `device_memory_gib`, each step a traced plan (a few minutes for an 8B model). Default "
+            "False."
+        },
+    )
+    plan_num_rejected: int = field(
+        default=4, metadata={"help": "Rejected responses per planned group (preference stages). Default 4 (LongRM)."}
     )
     accelerate_config: str | None = field(
         default=None,
@@ -500,7 +540,9 @@ def main(argv: list[str] | None = None, notes: list[str] | tuple[str, ...] = ())
         notes = [*notes, *report_to_notes(argv, training_args)]
         if script_args.dry_run:
             notes += recipe_form_notes(argv)
-        return _main(script_args, training_args, model_args, notes)
+        recipe = flag_value(positional_recipe_to_config(argv), "--config")
+        recipe_dir = Path(recipe).resolve().parent if recipe else None
+        return _main(script_args, training_args, model_args, notes, recipe_dir)
     except USER_ERRORS as error:
         return report_user_error(error)
     except KeyboardInterrupt:
@@ -592,7 +634,19 @@ def typical_group_layout(script_args, training_args, model_args, sample: int = 6
     }
 
 
-def _main(script_args, training_args, model_args, notes: list[str] = ()) -> int:
+def print_memory_plan(script_args, training_args, model_args, world_size: int, recipe_dir: Path | None) -> None:
+    """`--dry_run`'s memory plan (`trl_longrm.memory_plan.recipe`): as JSON (`{"memory_plan": ...}`), then as a table."""
+    from trl_longrm.memory_plan.recipe import recipe_memory_plans
+
+    summary, text = recipe_memory_plans(script_args, training_args, model_args, world_size, recipe_dir)
+    if summary is None:
+        print(f"note: {text}", file=sys.stderr, flush=True)
+        return
+    print(json.dumps({"memory_plan": summary}, indent=2, default=str))
+    print(text, flush=True)
+
+
+def _main(script_args, training_args, model_args, notes: list[str] = (), recipe_dir: Path | None = None) -> int:
     problems, path_notes = check_paths(script_args, training_args, model_args)
     notes = [*notes, *path_notes]
     if is_main_process():
@@ -606,6 +660,11 @@ def _main(script_args, training_args, model_args, notes: list[str] = ()) -> int:
             plan["typical_group"] = typical_group_layout(script_args, training_args, model_args)
         print(json.dumps({"plan": plan}, indent=2, default=str))
         print(json.dumps({"training_args": training_args.to_dict()}, indent=2, default=str))
+        if script_args.memory_plan and is_main_process():
+            try:
+                print_memory_plan(script_args, training_args, model_args, plan["world_size"], recipe_dir)
+            except (FileNotFoundError, ValueError) as error:  # a model_config that is not there, a bad shape
+                problems.append(f"memory plan: {error}")
         if problems:
             print(f"trl-longrm: error: {problems_message(problems)}", file=sys.stderr, flush=True)
             return 1

@@ -1,0 +1,62 @@
+"""Measured side of tests/test_memory_plan.py: the peak tensor memory of the step a memory plan predicts, from a real
+run on CPU (`bench/tensor_memory.py`'s recorder of allocator events), on one process or on each gloo rank."""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+
+from tensor_memory import TensorMemoryRecorder  # noqa: E402
+
+from trl_longrm.memory_plan.trace import GroupShape, build_model, fresh_args, synthetic_dataset  # noqa: E402
+from trl_longrm.testing_utils import build_chat_tokenizer  # noqa: E402
+from trl_longrm.train import stage_classes  # noqa: E402
+
+
+def measure_step(stage, training_args, model_config, shape: GroupShape, peft_config=None, dtype=None,
+                 num_rows_per_step: int = 1) -> int:  # fmt: skip
+    """Peak live tensor bytes of the second optimizer step (the first that starts with the optimizer's states, as
+    every later one does) of `stage`'s trainer, on this process; the memory plan traces that step."""
+    tokenizer = build_chat_tokenizer()
+    accumulation = min(training_args.gradient_accumulation_steps, 2)
+    recorder = TensorMemoryRecorder()
+    recorder.start()  # before the model exists: its weights are live tensors of every step
+    torch.manual_seed(0)
+    model = build_model(stage, model_config, dtype)
+    dataset = synthetic_dataset(
+        stage, shape, 2 * accumulation * num_rows_per_step, model_config.vocab_size, tokenizer.eos_token_id
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        args = fresh_args(
+            training_args, output_dir=tmp, max_steps=2, gradient_accumulation_steps=accumulation, save_strategy="no",
+            report_to=[], disable_tqdm=True, logging_steps=1,
+        )  # fmt: skip
+        trainer_cls = stage_classes(stage)[0]
+        trainer = trainer_cls(
+            model=model, args=args, train_dataset=dataset, processing_class=tokenizer, peft_config=peft_config,
+            callbacks=[recorder],
+        )  # fmt: skip
+        trainer.train()
+    report = recorder.finish(2)
+    return report[1]["peak_bytes"]
+
+
+def measure_on_rank(rank: int, world_size: int, out_dir: str, case: dict) -> None:
+    """`run_on_gloo_ranks` entry: `measure_step` of `case` (see tests/test_memory_plan.py `build_case`) on this rank,
+    written to `out_dir/rank{rank}.json`."""
+    from test_memory_plan import build_case  # tests/ is on the path of the forked worker, as of pytest
+
+    from trl_longrm.sequence_parallel.launch import set_distributed_env
+
+    set_distributed_env(rank, world_size)
+    stage, args, model_config, shape, peft_config, dtype, rows = build_case(**case)
+    peak = measure_step(stage, args, model_config, shape, peft_config, dtype, rows)
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps({"peak_bytes": peak}))

@@ -1,0 +1,208 @@
+"""The memory plan against measurement: the peak a plan predicts by tracing one optimizer step of our trainer on fake
+tensors, vs the peak live tensor bytes of the same step of a real run on CPU (`bench/tensor_memory.py`'s recorder of
+allocator events, the CPU analogue of `torch.cuda.max_memory_allocated`), within 10%.
+
+The model is small but not trivial (hidden 256, 2 layers, vocabulary 2048) and rows hold 3-4K tokens, so that
+activations, not weights, decide the peak. Each case covers several settings: the three trainers, shared prefixes at
+k = 4, packing, LoRA, gradient checkpointing on and off, float32 and bf16, one process and gloo groups of 2 (ring and
+Ulysses; marked slow, like the other multi-process tests).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import Qwen3Config
+
+from trl_longrm import LongSFTConfig, SimPODisRMConfig, SimPOGRMConfig
+from trl_longrm.memory_plan import GroupShape, plan_memory
+
+
+RECIPES = Path(__file__).resolve().parents[1] / "recipes"
+
+
+TOLERANCE = 0.10
+
+CONFIGS = {"simpo_grm": SimPOGRMConfig, "simpo_disrm": SimPODisRMConfig, "sft": LongSFTConfig}
+
+# name -> (stage, config overrides, group shape, LoRA, bf16, processes)
+CASES = {
+    "grm_shared_k4_checkpointing_fp32": ("simpo_grm", {"gradient_checkpointing": True}, (2048, 256, 4), False, False, 1),
+    "disrm_shared_k4_no_checkpointing_fp32": ("simpo_disrm", {"gradient_checkpointing": False}, (2048, 256, 4), False,
+                                              False, 1),
+    "sft_packed_checkpointing_bf16": ("sft", {"packing": True, "max_tokens_per_row": 4096,
+                                              "gradient_checkpointing": True}, (1536, 512, 0), False, True, 1),
+    "grm_lora_accumulation_bf16": ("simpo_grm", {"gradient_checkpointing": True, "gradient_accumulation_steps": 2},
+                                   (2048, 256, 4), True, True, 1),
+    "disrm_lora_unshared_packed_fp32": ("simpo_disrm", {"shared_prefix": False, "max_tokens_per_row": 4096,
+                                                        "gradient_checkpointing": True}, (512, 128, 4), True, False, 1),
+    "grm_ring2_checkpointing_fp32": ("simpo_grm", {"gradient_checkpointing": True, "sequence_parallel_size": 2},
+                                     (2048, 256, 4), False, False, 2),
+    "disrm_ulysses2_no_checkpointing_fp32": ("simpo_disrm", {"gradient_checkpointing": False,
+                                                             "sequence_parallel_size": 2,
+                                                             "sequence_parallel_mode": "ulysses"},
+                                             (2048, 256, 4), False, False, 2),
+    "sft_ring2_packed_lora_fp32": ("sft", {"packing": True, "max_tokens_per_row": 4096, "gradient_checkpointing": True,
+                                           "sequence_parallel_size": 2}, (1536, 512, 0), True, False, 2),
+}  # fmt: skip
+
+
+def model_config(layers: int = 2) -> Qwen3Config:
+    return Qwen3Config(
+        vocab_size=2048, hidden_size=256, intermediate_size=512, num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=64, tie_word_embeddings=False, max_position_embeddings=32768,
+    )  # fmt: skip
+
+
+def build_case(name: str):
+    """`(stage, training_args, model_config, shape, peft_config, dtype, rows_per_step)` of case `name`."""
+    from peft import LoraConfig
+
+    stage, overrides, (prompt, response, k), lora, bf16, _ = CASES[name]
+    options = dict(output_dir="unused", use_cpu=True, report_to=[], per_device_train_batch_size=1,
+                   gradient_accumulation_steps=1, max_length=8192, bf16=bf16, seed=0)  # fmt: skip
+    args = CONFIGS[stage](**{**options, **overrides})
+    peft_config = None
+    if lora:
+        task = "SEQ_CLS" if stage == "simpo_disrm" else "CAUSAL_LM"
+        peft_config = LoraConfig(r=8, lora_alpha=8, target_modules="all-linear", task_type=task)
+    shape = GroupShape(prompt, response, k)
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    budget = overrides.get("max_tokens_per_row")
+    rows = max(budget // shape.tokens(overrides.get("shared_prefix", True), stage), 1) if budget else 1
+    return stage, args, model_config(), shape, peft_config, dtype, rows
+
+
+def assert_within(predicted: int, measured: int, what: str) -> None:
+    error = predicted / measured - 1
+    print(f"{what}: predicted {predicted / 2**20:.1f} MiB, measured {measured / 2**20:.1f} MiB, error {error:+.1%}")
+    assert abs(error) <= TOLERANCE, f"{what}: predicted {predicted} vs measured {measured} bytes ({error:+.1%})"
+
+
+@pytest.mark.parametrize("name", [n for n, case in CASES.items() if case[-1] == 1])
+def test_plan_matches_measured_peak_one_process(name):
+    from memory_plan_worker import measure_step
+
+    stage, args, config, shape, peft_config, dtype, rows = build_case(name)
+    plan = plan_memory(stage, args, config, shape, peft_config=peft_config, dtype=dtype)
+    measured = measure_step(stage, args, config, shape, peft_config, dtype, rows)
+    assert plan.trainable_parameters < plan.total_parameters if peft_config else True
+    assert_within(plan.peak, measured, name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [n for n, case in CASES.items() if case[-1] == 2])
+def test_plan_matches_measured_peak_gloo_group_of_two(name, tmp_path):
+    from memory_plan_worker import measure_on_rank
+
+    from trl_longrm.sequence_parallel.launch import run_on_gloo_ranks
+
+    stage, args, config, shape, peft_config, dtype, _ = build_case(name)
+    run_on_gloo_ranks(measure_on_rank, 2, str(tmp_path), {"name": name}, timeout=300)
+    for rank in range(2):
+        measured = json.loads((tmp_path / f"rank{rank}.json").read_text())["peak_bytes"]
+        plan = plan_memory(stage, args, config, shape, peft_config=peft_config, dtype=dtype, world_size=2, rank=rank)
+        assert plan.distributed == "ddp"
+        assert_within(plan.peak, measured, f"{name} rank {rank}")
+
+
+def test_per_layer_extrapolation_matches_a_full_trace():
+    """A deep model is traced with 2 and 3 layers and extended per layer (what makes an 8B plan take seconds): for a
+    6-layer model the extrapolated parts and peak equal those of tracing all 6 layers, on a ring rank too."""
+    from trl_longrm.memory_plan.trace import trace_step
+
+    stage, args, _, shape, _, dtype, _ = build_case("grm_shared_k4_checkpointing_fp32")
+    config = model_config(layers=6)
+    for world_size, rank in ((1, 0), (2, 1)):
+        args.sequence_parallel_size = world_size
+        full = trace_step(stage, args, config, shape, dtype=dtype, world_size=world_size, rank=rank)
+        extended = trace_step(stage, args, config, shape, dtype=dtype, world_size=world_size, rank=rank,
+                              max_traced_layers=3)  # fmt: skip
+        assert extended.notes and not full.notes
+        assert extended.total_parameters == full.total_parameters
+        for phase in ("forward_backward_peak", "optimizer_peak"):
+            for kind, value in getattr(full, phase).items():
+                assert abs(getattr(extended, phase)[kind] - value) <= 0.01 * full.peak, (phase, kind)
+        assert abs(extended.peak / full.peak - 1) < 0.01
+
+
+def test_dry_run_prints_the_memory_plan_of_a_recipe(tmp_path, capsys):
+    """`trl-longrm train RECIPE --dry_run` prints each traced rank's plan (as JSON and as a table) for the model shape
+    named by `model_config`, and whether it fits `--device_memory_gib`; the same plan as `plan_memory` gives."""
+    from trl_longrm.memory_plan.recipe import recipe_memory_plans
+    from trl_longrm.train import main, parse_args
+
+    config_path = tmp_path / "config.json"
+    model_config(layers=2).to_json_file(config_path)
+    argv = [str(RECIPES / "tiny" / "simpo_disrm.yaml"), "--dry_run", "--model_config", str(config_path),
+            "--max_length", "2048", "--plan_response_tokens", "256", "--plan_num_rejected", "2",
+            "--output_dir", str(tmp_path / "out"), "--device_memory_gib", "0.05"]  # fmt: skip
+    main(argv)  # exit 1: the recipe's data and model are not on disk here (reported), the plan is printed anyway
+    out = capsys.readouterr().out
+    start = out.index('{\n  "memory_plan"')
+    summary = json.loads(out[start : out.index("\n}\n", start) + 3])["memory_plan"]
+    assert summary["group"] == {"prompt_tokens": 2048 - 256, "response_tokens": 256, "num_rejected": 2}
+    ranks = summary["ranks"]
+    assert [r["rank"] for r in ranks] == list(range(len(ranks))) and ranks[0]["stage"] == "simpo_disrm"
+    script, args, model = parse_args(argv)
+    again, _ = recipe_memory_plans(script, args, model, ranks[0]["world_size"], RECIPES / "tiny")
+    assert [r["peak"] for r in again["ranks"]] == [r["peak"] for r in ranks]
+    assert summary["fits"] == (max(r["peak"] for r in ranks) <= 0.05 * 2**30)
+    assert ("does NOT fit 0.05 GiB" in out) == (not summary["fits"])
+    assert "peak of the traced ranks" in out
+
+
+@pytest.mark.slow
+def test_dry_run_of_the_paper_grm_recipe_plans_qwen3_8b_in_a_minute(capsys):
+    """The paper's SimPO-GRM recipe (Qwen3-8B, 131,072 tokens, ring of 8, ZeRO-2): its dry run plans ranks 0 and 7
+    from the shipped config.json in under 60 s each."""
+    from trl_longrm.train import main
+
+    main([str(RECIPES / "simpo_grm.yaml"), "--dry_run"])
+    out = capsys.readouterr().out
+    start = out.index('{\n  "memory_plan"')
+    summary = json.loads(out[start : out.index("\n}\n", start) + 3])["memory_plan"]
+    assert [r["rank"] for r in summary["ranks"]] == [0, 7]
+    for plan in summary["ranks"]:
+        assert plan["distributed"] == "zero2" and plan["device"] == "cuda"
+        assert plan["total_parameters"] > 8e9 and plan["rank_tokens"] * 8 == plan["row_tokens"]
+        assert plan["trace_seconds"] < 60
+
+
+def test_dry_run_names_a_missing_model_config(tmp_path, capsys):
+    from trl_longrm.train import main
+
+    missing = tmp_path / "nope.json"
+    argv = [str(RECIPES / "tiny" / "simpo_grm.yaml"), "--dry_run", "--model_config", str(missing)]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert f"memory plan: {missing}: no such config.json" in err and "Traceback" not in err
+
+
+def test_longest_group_that_fits_is_bracketed_by_traced_plans(tmp_path):
+    """`--plan_longest_group`: the prompt found fits the device on its traced plan and a prompt at most 1024 tokens
+    longer does not, both checked here with `plan_memory` directly."""
+    from trl_longrm.memory_plan.recipe import SEARCH_GRANULARITY, recipe_memory_plans
+    from trl_longrm.train import parse_args
+
+    config_path = tmp_path / "config.json"
+    model_config(layers=2).to_json_file(config_path)
+    argv = [str(RECIPES / "tiny" / "simpo_grm.yaml"), "--dry_run", "--model_config", str(config_path),
+            "--max_length", "4096", "--per_device_train_batch_size", "1", "--plan_response_tokens", "256",
+            "--plan_num_rejected", "4", "--device_memory_gib", "0.2", "--plan_longest_group", "true",
+            "--output_dir", str(tmp_path / "out")]  # fmt: skip
+    script, args, model = parse_args(argv)
+    summary, text = recipe_memory_plans(script, args, model, 1, RECIPES / "tiny")
+    found = summary["longest_group"]
+    assert 0 < found["prompt_tokens"] < 4096 - 256 and found["plans_traced"] <= 9, found["traced_prompts"]
+    assert f"longest group that fits: {found['prompt_tokens']:,} prompt tokens" in text
+    device = int(0.2 * 2**30)
+
+    def peak(prompt):
+        args.max_length = prompt + 256
+        return plan_memory("simpo_grm", args, model_config(), GroupShape(prompt, 256, 4)).peak
+
+    assert peak(found["prompt_tokens"]) <= device < peak(found["prompt_tokens"] + SEARCH_GRANULARITY)

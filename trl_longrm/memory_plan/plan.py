@@ -1,0 +1,256 @@
+"""The per-rank memory plan of a run: the traced step (`trl_longrm.memory_plan.trace`) plus named terms for what the
+trace cannot see, as data (`MemoryPlan`) and as text.
+
+What is traced and what is a term:
+
+- traced, exactly as the run does it: weights, gradients and the optimizer's states (the optimizer the config names,
+  its states allocated by its own first step), activations and temporaries of forward, backward (with gradient
+  checkpointing as configured) and the optimizer step, for the rank predicted (its slice of the row, its gathered or
+  exchanged keys/values), DDP's wrapper included;
+- terms derived from traced sizes where DeepSpeed shards or buffers what the trace holds whole (`zero_terms`): ZeRO
+  replaces the traced gradients and optimizer states with its partitions and buffers, whose sizes follow from the
+  trainable parameter count and DeepSpeed's defaults (the `DEEPSPEED_*` constants: accelerate's DeepSpeed plugin
+  built from an accelerate YAML sets no bucket sizes, so DeepSpeed's own defaults apply);
+- on CUDA, constants for what no tensor holds: the CUDA context and library workspaces, NCCL's buffers, and the
+  caching allocator's fragmentation (`CUDA_*`, `NCCL_*`); none on CPU, where the plan is checked against the tensor
+  bytes a run allocates (`tests/test_memory_plan.py`).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from trl_longrm.memory_plan.trace import GroupShape, TracedStep, trace_step
+
+
+GIB = 2**30
+
+# DeepSpeed's ZeRO defaults (deepspeed/runtime/zero/config.py) where the run's DeepSpeed config leaves them unset, as
+# accelerate's plugin does when built from an accelerate YAML (accelerate_configs/zero2.yaml, zero3.yaml).
+DEEPSPEED_REDUCE_BUCKET_ELEMENTS = 500_000_000  # `reduce_bucket_size`: the contiguous gradient bucket (ipg buffer)
+DEEPSPEED_PREFETCH_BUCKET_ELEMENTS = 50_000_000  # ZeRO-3 `stage3_prefetch_bucket_size`: parameters fetched ahead
+DEEPSPEED_MAX_LIVE_PARAMETERS = 1_000_000_000  # ZeRO-3 `stage3_max_live_parameters`: gathered parameters kept
+# Adam under ZeRO: an fp32 master copy of the rank's partition plus fp32 exp_avg and exp_avg_sq (12 bytes/parameter).
+DEEPSPEED_OPTIMIZER_BYTES_PER_PARAMETER = 12
+
+# CUDA only (not tensors, so not traced): the CUDA context with cuBLAS / cuDNN workspaces of a PyTorch process on an
+# H100 (the order of what `nvidia-smi` shows for a process that has run one matmul), NCCL's communication buffers
+# (NCCL_BUFFSIZE 4 MiB x channels x peers, by its defaults), and a margin for the caching allocator's fragmentation
+# of the peak (blocks cached but not reusable at that size). Estimates to be calibrated on a GPU (see docs/memory_plan.md).
+CUDA_CONTEXT_BYTES = 750 * 2**20
+NCCL_BUFFER_BYTES = 256 * 2**20
+CUDA_FRAGMENTATION_FRACTION = 0.05
+
+# Layers traced before the per-layer extrapolation (`trace_step`): 3 and 2 layers, a few seconds each at 128K tokens.
+DEFAULT_MAX_TRACED_LAYERS = 3
+
+
+@dataclass
+class MemoryPlan:
+    """Per-rank memory of one optimizer step of a run, in bytes (see the module docstring for what each part counts).
+
+    `peak` is what the rank needs: the larger of the forward/backward peak and the optimizer step's peak, each with
+    the terms of its phase (`extra`). `weights` ... `temporaries` are the parts live at that peak.
+    """
+
+    stage: str
+    rank: int
+    world_size: int
+    sequence_parallel_size: int
+    sequence_parallel_mode: str | None
+    distributed: str  # "single", "ddp", "zero2", "zero3"
+    device: str  # "cpu" (checked against CPU runs) or "cuda" (CUDA terms added)
+    group: dict
+    row_tokens: int
+    rank_tokens: int
+    trainable_parameters: int
+    total_parameters: int
+    weights: int
+    gradients: int
+    optimizer_states: int
+    activations: int
+    temporaries: int
+    extra: dict[str, int] = field(default_factory=dict)
+    peak: int = 0
+    peak_phase: str = ""
+    traced_peak: int = 0
+    trace_seconds: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+    def fits(self, device_bytes: int) -> bool:
+        return self.peak <= device_bytes
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def describe(self, device_bytes: int | None = None) -> str:
+        """A few lines: the parts in GiB, the peak, and whether it fits `device_bytes`."""
+        parts = [("weights", self.weights), ("gradients", self.gradients), ("optimizer states", self.optimizer_states),
+                 ("activations", self.activations), ("temporaries", self.temporaries), *self.extra.items()]  # fmt: skip
+        lines = [
+            f"rank {self.rank} of {self.world_size} ({self.distributed}, sequence parallel {self.sequence_parallel_size}"
+            f"{' ' + self.sequence_parallel_mode if self.sequence_parallel_mode else ''}): {self.rank_tokens:,} of "
+            f"{self.row_tokens:,} tokens of a row"
+        ]
+        lines += [f"  {name:<34s} {value / GIB:9.2f} GiB" for name, value in parts]
+        verdict = ""
+        if device_bytes is not None:
+            verdict = (
+                f" -> fits {device_bytes / GIB:.0f} GiB" if self.fits(device_bytes)
+                else f" -> does NOT fit {device_bytes / GIB:.0f} GiB"
+            )  # fmt: skip
+        lines.append(f"  {'peak (' + self.peak_phase + ')':<34s} {self.peak / GIB:9.2f} GiB{verdict}")
+        return "\n".join(lines)
+
+
+def zero_terms(traced: TracedStep, stage: int, world_size: int, phase: dict[str, int]) -> tuple[dict, dict[str, int]]:
+    """ZeRO-`stage` replacements of the traced parts of `phase` (a peak's parts by kind), and its named terms.
+
+    The trace holds every gradient and the torch optimizer's states whole; DeepSpeed holds, per rank: its partition
+    (1/world) of the fp32 master weights and Adam moments, its partition of the gradients (in the weights' dtype), the
+    contiguous gradient bucket(s) a backward fills before reducing, and under ZeRO-3 its partition of the weights plus
+    the gathered parameters of the layers being computed or prefetched."""
+    trainable = traced.trainable_parameters
+    element = traced.trainable_weight_bytes // max(trainable, 1)
+    parts = dict(phase)
+    terms = {}
+    parts["gradients"] = 0
+    parts["optimizer_states"] = 0
+    terms["zero_gradient_partition"] = element * trainable // world_size
+    buckets = 2 if stage == 3 else 1  # overlap_comm: DeepSpeed's default is on for ZeRO-3 only (double buffering)
+    terms["zero_gradient_buckets"] = element * min(DEEPSPEED_REDUCE_BUCKET_ELEMENTS, trainable) * buckets
+    terms["zero_optimizer_partition"] = DEEPSPEED_OPTIMIZER_BYTES_PER_PARAMETER * trainable // world_size
+    if stage == 3:
+        weights = parts["weights"]
+        parts["weights"] = weights - traced.trainable_weight_bytes + traced.trainable_weight_bytes // world_size
+        live = min(DEEPSPEED_MAX_LIVE_PARAMETERS, DEEPSPEED_PREFETCH_BUCKET_ELEMENTS + trainable // max(1, world_size))
+        terms["zero3_gathered_parameters"] = element * min(live, trainable)
+    return parts, terms
+
+
+def _combine(traced: TracedStep, distributed: str, world_size: int, device: str):
+    """Per phase (forward/backward, optimizer step): the parts and terms, and which phase peaks."""
+    phases = {}
+    for name, phase in (("forward/backward", traced.forward_backward_peak), ("optimizer step", traced.optimizer_peak)):
+        parts, terms = dict(phase), {}
+        if distributed in ("zero2", "zero3"):
+            parts, terms = zero_terms(traced, 3 if distributed == "zero3" else 2, world_size, phase)
+            if name == "optimizer step":
+                # The step's fp32 copy of the gradient partition, and torch's optimizer temporaries on a partition.
+                terms["zero_fp32_gradient_partition"] = 4 * traced.trainable_parameters // world_size
+                parts["temporaries"] = parts["temporaries"] // world_size
+        elif distributed == "ddp":
+            # DDP's gradient buckets (our trainers set gradient_as_bucket_view: the gradients are views of them) are
+            # allocated when the model is wrapped and live through every step: what the trace did not see live.
+            terms["ddp_gradient_buckets"] = max(traced.gradient_bytes - parts["gradients"], 0)
+        if device == "cuda":
+            terms["cuda_context"] = CUDA_CONTEXT_BYTES
+            if world_size > 1:
+                terms["nccl_buffers"] = NCCL_BUFFER_BYTES
+        tensors = sum(parts[k] for k in ("weights", "buffers", "gradients", "optimizer_states", "activations",
+                                          "temporaries", "other"))  # fmt: skip
+        if device == "cuda":
+            terms["allocator_fragmentation"] = int(CUDA_FRAGMENTATION_FRACTION * (tensors + sum(terms.values())))
+        phases[name] = (parts, terms, tensors + sum(terms.values()))
+    return max(phases.items(), key=lambda item: item[1][2])
+
+
+def plan_memory(
+    stage: str,
+    training_args,
+    model_config,
+    shape: GroupShape,
+    *,
+    peft_config=None,
+    dtype: torch.dtype | None = None,
+    world_size: int = 1,
+    rank: int = 0,
+    distributed: str | None = None,
+    device: str = "cpu",
+    max_traced_layers: int | None = DEFAULT_MAX_TRACED_LAYERS,
+) -> MemoryPlan:
+    """The memory plan of rank `rank` of a `world_size`-process run of `stage` ('sft', 'simpo_grm', 'simpo_disrm') with
+    `training_args` (the stage's config, as a recipe builds it) on a model of `model_config` (a transformers config, or
+    a `config.json` path; nothing is downloaded), for batches of groups of `shape`.
+
+    `distributed`: 'single', 'ddp', 'zero2' or 'zero3' (default: 'single' on one process, else 'ddp'). `device`:
+    'cpu' counts tensors only (what a CPU run's allocator events show); 'cuda' adds the CUDA terms.
+    `max_traced_layers`: deeper models are traced with this many layers and one less, and extrapolated per layer
+    (`trace_step`); None traces every layer (an 8B model at 128K then takes minutes on two cores).
+
+    Example:
+    ```python
+    >>> from trl_longrm import SimPOGRMConfig
+    >>> from trl_longrm.memory_plan import GroupShape, plan_memory
+    >>> args = SimPOGRMConfig(output_dir="grm", use_cpu=True, sequence_parallel_size=8, gradient_checkpointing=True)
+    >>> plan = plan_memory("simpo_grm", args, "bench/configs/qwen3-8b.json", GroupShape(120_000, 2_000, 4),
+    ...                    world_size=8, rank=7, distributed="zero2", device="cuda")
+    >>> print(plan.describe(80 * 2**30))
+    ```
+    """
+    if isinstance(model_config, (str, bytes)) or hasattr(model_config, "__fspath__"):
+        model_config = load_model_config(model_config)
+    distributed = distributed or ("single" if world_size == 1 else "ddp")
+    if distributed not in ("single", "ddp", "zero2", "zero3"):
+        raise ValueError(f"distributed={distributed!r}: expected 'single', 'ddp', 'zero2' or 'zero3'.")
+    started = time.perf_counter()
+    traced = trace_step(stage, training_args, model_config, shape, peft_config=peft_config, dtype=dtype,
+                        world_size=world_size, rank=rank, max_traced_layers=max_traced_layers,
+                        ddp=distributed not in ("zero2", "zero3"))  # fmt: skip
+    seconds = time.perf_counter() - started
+    phase, (parts, terms, peak) = _combine(traced, distributed, world_size, device)
+    sp = getattr(training_args, "sequence_parallel_size", 1) or 1
+    return MemoryPlan(
+        stage=stage,
+        rank=rank,
+        world_size=world_size,
+        sequence_parallel_size=sp,
+        sequence_parallel_mode=getattr(training_args, "sequence_parallel_mode", None) if sp > 1 else None,
+        distributed=distributed,
+        device=device,
+        group=asdict(shape),
+        row_tokens=traced.row_tokens,
+        rank_tokens=traced.rank_tokens,
+        trainable_parameters=traced.trainable_parameters,
+        total_parameters=traced.total_parameters,
+        weights=parts["weights"] + parts["buffers"],
+        gradients=parts["gradients"],
+        optimizer_states=parts["optimizer_states"],
+        activations=parts["activations"],
+        temporaries=parts["temporaries"] + parts["other"],
+        extra=terms,
+        peak=peak,
+        peak_phase=phase,
+        traced_peak=traced.peak,
+        trace_seconds=round(seconds, 2),
+        notes=[*traced.notes, *_kernel_notes(device)],
+    )
+
+
+def _kernel_notes(device: str) -> list[str]:
+    if device != "cuda":
+        return []
+    # The trace runs on CPU fake tensors, so the ring attention resolves its CPU kernels (PyTorch's fused CPU
+    # attention, masked blocks of 1024 queries), not flash-attn's / torch's varlen kernels a CUDA run uses.
+    return ["attention traced with the CPU kernels; a CUDA run uses the varlen kernels (flash-attn or torch)"]
+
+
+def load_model_config(path):
+    """A transformers config from a `config.json` file or a model folder holding one (read locally, never from the
+    Hub)."""
+    from pathlib import Path
+
+    from transformers import AutoConfig
+
+    path = Path(path)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such config.json")
+    import json
+
+    config_dict = json.loads(path.read_text())
+    return AutoConfig.for_model(**config_dict)

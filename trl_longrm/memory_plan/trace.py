@@ -1,0 +1,427 @@
+"""One optimizer step of our real trainer, traced on fake tensors: what `torch.distributed._tools.mem_tracker.MemTracker`
+saw live at the step's peak, by kind (parameters, gradients, optimizer states, activations, temporaries).
+
+The trainer is the one a recipe builds (`SimPOGRMTrainer`, `SimPODisRMTrainer`, `LongSFTTrainer`), with the user's
+config, a model built from its `config.json` with fake weights (`HybridFakeMode`), and a synthetic dataset of groups
+(or SFT examples) of the requested shape; `trainer.train()` runs one optimizer step through the HF Trainer's loop, so
+everything the run does is in the trace: our collator and packing, the model patches (sparse LM head, score head,
+ring attention), the losses, gradient accumulation, clipping and the optimizer the config names.
+
+Sequence parallelism: the rank predicted joins a fake process group (`torch.testing._internal.distributed.fake_pg`)
+of the run's world size, so the real sharding code places its slice of the row and the real collectives run (as
+no-ops on fake tensors; their outputs are allocated as the real ones are).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import logging
+import os
+import tempfile
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+from transformers import TrainerCallback
+
+from trl_longrm.memory_plan.fake_mode import HybridFakeMode
+
+
+logger = logging.getLogger(__name__)
+
+# MemTracker's kinds (`_MemRefType` values) as the plan names them.
+KINDS = {
+    "Parameter": "weights",
+    "Buffer": "buffers",
+    "Gradient": "gradients",
+    "Optstate": "optimizer_states",
+    "Activation": "activations",
+    "Temp": "temporaries",
+    "Other": "other",
+}
+
+
+@dataclass(frozen=True)
+class GroupShape:
+    """The synthetic data of the traced step: groups of one prompt and `1 + num_rejected` responses (SFT: one
+    example of `prompt_tokens + response_tokens` tokens, `num_rejected` unused)."""
+
+    prompt_tokens: int
+    response_tokens: int
+    num_rejected: int = 1
+
+    def tokens(self, shared_prefix: bool, stage: str) -> int:
+        """Tokens the group occupies in a row."""
+        if stage == "sft":
+            return self.prompt_tokens + self.response_tokens
+        responses = (1 + self.num_rejected) * self.response_tokens
+        if shared_prefix:
+            return self.prompt_tokens + responses
+        return (1 + self.num_rejected) * self.prompt_tokens + responses
+
+
+@dataclass
+class TracedStep:
+    """What the trace measured, in bytes: `peak` (live tensor bytes at the step's peak) and its parts by kind (`KINDS`),
+    plus what was live at the step's start (weights, optimizer states), and the sizes later terms derive from."""
+
+    peak: int
+    at_peak: dict[str, int]
+    at_start: dict[str, int]
+    # The peak before the optimizer step (forward, backward, clipping) and inside it (with `zero_grad`), by kind.
+    forward_backward_peak: dict[str, int]
+    optimizer_peak: dict[str, int]
+    trainable_parameters: int
+    total_parameters: int
+    weight_bytes: int
+    trainable_weight_bytes: int
+    gradient_bytes: int
+    optimizer_state_bytes: int
+    row_tokens: int
+    rank_tokens: int
+    notes: list[str] = field(default_factory=list)
+
+
+def synthetic_dataset(stage: str, shape: GroupShape, num_rows: int, vocab_size: int, eos_token_id: int):
+    """`num_rows` tokenised groups (or SFT examples) of `shape`, of ordinary token ids (below the model's vocabulary;
+    values do not change memory), each response ending with EOS as real data does."""
+    from datasets import Dataset
+
+    def ids(n, offset):
+        return [3 + (offset + i) % max(vocab_size - 3, 1) for i in range(n)]
+
+    rows = []
+    for r in range(num_rows):
+        prompt = ids(shape.prompt_tokens, r)
+        if stage == "sft":
+            completion = ids(shape.response_tokens - 1, r + 1) + [eos_token_id]
+            rows.append({"input_ids": prompt + completion, "completion_mask": [0] * len(prompt) + [1] * len(completion)})
+            continue
+        response = ids(max(shape.response_tokens - 1, 0), r + 7) + [eos_token_id]
+        rows.append(
+            {
+                "prompt_ids": prompt,
+                "chosen_completion_ids": response,
+                "rejected_completion_ids": [list(response) for _ in range(shape.num_rejected)],
+            }
+        )
+    return Dataset.from_list(rows)
+
+
+def fresh_args(training_args, **overrides):
+    """A copy of `training_args` with `overrides`, rebuilt through `__post_init__` (so the copy's device and process
+    state are read again, in the fake world if one is set up)."""
+    values = {f.name: getattr(training_args, f.name) for f in dataclasses.fields(training_args) if f.init}
+    values.update(overrides)
+    return type(training_args)(**values)
+
+
+@contextlib.contextmanager
+def fake_world(rank: int, world_size: int):
+    """A fake process group of `world_size` ranks, seen from `rank`, with the environment accelerate reads to find a
+    distributed run; everything restored (and accelerate's shared state reset) on exit."""
+    import torch.distributed as dist
+    from accelerate.state import AcceleratorState, PartialState
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if world_size == 1:
+        AcceleratorState._reset_state(True)
+        try:
+            yield
+        finally:
+            AcceleratorState._reset_state(True)
+        return
+    if dist.is_initialized():
+        raise RuntimeError("A memory plan of several ranks needs a process without a process group of its own.")
+    env = {"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
+           "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}  # fmt: skip
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    AcceleratorState._reset_state(True)
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        from trl_longrm.sequence_parallel.collectives import destroy_process_groups
+
+        destroy_process_groups()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        AcceleratorState._reset_state(True)
+        PartialState._reset_state()
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def _memory_tracker():
+    """torch's `MemTracker`, except that (1) gradient hooks go on trainable parameters only: it registers one on every
+    parameter a module uses, which raises for frozen ones (LoRA's base weights); (2) only the whole step's peak is
+    kept, not every module's: its per-module update visits every module at every op, quadratic in the layers (a
+    36-layer trace ran for over 10 minutes)."""
+    from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker
+
+    class _Tracker(MemTracker):
+        def _update_peak_stats(self, peak_state):
+            for dev, dev_snap in self._curr_mem_snap.items():
+                if self._peak_mem.get(dev, 0) < dev_snap[_TOTAL_KEY]:
+                    self._peak_mem[dev] = dev_snap[_TOTAL_KEY]
+                    self._peak_mem_snap[dev] = dict(dev_snap)
+
+        def _track_module_params_and_buffers(self, module, install_grad_hooks=True):
+            frozen = [p for p in module.parameters() if not p.requires_grad]
+            for param in frozen:  # no hook to install: marked as installed
+                self._param_to_grad_hook_handles.setdefault(param, ())
+            try:
+                return super()._track_module_params_and_buffers(module, install_grad_hooks)
+            finally:
+                for param in frozen:
+                    if self._param_to_grad_hook_handles.get(param) == ():
+                        del self._param_to_grad_hook_handles[param]
+
+        def _deregister_param_and_optimizer_hooks(self):
+            for param in [p for p, handles in self._param_to_grad_hook_handles.items() if handles == ()]:
+                del self._param_to_grad_hook_handles[param]
+            super()._deregister_param_and_optimizer_hooks()
+
+    return _Tracker()
+
+
+class _TraceStep(TrainerCallback):
+    """Primes the optimizer's states (as after a first step: they are alive through every later one), then tracks
+    the first optimizer step with a `MemTracker`."""
+
+    def __init__(self):
+        self.tracker = None
+        self.at_start = None
+        self.peak = None
+        self.forward_backward_peak = None
+        self.trainer = None
+
+    def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+        from torch.nn.parallel import DistributedDataParallel
+
+        wrapped = getattr(self.trainer, "model_wrapped", None)
+        if isinstance(wrapped, DistributedDataParallel):
+            # The fake process group's all-reduce completes with no tensor, which DDP's reducer refuses; a hook that
+            # returns the bucket as it is stands for it (the real all-reduce and average are in place).
+            wrapped.register_comm_hook(None, _bucket_as_reduced)
+
+        inner = getattr(optimizer, "optimizer", optimizer)
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        for p in trainable:
+            p.grad = torch.zeros_like(p)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "optimizer.step() before lr_scheduler.step()": the priming step
+            inner.step()
+        inner.zero_grad(set_to_none=True)
+        self.tracker = _memory_tracker()
+        self.tracker.track_external(model, inner)
+        self.tracker.__enter__()
+        self.at_start = _by_kind(self.tracker.get_tracker_snapshot("current"))
+
+    def on_substep_end(self, args, state, control, **kwargs):
+        # Another micro-batch of the same step follows: its modules run again, which MemTracker's per-module stats
+        # (not used here) refuse unless cleared; the whole-step totals and peak are kept.
+        self.tracker.reset_mod_stats()
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        # The peak so far is the forward/backward one; the optimizer step's own starts from what is live now.
+        tracker = self.tracker
+        self.forward_backward_peak = tracker.get_tracker_snapshot("peak")
+        tracker._peak_mem_snap = tracker.get_tracker_snapshot("current")
+        tracker._peak_mem = {dev: snap["Total"] for dev, snap in tracker._peak_mem_snap.items()}
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.tracker is not None and self.peak is None:
+            self.tracker.__exit__(None, None, None)
+            self.peak = self.tracker.get_tracker_snapshot("peak")
+
+    def close(self):
+        if self.tracker is not None and self.peak is None:
+            self.tracker.__exit__(None, None, None)
+
+
+def _bucket_as_reduced(state, bucket):
+    future = torch.futures.Future()
+    future.set_result(bucket.buffer())
+    return future
+
+
+def _by_kind(snapshot) -> dict[str, int]:
+    """A MemTracker snapshot (per device, per kind) as bytes per plan kind, summed over devices, with `total`."""
+    kinds = dict.fromkeys(KINDS.values(), 0)
+    total = 0
+    for device_snapshot in snapshot.values():
+        for key, value in device_snapshot.items():
+            name = KINDS.get(getattr(key, "value", key))
+            if name is not None:
+                kinds[name] += value
+            elif key == "Total":
+                total += value
+    kinds["total"] = total
+    return kinds
+
+
+def build_model(stage: str, model_config, dtype: torch.dtype | None):
+    """The stage's model (causal LM, or a 1-label sequence classifier) built from `model_config` with fake weights
+    (call under `HybridFakeMode`), in `dtype` (None: the config's `dtype`, else float32)."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    config = copy.deepcopy(model_config)
+    if dtype is None:
+        dtype = getattr(config, "dtype", None) or torch.float32
+        dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    previous = torch.get_default_dtype()
+    # Built in its dtype: `.to(dtype)` on fake weights cannot swap the parameters (platform notes, 2026-11-26).
+    torch.set_default_dtype(dtype)
+    try:
+        if stage == "simpo_disrm":
+            config.num_labels = 1
+            return AutoModelForSequenceClassification.from_config(config, dtype=dtype)
+        return AutoModelForCausalLM.from_config(config, dtype=dtype)
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def with_layers(model_config, layers: int):
+    """A copy of `model_config` with its first `layers` decoder layers (per-layer lists cut to match)."""
+    config = copy.deepcopy(model_config)
+    config.num_hidden_layers = layers
+    for name in ("layer_types", "mlp_only_layers"):
+        value = getattr(config, name, None)
+        if isinstance(value, list) and len(value) > layers:
+            setattr(config, name, value[:layers])
+    return config
+
+
+def _extrapolate(small: TracedStep, large: TracedStep, small_layers: int, large_layers: int, layers: int) -> TracedStep:
+    """The step of a `layers`-layer model from traces of `small_layers` and `large_layers` (consecutive) layers:
+    every size is affine in the layer count (each layer adds its weights, gradients, optimizer states, and the
+    activations it keeps; the peak's other parts are those of one layer, or of the head), so each part of each
+    phase is extended by its measured per-layer increment."""
+    scale = (layers - small_layers) / (large_layers - small_layers)
+
+    def extend(a, b):
+        if isinstance(a, dict):
+            return {key: extend(a[key], b[key]) for key in a}
+        return round(a + (b - a) * scale)
+
+    values = {}
+    for f in dataclasses.fields(TracedStep):
+        a, b = getattr(small, f.name), getattr(large, f.name)
+        if f.name in ("row_tokens", "rank_tokens"):
+            values[f.name] = a
+        elif f.name == "notes":
+            values[f.name] = [*a, f"extrapolated to {layers} layers from traces of {small_layers} and {large_layers}"]
+        else:
+            values[f.name] = extend(a, b)
+    # The peak is the larger phase's total, recomputed from the extended phases (a phase may overtake the other).
+    phases = (values["forward_backward_peak"], values["optimizer_peak"])
+    values["at_peak"] = max(phases, key=lambda kinds: kinds["total"])
+    values["peak"] = values["at_peak"]["total"]
+    return TracedStep(**values)
+
+
+def trace_step(stage: str, training_args, model_config, shape: GroupShape, *, peft_config=None,
+               dtype: torch.dtype | None = None, world_size: int = 1, rank: int = 0,
+               max_traced_layers: int | None = None, ddp: bool = True) -> TracedStep:  # fmt: skip
+    """Trace one optimizer step of `stage`'s trainer on rank `rank` of `world_size` (see the module docstring).
+
+    `max_traced_layers`: a model with more decoder layers is traced with `max_traced_layers - 1` and
+    `max_traced_layers` of them and extrapolated per layer (`_extrapolate`; checked against full traces in
+    tests/test_memory_plan.py). None traces every layer. `ddp=False` leaves the model unwrapped on several ranks (a
+    ZeRO run: DeepSpeed, not DDP, holds its gradients; `plan.zero_terms` adds them)."""
+    layers = model_config.num_hidden_layers
+    if max_traced_layers is not None and layers > max_traced_layers:
+        if max_traced_layers < 2:
+            raise ValueError("max_traced_layers must be at least 2 (two traces give the per-layer increment).")
+        traces = [
+            _trace_step(stage, training_args, with_layers(model_config, n), shape, peft_config=peft_config,
+                        dtype=dtype, world_size=world_size, rank=rank, ddp=ddp)  # fmt: skip
+            for n in (max_traced_layers - 1, max_traced_layers)
+        ]
+        return _extrapolate(*traces, max_traced_layers - 1, max_traced_layers, layers)
+    return _trace_step(stage, training_args, model_config, shape, peft_config=peft_config, dtype=dtype,
+                       world_size=world_size, rank=rank, ddp=ddp)  # fmt: skip
+
+
+def _trace_step(stage: str, training_args, model_config, shape: GroupShape, *, peft_config=None,
+                dtype: torch.dtype | None = None, world_size: int = 1, rank: int = 0, ddp: bool = True) -> TracedStep:  # fmt: skip
+    """One trace of `trace_step`: the trainer built on fake weights and `trainer.train()` for one optimizer step.
+
+    The dataset holds the rows of that step for every data-parallel replica (the sampler gives this rank its
+    replica's): a row is one micro-batch of `per_device_train_batch_size` groups, or with `max_tokens_per_row` (SFT:
+    packing) as many groups of the shape as the row holds."""
+    from trl_longrm.testing_utils import build_chat_tokenizer
+    from trl_longrm.train import stage_classes
+
+    trainer_cls, _, _ = stage_classes(stage)
+    tokenizer = build_chat_tokenizer()
+    sp = getattr(training_args, "sequence_parallel_size", 1) or 1
+    if world_size % sp:
+        raise ValueError(f"sequence_parallel_size={sp} does not divide the world size {world_size}.")
+    accumulation = min(training_args.gradient_accumulation_steps, 2)  # the second micro-batch runs with gradients
+    per_device = training_args.per_device_train_batch_size
+    shared = bool(getattr(training_args, "shared_prefix", False)) and bool(training_args.padding_free)
+    group_tokens = shape.tokens(shared, stage)
+    row_budget = getattr(training_args, "max_tokens_per_row", None)
+    if stage == "sft" and getattr(training_args, "packing", False):
+        row_budget = row_budget or training_args.max_length
+    groups_per_row = max(row_budget // group_tokens, 1) if row_budget else per_device
+    num_rows = groups_per_row * accumulation * (world_size // sp)
+    callback = _TraceStep()
+    with fake_world(rank, world_size), tempfile.TemporaryDirectory() as tmp:
+        args = fresh_args(
+            training_args, output_dir=tmp, max_steps=1, num_train_epochs=1, gradient_accumulation_steps=accumulation,
+            save_strategy="no", eval_strategy="no", report_to=[], logging_steps=1, disable_tqdm=True,
+            dataloader_num_workers=0, use_cpu=True, push_to_hub=False, resume_from_checkpoint=None,
+        )  # fmt: skip
+        dataset = synthetic_dataset(stage, shape, num_rows, model_config.vocab_size, tokenizer.eos_token_id)
+        with HybridFakeMode(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = build_model(stage, model_config, dtype)
+            trainer = trainer_cls(
+                model=model, args=args, train_dataset=dataset, processing_class=tokenizer, peft_config=peft_config,
+                callbacks=[callback],
+            )  # fmt: skip
+            callback.trainer = trainer
+            if not ddp:
+                # A ZeRO run: DeepSpeed (which does not run on fake tensors) takes the place of DDP's wrapper.
+                trainer.accelerator.prepare_model = lambda model, *args, **kwargs: model
+            try:
+                trainer.train()
+            finally:
+                callback.close()
+            model = trainer.model
+            parameters = list(model.parameters())
+            trainable = [p for p in parameters if p.requires_grad]
+            optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
+            state_bytes = sum(
+                v.untyped_storage().nbytes() for s in optimizer.state.values() for v in s.values()
+                if isinstance(v, torch.Tensor) and v.dim() > 0
+            )  # fmt: skip
+            row_tokens = groups_per_row * group_tokens if row_budget else per_device * group_tokens
+            forward_backward, optimizer_phase = _by_kind(callback.forward_backward_peak), _by_kind(callback.peak)
+            at_peak = max(forward_backward, optimizer_phase, key=lambda kinds: kinds["total"])
+            traced = TracedStep(
+                peak=at_peak["total"],
+                at_peak=at_peak,
+                at_start=callback.at_start,
+                forward_backward_peak=forward_backward,
+                optimizer_peak=optimizer_phase,
+                trainable_parameters=sum(p.numel() for p in trainable),
+                total_parameters=sum(p.numel() for p in parameters),
+                weight_bytes=sum(p.numel() * p.element_size() for p in parameters),
+                trainable_weight_bytes=sum(p.numel() * p.element_size() for p in trainable),
+                gradient_bytes=sum(p.numel() * p.element_size() for p in trainable),
+                optimizer_state_bytes=state_bytes,
+                row_tokens=row_tokens,
+                rank_tokens=-(-row_tokens // sp),
+            )
+            del trainer, model, optimizer, parameters, trainable
+    return traced
