@@ -17,8 +17,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 from tensor_memory import TensorMemoryRecorder  # noqa: E402
 
 from trl_longrm.memory_plan.trace import GroupShape, build_model, fresh_args, synthetic_dataset  # noqa: E402
+from trl_longrm.stages import stage_classes  # noqa: E402
 from trl_longrm.testing_utils import build_chat_tokenizer  # noqa: E402
-from trl_longrm.train import stage_classes  # noqa: E402
 
 
 def measure_step(stage, training_args, model_config, shape: GroupShape, peft_config=None, dtype=None,

@@ -35,17 +35,10 @@ from trl_longrm.launch import (
     runs_under_accelerate_launch,
 )
 from trl_longrm.sequence_parallel.config import ulysses_group_size
+from trl_longrm.stages import STAGES, peft_config_for, stage_classes  # noqa: F401 - importable from here too
 
 
 logger = logging.getLogger(__name__)
-
-# stage -> (trainer class name, config class name, model head)
-STAGES = {
-    "sft": ("LongSFTTrainer", "LongSFTConfig", "causal-lm"),
-    "simpo_grm": ("SimPOGRMTrainer", "SimPOGRMConfig", "causal-lm"),
-    "simpo_disrm": ("SimPODisRMTrainer", "SimPODisRMConfig", "seq-cls"),
-}
-
 
 @dataclass
 class LongRMScriptArguments(ScriptArguments):
@@ -143,13 +136,6 @@ def resolve_stage(argv: list[str]) -> str | None:
     if stage is not None and stage not in STAGES:
         raise ValueError(f"Unknown stage {stage!r}; expected one of {sorted(STAGES)}.")
     return stage
-
-
-def stage_classes(stage: str):
-    import trl_longrm
-
-    trainer_name, config_name, head = STAGES[stage]
-    return getattr(trl_longrm, trainer_name), getattr(trl_longrm, config_name), head
 
 
 RESUME_HELP = (
@@ -424,18 +410,6 @@ def load_model(stage: str, model_args: ModelConfig, training_args):
             model_args.model_name_or_path, num_labels=1, **kwargs
         )
     return AutoModelForCausalLM.from_pretrained(model_args.model_name_or_path, **kwargs)
-
-
-def peft_config_for(stage: str, model_args: ModelConfig):
-    from trl import get_peft_config
-
-    if STAGES[stage][2] == "seq-cls" and model_args.use_peft:
-        # The score head is new: it must always train. PEFT's SEQ_CLS task adds it (and `classifier`) to
-        # `modules_to_save` itself; named in the list too, it was listed twice in the saved adapter_config.json.
-        model_args.lora_task_type = "SEQ_CLS"
-        modules = [m for m in model_args.lora_modules_to_save or [] if m not in ("score", "classifier")]
-        model_args.lora_modules_to_save = modules or None
-    return get_peft_config(model_args)
 
 
 def start_plan(script_args, training_args):

@@ -29,7 +29,7 @@ def model_config_path(script_args, model_args, recipe_dir: Path | None = None) -
 def distribution(script_args, world_size: int) -> tuple[str, str]:
     """`(distributed, device)` of the run: 'single', 'ddp', 'zero2' or 'zero3', and 'cuda' or 'cpu', from the accelerate
     config the recipe launches with."""
-    from trl_longrm.cli import find_accelerate_config
+    from trl_longrm.launch import find_accelerate_config
 
     settings = {}
     if script_args.accelerate_config:
@@ -57,7 +57,7 @@ def group_shape(script_args, training_args, stage: str) -> GroupShape:
 def recipe_memory_plans(script_args, training_args, model_args, world_size: int, recipe_dir: Path | None = None):
     """The plans of the first and last rank of the first sequence-parallel group (rank 0 holds the row's head, the
     last rank its responses and scored positions), or a note saying why there is none."""
-    from trl_longrm.train import peft_config_for
+    from trl_longrm.stages import peft_config_for
 
     stage = script_args.stage
     path = model_config_path(script_args, model_args, recipe_dir)

@@ -357,8 +357,8 @@ def _trace_step(stage: str, training_args, model_config, shape: GroupShape, *, p
     The dataset holds the rows of that step for every data-parallel replica (the sampler gives this rank its
     replica's): a row is one micro-batch of `per_device_train_batch_size` groups, or with `max_tokens_per_row` (SFT:
     packing) as many groups of the shape as the row holds."""
+    from trl_longrm.stages import stage_classes
     from trl_longrm.testing_utils import build_chat_tokenizer
-    from trl_longrm.train import stage_classes
 
     trainer_cls, _, _ = stage_classes(stage)
     tokenizer = build_chat_tokenizer()
