@@ -27,6 +27,7 @@ from trl_longrm.trainers.common import (
     pad_token_id_of,
     prepare_sft_dataset,
     sampler_length_column,
+    with_sampler_lengths,
 )
 from trl_longrm.trainers.parallel import SequenceParallelMixin
 
@@ -411,7 +412,7 @@ class LongSFTTrainer(SequenceParallelMixin, SFTTrainer):
             # A packed row's `input_ids` are its sequences, whose count the length-grouped samplers would read instead
             # of its tokens (stock's packed rows are flat): they read this column.
             dataset = dataset.remove_columns([c for c in (length_column,) if c in dataset.column_names])
-            dataset = dataset.add_column(length_column, list(dataset["num_tokens"]))
+            dataset = with_sampler_lengths(dataset, length_column, shared_prefix=False)
         if args.shuffle_dataset:
             dataset = dataset.shuffle(seed=args.seed)
         return dataset
