@@ -57,6 +57,7 @@ class MemoryPlan:
     """
 
     stage: str
+    trainer: str  # the traced trainer class: ours, or stock TRL's (`plan_memory(..., stock=True)`)
     rank: int
     world_size: int
     sequence_parallel_size: int
@@ -91,7 +92,7 @@ class MemoryPlan:
         parts = [("weights", self.weights), ("gradients", self.gradients), ("optimizer states", self.optimizer_states),
                  ("activations", self.activations), ("temporaries", self.temporaries), *self.extra.items()]  # fmt: skip
         lines = [
-            f"rank {self.rank} of {self.world_size} ({self.distributed}, sequence parallel {self.sequence_parallel_size}"
+            f"{self.trainer}, rank {self.rank} of {self.world_size} ({self.distributed}, sequence parallel {self.sequence_parallel_size}"
             f"{' ' + self.sequence_parallel_mode if self.sequence_parallel_mode else ''}): {self.rank_tokens:,} of "
             f"{self.row_tokens:,} tokens of a row"
         ]
@@ -171,6 +172,7 @@ def plan_memory(
     distributed: str | None = None,
     device: str = "cpu",
     max_traced_layers: int | None = DEFAULT_MAX_TRACED_LAYERS,
+    stock: bool = False,
 ) -> MemoryPlan:
     """The memory plan of rank `rank` of a `world_size`-process run of `stage` ('sft', 'simpo_grm', 'simpo_disrm') with
     `training_args` (the stage's config, as a recipe builds it) on a model of `model_config` (a transformers config, or
@@ -180,6 +182,8 @@ def plan_memory(
     'cpu' counts tensors only (what a CPU run's allocator events show); 'cuda' adds the CUDA terms.
     `max_traced_layers`: deeper models are traced with this many layers and one less, and extrapolated per layer
     (`trace_step`); None traces every layer (an 8B model at 128K then takes minutes on two cores).
+    `stock=True`: the plan of stock TRL's trainer of the stage on the same model, group and training arguments
+    (`trl_longrm.memory_plan.stock`: pairs of whole rows, no sequence parallelism).
 
     Example:
     ```python
@@ -199,12 +203,13 @@ def plan_memory(
     started = time.perf_counter()
     traced = trace_step(stage, training_args, model_config, shape, peft_config=peft_config, dtype=dtype,
                         world_size=world_size, rank=rank, max_traced_layers=max_traced_layers,
-                        ddp=distributed not in ("zero2", "zero3"))  # fmt: skip
+                        ddp=distributed not in ("zero2", "zero3"), stock=stock)  # fmt: skip
     seconds = time.perf_counter() - started
     phase, (parts, terms, peak) = _combine(traced, distributed, world_size, device)
-    sp = getattr(training_args, "sequence_parallel_size", 1) or 1
+    sp = 1 if stock else getattr(training_args, "sequence_parallel_size", 1) or 1
     return MemoryPlan(
         stage=stage,
+        trainer=_trainer_name(stage, stock),
         rank=rank,
         world_size=world_size,
         sequence_parallel_size=sp,
@@ -228,6 +233,16 @@ def plan_memory(
         trace_seconds=round(seconds, 2),
         notes=[*traced.notes, *_kernel_notes(device)],
     )
+
+
+def _trainer_name(stage: str, stock: bool) -> str:
+    if stock:
+        from trl_longrm.memory_plan.stock import STOCK_TRAINERS
+
+        return STOCK_TRAINERS[stage][1]
+    from trl_longrm.stages import STAGES
+
+    return STAGES[stage][0]
 
 
 def _kernel_notes(device: str) -> list[str]:

@@ -54,9 +54,13 @@ def group_shape(script_args, training_args, stage: str) -> GroupShape:
     return GroupShape(prompt, response, 0 if stage == "sft" else script_args.plan_num_rejected)
 
 
-def recipe_memory_plans(script_args, training_args, model_args, world_size: int, recipe_dir: Path | None = None):
+def recipe_memory_plans(script_args, training_args, model_args, world_size: int, recipe_dir: Path | None = None,
+                        stock: bool = False):  # fmt: skip
     """The plans of the first and last rank of the first sequence-parallel group (rank 0 holds the row's head, the
-    last rank its responses and scored positions), or a note saying why there is none."""
+    last rank its responses and scored positions), or a note saying why there is none.
+
+    `stock=True`: the plan of stock TRL's trainer of the stage on the same model, group, processes and training
+    arguments (`trl_longrm.memory_plan.stock`; every rank data parallel, so rank 0 stands for all)."""
     from trl_longrm.stages import peft_config_for
 
     stage = script_args.stage
@@ -77,19 +81,20 @@ def recipe_memory_plans(script_args, training_args, model_args, world_size: int,
 
         dtype = getattr(torch, model_args.dtype)
     sp = getattr(training_args, "sequence_parallel_size", 1) or 1
-    ranks = sorted({0, sp - 1})
+    ranks = [0] if stock else sorted({0, sp - 1})
     peft_config = peft_config_for(stage, model_args)
 
     def plans_for(shape: GroupShape, args=training_args):
         return [
             plan_memory(stage, args, config, shape, peft_config=peft_config, dtype=dtype, world_size=world_size,
-                        rank=rank, distributed=distributed, device=device)  # fmt: skip
+                        rank=rank, distributed=distributed, device=device, stock=stock)  # fmt: skip
             for rank in ranks
         ]
 
     plans = plans_for(shape)
     device_bytes = int(script_args.device_memory_gib * GIB)
     summary = {
+        "trainer": plans[0].trainer,
         "model_config": str(path),
         "device_memory_gib": script_args.device_memory_gib,
         "group": plans[0].group,

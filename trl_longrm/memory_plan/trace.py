@@ -211,6 +211,20 @@ class _TraceStep(TrainerCallback):
             # returns the bucket as it is stands for it (the real all-reduce and average are in place).
             wrapped.register_comm_hook(None, _bucket_as_reduced)
 
+        trainer = self.trainer
+        training_step = trainer.training_step
+
+        def step_with_loss_on_the_loop_device(*args, **kwargs):
+            # Stock CPOTrainer moves its loss to accelerate's device, which in a fake world of several CPU ranks is
+            # `cpu:0`, and the HF loop refuses to add it to its `cpu` total; a real zero there stands for the logged
+            # value (a fake loss has none).
+            loss = training_step(*args, **kwargs)
+            total = getattr(trainer, "_tr_loss", None)
+            if total is not None and loss.device != total.device:
+                return total.new_zeros(())
+            return loss
+
+        trainer.training_step = step_with_loss_on_the_loop_device
         inner = getattr(optimizer, "optimizer", optimizer)
         trainable = [p for p in model.parameters() if p.requires_grad]
         for p in trainable:
@@ -329,29 +343,31 @@ def _extrapolate(small: TracedStep, large: TracedStep, small_layers: int, large_
 
 def trace_step(stage: str, training_args, model_config, shape: GroupShape, *, peft_config=None,
                dtype: torch.dtype | None = None, world_size: int = 1, rank: int = 0,
-               max_traced_layers: int | None = None, ddp: bool = True) -> TracedStep:  # fmt: skip
+               max_traced_layers: int | None = None, ddp: bool = True, stock: bool = False) -> TracedStep:  # fmt: skip
     """Trace one optimizer step of `stage`'s trainer on rank `rank` of `world_size` (see the module docstring).
 
     `max_traced_layers`: a model with more decoder layers is traced with `max_traced_layers - 1` and
     `max_traced_layers` of them and extrapolated per layer (`_extrapolate`; checked against full traces in
     tests/test_memory_plan.py). None traces every layer. `ddp=False` leaves the model unwrapped on several ranks (a
-    ZeRO run: DeepSpeed, not DDP, holds its gradients; `plan.zero_terms` adds them)."""
+    ZeRO run: DeepSpeed, not DDP, holds its gradients; `plan.zero_terms` adds them). `stock=True` traces stock TRL's
+    trainer of the stage instead, on the same model, group and training arguments (`trl_longrm.memory_plan.stock`)."""
     layers = model_config.num_hidden_layers
     if max_traced_layers is not None and layers > max_traced_layers:
         if max_traced_layers < 2:
             raise ValueError("max_traced_layers must be at least 2 (two traces give the per-layer increment).")
         traces = [
             _trace_step(stage, training_args, with_layers(model_config, n), shape, peft_config=peft_config,
-                        dtype=dtype, world_size=world_size, rank=rank, ddp=ddp)  # fmt: skip
+                        dtype=dtype, world_size=world_size, rank=rank, ddp=ddp, stock=stock)  # fmt: skip
             for n in (max_traced_layers - 1, max_traced_layers)
         ]
         return _extrapolate(*traces, max_traced_layers - 1, max_traced_layers, layers)
     return _trace_step(stage, training_args, model_config, shape, peft_config=peft_config, dtype=dtype,
-                       world_size=world_size, rank=rank, ddp=ddp)  # fmt: skip
+                       world_size=world_size, rank=rank, ddp=ddp, stock=stock)  # fmt: skip
 
 
 def _trace_step(stage: str, training_args, model_config, shape: GroupShape, *, peft_config=None,
-                dtype: torch.dtype | None = None, world_size: int = 1, rank: int = 0, ddp: bool = True) -> TracedStep:  # fmt: skip
+                dtype: torch.dtype | None = None, world_size: int = 1, rank: int = 0, ddp: bool = True,
+                stock: bool = False) -> TracedStep:  # fmt: skip
     """One trace of `trace_step`: the trainer built on fake weights and `trainer.train()` for one optimizer step.
 
     The dataset holds the rows of that step for every data-parallel replica (the sampler gives this rank its
@@ -363,6 +379,11 @@ def _trace_step(stage: str, training_args, model_config, shape: GroupShape, *, p
     trainer_cls, _, _ = stage_classes(stage)
     tokenizer = build_chat_tokenizer()
     sp = getattr(training_args, "sequence_parallel_size", 1) or 1
+    if stock:
+        from trl_longrm.memory_plan.stock import stock_classes
+
+        trainer_cls, _ = stock_classes(stage)
+        sp = 1  # stock has no sequence parallelism: every rank holds whole rows
     if world_size % sp:
         raise ValueError(f"sequence_parallel_size={sp} does not divide the world size {world_size}.")
     accumulation = min(training_args.gradient_accumulation_steps, 2)  # the second micro-batch runs with gradients
@@ -372,16 +393,31 @@ def _trace_step(stage: str, training_args, model_config, shape: GroupShape, *, p
     row_budget = getattr(training_args, "max_tokens_per_row", None)
     if stage == "sft" and getattr(training_args, "packing", False):
         row_budget = row_budget or training_args.max_length
+    if stock:
+        # A micro-batch of `per_device` pairs (chosen and rejected padded to one length) or SFT examples.
+        row_budget = None
+        group_tokens = shape.prompt_tokens + shape.response_tokens
+        if stage != "sft":
+            group_tokens *= 2
     groups_per_row = max(row_budget // group_tokens, 1) if row_budget else per_device
     num_rows = groups_per_row * accumulation * (world_size // sp)
     callback = _TraceStep()
     with fake_world(rank, world_size), tempfile.TemporaryDirectory() as tmp:
-        args = fresh_args(
-            training_args, output_dir=tmp, max_steps=1, num_train_epochs=1, gradient_accumulation_steps=accumulation,
+        overrides = dict(
+            output_dir=tmp, max_steps=1, num_train_epochs=1, gradient_accumulation_steps=accumulation,
             save_strategy="no", eval_strategy="no", report_to=[], logging_steps=1, disable_tqdm=True,
             dataloader_num_workers=0, use_cpu=True, push_to_hub=False, resume_from_checkpoint=None,
         )  # fmt: skip
-        dataset = synthetic_dataset(stage, shape, num_rows, model_config.vocab_size, tokenizer.eos_token_id)
+        if stock:
+            from trl_longrm.memory_plan.stock import stock_args, stock_dataset
+
+            args = stock_args(stage, training_args, shape, **overrides)
+            # Stock's rows are pairs: a group of k rejected responses is k of them (the step traces the first ones).
+            groups = -(-num_rows // max(shape.num_rejected, 1)) if stage != "sft" else num_rows
+            dataset = stock_dataset(stage, shape, groups, model_config.vocab_size, tokenizer.eos_token_id)
+        else:
+            args = fresh_args(training_args, **overrides)
+            dataset = synthetic_dataset(stage, shape, num_rows, model_config.vocab_size, tokenizer.eos_token_id)
         with HybridFakeMode(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             model = build_model(stage, model_config, dtype)

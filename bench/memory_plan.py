@@ -1,0 +1,228 @@
+"""The memory plans of the paper's shapes, published: Qwen3-8B (GRM, SFT) and Llama-3.1-8B (DisRM), full parameters
+and LoRA, 1 and 8 x 80 GB, ring / Ulysses / hybrid, ZeRO-2 / ZeRO-3; for each, the predicted per-rank peak of a group
+at the recipes' `max_length` of 131,072 tokens (a prompt of 129,024 and 1 + 4 responses of 2,048; SFT: one example of
+131,072 tokens), and (with `--longest`) the longest prompt that fits 80 GiB;
+stock TRL's trainers (RewardTrainer, CPOTrainer, SFTTrainer) planned the same way on the same shapes, side by side.
+
+Every case is a recipe of `recipes/` with command-line overrides, planned exactly as `trl-longrm train RECIPE --dry_run
+--plan_longest_group true` plans it (`trl_longrm.memory_plan.recipe.recipe_memory_plans`), on the CUDA terms (the
+recipes' accelerate configs name GPUs). Results are cached per case in the output JSON (a rerun traces only the cases
+missing, or those named by `--only`), so a long run resumes where it stopped.
+
+    python bench/memory_plan.py --out bench/results/memory_plan.json            # peaks at 131,072 tokens
+    python bench/memory_plan.py --out bench/results/memory_plan.json --longest  # and the longest groups
+    python bench/memory_plan.py --table bench/results/memory_plan.json          # the Markdown table only
+
+The summary keys (`summary` in the JSON) are the longest prompts of the named cases (tokens, k = 4 rejected responses
+of 2,048 tokens) and their ratios to stock's on the same GPUs, plus `plan_vs_measured_max_rel_error_cpu`: the largest
+relative error of the plan against the measured peak over the validation cases of `tests/test_memory_plan.py` (their
+results file, written by that test when `TRL_LONGRM_MEMORY_PLAN_RESULTS` names one; `--validation FILE`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+ROOT = Path(__file__).resolve().parent.parent
+GIB = 2**30
+MAX_LENGTH = 131_072
+RESPONSE_TOKENS = 2_048
+NUM_REJECTED = 4
+
+
+@dataclass(frozen=True)
+class Case:
+    """One plan: a recipe, the overrides of its layout, and whether stock TRL's trainer is planned instead."""
+
+    name: str
+    recipe: str
+    overrides: tuple[str, ...] = ()
+    stock: bool = False
+    longest: bool = True
+    notes: str = ""
+    group: tuple[str, ...] = field(default=())
+
+    def argv(self) -> list[str]:
+        # The recipes' `max_length` (131,072) bounds the longest sequence: the plan's prompt is what it leaves.
+        shape = ["--max_length", str(MAX_LENGTH), "--plan_response_tokens", str(RESPONSE_TOKENS),
+                 "--plan_num_rejected", str(NUM_REJECTED)]  # fmt: skip
+        return [str(ROOT / "recipes" / self.recipe), *shape, *self.overrides, "--dry_run", "true"]
+
+
+def _layout(mode: str, sp: int, zero: int, processes: int = 8, ulysses: int | None = None) -> tuple[str, ...]:
+    values = ["--num_processes", str(processes), "--accelerate_config", f"zero{zero}.yaml",
+              "--sequence_parallel_size", str(sp), "--sequence_parallel_mode", mode]  # fmt: skip
+    if ulysses:
+        values += ["--ulysses_size", str(ulysses)]
+    return tuple(values)
+
+
+ONE_GPU = ("--num_processes", "1", "--accelerate_config", "single_gpu.yaml", "--sequence_parallel_size", "1")
+# Stock holds whole rows on every rank: the same processes, every one data parallel.
+STOCK_8 = ("--num_processes", "8", "--accelerate_config", "zero3.yaml", "--sequence_parallel_size", "1")
+
+CASES = [
+    # Generative RM (stage II, SimPO), Qwen3-8B.
+    Case("grm_qwen3_8b_full_8x80_ring_zero2", "simpo_grm.yaml", _layout("ring", 8, 2), notes="the paper recipe"),
+    Case("grm_qwen3_8b_full_8x80_ring_zero3", "simpo_grm.yaml", _layout("ring", 8, 3)),
+    Case("grm_qwen3_8b_full_8x80_ulysses_zero3", "simpo_grm.yaml", _layout("ulysses", 8, 3)),
+    Case("grm_qwen3_8b_full_8x80_hybrid2x4_zero3", "simpo_grm.yaml", _layout("hybrid", 8, 3, ulysses=2)),
+    Case("grm_qwen3_8b_lora_8x80_ring_zero2", "simpo_grm_lora.yaml", _layout("ring", 8, 2)),
+    Case("grm_qwen3_8b_lora_1x80", "simpo_grm_lora.yaml", ONE_GPU),
+    Case("stock_cpo_qwen3_8b_full_8x80_zero3", "simpo_grm.yaml", STOCK_8, stock=True),
+    Case("stock_cpo_qwen3_8b_lora_1x80", "simpo_grm_lora.yaml", ONE_GPU, stock=True),
+    # Discriminative RM (Bradley-Terry), Llama-3.1-8B.
+    Case("disrm_llama31_8b_full_8x80_ring_zero3", "simpo_disrm.yaml", _layout("ring", 8, 3)),
+    Case("disrm_llama31_8b_full_8x80_ulysses_zero3", "simpo_disrm.yaml", _layout("ulysses", 8, 3)),
+    Case("disrm_llama31_8b_lora_8x80_ring_zero2", "simpo_disrm_lora.yaml", _layout("ring", 8, 2)),
+    Case("disrm_llama31_8b_lora_1x80", "simpo_disrm_lora.yaml", ONE_GPU),
+    Case("stock_reward_llama31_8b_full_8x80_zero3", "simpo_disrm.yaml", STOCK_8, stock=True),
+    Case("stock_reward_llama31_8b_lora_1x80", "simpo_disrm_lora.yaml", ONE_GPU, stock=True),
+    # SFT of the judge (stage I), Qwen3-8B: one example of 131,072 + 2,048 tokens a row.
+    Case("sft_qwen3_8b_full_8x80_ring_zero2", "sft.yaml", _layout("ring", 8, 2), notes="the paper recipe"),
+    Case("sft_qwen3_8b_full_8x80_ulysses_zero3", "sft.yaml", _layout("ulysses", 8, 3)),
+    Case("sft_qwen3_8b_lora_1x80", "sft_lora.yaml", ONE_GPU),
+    Case("stock_sft_qwen3_8b_full_8x80_zero3", "sft.yaml", STOCK_8, stock=True),
+    Case("stock_sft_qwen3_8b_lora_1x80", "sft_lora.yaml", ONE_GPU, stock=True),
+]
+
+# summary key -> (our case, stock case): the longest prompt of ours, and ours / stock's.
+SUMMARY = {
+    "grm_qwen3_8b": ("grm_qwen3_8b_full_8x80_ring_zero3", "stock_cpo_qwen3_8b_full_8x80_zero3"),
+    "disrm_llama31_8b_lora": ("disrm_llama31_8b_lora_1x80", "stock_reward_llama31_8b_lora_1x80"),
+}
+
+
+def plan_case(case: Case, longest: bool) -> dict:
+    """The case's plan summary (`recipe_memory_plans`' data), with its wall time and resident memory."""
+    import resource
+
+    from trl_longrm.memory_plan.recipe import recipe_memory_plans
+    from trl_longrm.train import parse_args, training_plan
+
+    argv = [*case.argv(), "--plan_longest_group", "true" if longest and case.longest else "false"]
+    started = time.perf_counter()
+    script_args, training_args, model_args = parse_args(argv, check_only=True)
+    world_size = training_plan(script_args, training_args, model_args)["world_size"]
+    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+        warnings.simplefilter("ignore")
+        summary, text = recipe_memory_plans(script_args, training_args, model_args, world_size,
+                                            ROOT / "recipes", stock=case.stock)  # fmt: skip
+    if summary is None:
+        raise RuntimeError(f"{case.name}: {text}")
+    summary["seconds"] = round(time.perf_counter() - started, 1)
+    summary["max_rss_gib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)
+    summary["argv"] = ["recipes/" + case.recipe, *argv[1:]]
+    summary["text"] = text
+    summary["notes"] = case.notes
+    summary["world_size"] = world_size
+    return summary
+
+
+def run_one(case: Case, longest: bool) -> dict:
+    """`plan_case` in a fresh process: each plan sets up (and tears down) a fake process group and accelerate's state,
+    and each process's resident memory is the case's own."""
+    code = (
+        "import json, sys; sys.path.insert(0, %r); import memory_plan as m; "
+        "case = next(c for c in m.CASES if c.name == %r); print('@@' + json.dumps(m.plan_case(case, %r)))"
+    ) % (str(ROOT / "bench"), case.name, longest)
+    env = {**os.environ, "TRANSFORMERS_VERBOSITY": "error", "DATASETS_VERBOSITY": "error", "HF_DATASETS_DISABLE_PROGRESS_BARS": "1"}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT)
+    lines = [line for line in result.stdout.splitlines() if line.startswith("@@")]
+    if result.returncode or not lines:
+        raise RuntimeError(f"{case.name} failed (exit {result.returncode}):\n{result.stderr[-4000:]}")
+    return json.loads(lines[-1][2:])
+
+
+def longest_prompt(entry: dict | None) -> int | None:
+    found = (entry or {}).get("longest_group")
+    return found["prompt_tokens"] if found else None
+
+
+def summarize(results: dict, validation: dict | None) -> dict:
+    summary = {}
+    if validation:
+        summary["plan_vs_measured_max_rel_error_cpu"] = validation["max_rel_error"]
+    for key, (ours, stock) in SUMMARY.items():
+        gpus = "8x80" if "8x80" in ours else "1x80"
+        a, b = longest_prompt(results.get(ours)), longest_prompt(results.get(stock))
+        summary[f"longest_group_{gpus}_{key}"] = a
+        summary[f"longest_group_ratio_vs_stock_{key.split('_')[0]}"] = round(a / b, 2) if a and b else None
+    return summary
+
+
+def table(results: dict) -> str:
+    """The Markdown table of README / docs: one line per case."""
+    lines = [
+        "| case | trainer | GPUs | layout | peak at 131,072 tokens (GiB) | fits 80 GiB | longest prompt that fits (tokens) |",
+        "|---|---|---|---|---:|---|---:|",
+    ]
+    for case in CASES:
+        entry = results.get(case.name)
+        if entry is None:
+            continue
+        rank = entry["ranks"][-1]
+        layout = entry["distributed"] if "distributed" in entry else rank["distributed"]
+        sp = rank["sequence_parallel_size"]
+        if sp > 1:
+            layout = f"{rank['sequence_parallel_mode']} {sp}, {rank['distributed']}"
+        else:
+            layout = rank["distributed"]
+        longest = entry.get("longest_group")
+        longest_text = "-" if longest is None else (f"{longest['prompt_tokens']:,}" if longest["prompt_tokens"] else "none")
+        lora = "LoRA" if rank["trainable_parameters"] < rank["total_parameters"] // 2 else "full"
+        lines.append(
+            f"| {case.name} | {entry['trainer']} ({lora}) | {entry['world_size']} x 80 GB | {layout} | "
+            f"{entry['peak_gib']:.1f} | {'yes' if entry['fits'] else 'no'} | {longest_text} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=ROOT / "bench/results/memory_plan.json")
+    parser.add_argument("--longest", action="store_true", help="also search each case's longest prompt that fits")
+    parser.add_argument("--only", nargs="*", help="(re)plan these cases only (default: the ones missing)")
+    parser.add_argument("--validation", type=Path, help="tests/test_memory_plan.py's results (the CPU validation)")
+    parser.add_argument("--table", type=Path, help="print the table of this results file and exit")
+    args = parser.parse_args()
+    if args.table:
+        print(table(json.loads(args.table.read_text())["cases"]))
+        return
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    data = json.loads(args.out.read_text()) if args.out.exists() else {"cases": {}}
+    results = data["cases"]
+    for case in CASES:
+        cached = results.get(case.name)
+        wanted = args.only is None and (cached is None or (args.longest and case.longest and "longest_group" not in cached))
+        if not (wanted or (args.only and case.name in args.only)):
+            continue
+        logging.info("planning %s ...", case.name)
+        results[case.name] = run_one(case, args.longest)
+        entry = results[case.name]
+        logging.info("  %s: peak %.2f GiB, longest %s, %.0f s", case.name, entry["peak_gib"], longest_prompt(entry), entry["seconds"])
+        data["summary"] = summarize(results, data.get("validation"))
+        args.out.write_text(json.dumps(data, indent=1) + "\n")
+    if args.validation:
+        data["validation"] = json.loads(args.validation.read_text())
+    data["summary"] = summarize(results, data.get("validation"))
+    data["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+    args.out.write_text(json.dumps(data, indent=1) + "\n")
+    print(table(results))
+    print(json.dumps(data["summary"]))
+
+
+if __name__ == "__main__":
+    main()
