@@ -331,16 +331,25 @@ def tiled_trainer(kind, output_dir, tokenizer, num_rejected, **overrides):
     return build_trainer(kind, output_dir, tokenizer, TRAIN_GROUPS, TRAIN_SEED, num_rejected, **{**settings, **overrides})
 
 
-def run_tiled_task(out_dir: Path, world_size: int, tokenizer, mode: str) -> None:
+# Activation offload (tests/test_activation_offload.py): the same two steps with every saved activation offloaded,
+# under gradient checkpointing.
+OFFLOAD_SETTINGS = dict(gradient_checkpointing=True, activation_offloading=True)
+
+
+def run_tiled_task(out_dir: Path, world_size: int, tokenizer, mode: str, tag: str = "tiled") -> None:
+    """`TILED_RUNS` on a group of the whole world, tiled (`tag="tiled"`) or offloaded (`tag="offload"`)."""
+    settings = dict(mlp_tile_tokens=TILE_TOKENS) if tag == "tiled" else OFFLOAD_SETTINGS
     for kind, num_rejected in TILED_RUNS:
-        trainer = tiled_trainer(kind, out_dir / f"tiled_{mode}_{kind}", tokenizer, num_rejected,
-                                sequence_parallel_size=world_size, sequence_parallel_mode=mode,
-                                mlp_tile_tokens=TILE_TOKENS)  # fmt: skip
+        trainer = tiled_trainer(kind, out_dir / f"{tag}_{mode}_{kind}", tokenizer, num_rejected,
+                                sequence_parallel_size=world_size, sequence_parallel_mode=mode, **settings)  # fmt: skip
         trainer.train()
+        if tag == "offload":  # each rank moved its saved activations to host memory, all released after the step
+            store = trainer.activation_offload_store
+            assert store.moved_bytes > 0 and store.current_bytes == 0, (store.moved_bytes, store.current_bytes)
         if dist.get_rank() == 0:
             model = trainer.accelerator.unwrap_model(trainer.model)
             params = {n: p.detach().clone() for n, p in model.named_parameters()}
-            torch.save(params, out_dir / f"tiled_{mode}_{kind}_world{world_size}.pt")
+            torch.save(params, out_dir / f"{tag}_{mode}_{kind}_world{world_size}.pt")
         del trainer
 
 
@@ -385,8 +394,9 @@ def gloo_worker(rank: int, world_size: int, out_dir: str, tasks: list[str]) -> N
         elif task.startswith("mode:"):  # "mode:ulysses" or "mode:hybrid:2"
             _, mode, *ulysses = task.split(":")
             run_modes_task(out, world_size, tokenizer, mode, int(ulysses[0]) if ulysses else None)
-        elif task.startswith("tiled:"):  # "tiled:ring" or "tiled:ulysses"
-            run_tiled_task(out, world_size, tokenizer, task.partition(":")[2])
+        elif task.startswith(("tiled:", "offload:")):  # "tiled:ring", "offload:ulysses", ...
+            tag, _, mode = task.partition(":")
+            run_tiled_task(out, world_size, tokenizer, mode, tag)
         elif task == "accelerate_config":
             run_accelerate_task(out, tokenizer, "config")
         elif task == "bad_configs":

@@ -520,7 +520,7 @@ HONOURED = {
     "pad_to_multiple_of": "passed to our collator",
     "eval_packing": "stock SFTTrainer.__init__ passes it to `_prepare_dataset`",
     "assistant_only_loss": "test_conversations_as_stock",
-    "activation_offloading": "stock SFTTrainer.training_step (not overridden)",
+    "activation_offloading": "SFTTrainer.training_step enters our offload context (tests/test_activation_offload.py)",
 }
 REFUSED: dict[str, object] = {}  # field -> a non-default value that raises an error naming the field
 

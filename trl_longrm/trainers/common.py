@@ -3,6 +3,7 @@ forward passes (per-token log-probs, last-token scores) that the losses read."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import warnings
 from dataclasses import dataclass, field
@@ -141,6 +142,62 @@ def keep_heads_under_liger(args, trainer_name: str) -> None:
             "False: Liger's other kernels are applied."
         )
     args.liger_kernel_config = {**liger_kernel_config, "fused_linear_cross_entropy": False}
+
+
+def check_activation_offload_args(args) -> None:
+    """Refuse a checkpoint offload that would do nothing (called by the configs, after transformers resolved
+    `gradient_checkpointing*` into `activation_checkpointing*`): `{"offload": True}` in the checkpointing kwargs
+    offloads the inputs gradient checkpointing saves, and transformers reads it only when checkpointing is on."""
+    offload = (args.activation_checkpointing_kwargs or {}).get("offload", False)
+    if not isinstance(offload, bool):
+        raise ValueError(
+            f"gradient_checkpointing_kwargs={{'offload': {offload!r}}}: `offload` must be True or False."
+        )
+    if offload and not args.activation_checkpointing:
+        raise ValueError(
+            "gradient_checkpointing_kwargs={'offload': True} offloads the layer inputs that gradient checkpointing "
+            "saves, and needs gradient_checkpointing=True. To offload every saved activation without checkpointing, "
+            "set activation_offloading=True instead."
+        )
+
+
+@contextlib.contextmanager
+def stock_activation_offloading_off(args):
+    """TRL's RewardTrainer and SFTTrainer build their own offload context in `__init__` when `activation_offloading`
+    is set (CUDA streams: it fails without an accelerator, and it cannot be pointed at another host store); ours
+    replaces it (`install_activation_offload`), so TRL sees False while it initialises."""
+    value = getattr(args, "activation_offloading", False)
+    args.activation_offloading = False
+    try:
+        yield
+    finally:
+        args.activation_offloading = value
+
+
+def install_activation_offload(trainer) -> None:
+    """The trainer's activation offload (`trl_longrm.activation_offload`), after TRL's `__init__`:
+
+    - `activation_offloading=True`: `trainer.maybe_activation_offload_context`, which TRL's `training_step` enters
+      around forward and backward (SimPOGRMTrainer's does the same), offloads every saved activation: with gradient
+      checkpointing, the checkpointed layers' inputs and what is saved outside the layers;
+    - `gradient_checkpointing_kwargs={"offload": True}` (transformers' checkpoint offload): the checkpointed layers'
+      inputs only, through the same hooks instead of transformers' pinned `save_on_cpu` (which fails on CPU).
+
+    Both hold the host copies in `trainer.activation_offload_store` (None when off; `use_host_store` overrides it)."""
+    from trl_longrm.activation_offload import HostStore, OffloadActivations, offload_checkpointed_inputs
+
+    args = trainer.args
+    offload_all = bool(getattr(args, "activation_offloading", False))
+    offload_inputs = bool(args.activation_checkpointing and (args.activation_checkpointing_kwargs or {}).get("offload"))
+    trainer.maybe_activation_offload_context = contextlib.nullcontext()
+    trainer.activation_offload_store = HostStore() if offload_all or offload_inputs else None
+    device, store = trainer.accelerator.device, trainer.activation_offload_store
+    if offload_all:
+        # Entered once per step: it reads the model's parameter storages then, to leave views of weights alone.
+        trainer.maybe_activation_offload_context = OffloadActivations(device, store, model=trainer.model)
+    if offload_inputs:
+        # Entered around every checkpointed layer, whose saved inputs are activations, never weights.
+        offload_checkpointed_inputs(trainer.model, OffloadActivations(device, store))
 
 
 def resolve_tokenizer(model, processing_class: PreTrainedTokenizerBase | None, trust_remote_code: bool = False):

@@ -22,6 +22,8 @@ from trl_longrm.tiled_mlp import apply_tiled_mlp
 from trl_longrm.trainers.common import (
     LongContextDataArguments,
     attention_reasons,
+    check_activation_offload_args,
+    install_activation_offload,
     lm_head_reasons,
     model_skeleton,
     pad_token_id_of,
@@ -89,6 +91,7 @@ class LongSFTConfig(SFTConfig, LongContextDataArguments, SequenceParallelConfig)
     def __post_init__(self):
         super().__post_init__()
         SequenceParallelConfig.__post_init__(self)
+        check_activation_offload_args(self)
         if (self.packing or self.eval_packing) and self.max_length is None and self.max_tokens_per_row is None:
             # Packing bins examples into rows of `max_tokens_per_row` (default `max_length`): with neither there is no
             # row size, and training unpacked instead would ignore `packing`. Stock SFTTrainer refuses it too.
@@ -308,7 +311,12 @@ class LongSFTTrainer(SequenceParallelMixin, SFTTrainer):
         self._assistant_only_loss = args.assistant_only_loss
         evals = eval_dataset.values() if isinstance(eval_dataset, dict) else [eval_dataset]
         self._checked_datasets = [d for d in (train_dataset, *evals) if d is not None]  # by identity
-        hidden = {"padding_free": False, **({} if self._stock_path else {"assistant_only_loss": None})}
+        # TRL's own activation offload context (CUDA only) is replaced by ours after `__init__` on either path.
+        hidden = {
+            "padding_free": False,
+            "activation_offloading": False,
+            **({} if self._stock_path else {"assistant_only_loss": None}),
+        }
         saved = {name: getattr(args, name) for name in hidden}
         for name, value in hidden.items():
             setattr(args, name, value)
@@ -329,6 +337,7 @@ class LongSFTTrainer(SequenceParallelMixin, SFTTrainer):
             for name, value in saved.items():
                 setattr(args, name, value)
         self._pad_token_id = pad_token_id_of(self._tokenizer)
+        install_activation_offload(self)
         if self._stock_path:
             apply_tiled_mlp(self.model, args.mlp_tile_tokens)  # a model-level setting: stock's forward is tiled too
             return

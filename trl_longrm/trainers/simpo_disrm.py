@@ -16,11 +16,14 @@ from trl_longrm.sequence_parallel import SequenceParallelConfig
 from trl_longrm.trainers.common import (
     SHARED_PREFIX_HELP,
     LongContextDataArguments,
+    check_activation_offload_args,
     check_shared_prefix_args,
+    install_activation_offload,
     keep_heads_under_liger,
     padded_fallback_args,
     prepare_preference_dataset,
     reduce_over_rows,
+    stock_activation_offloading_off,
     uses_shared_prefix,
 )
 from trl_longrm.trainers.parallel import SequenceParallelMixin
@@ -65,6 +68,7 @@ class SimPODisRMConfig(RewardConfig, LongContextDataArguments, SequenceParallelC
         super().__post_init__()
         SequenceParallelConfig.__post_init__(self)
         check_shared_prefix_args(self)
+        check_activation_offload_args(self)
 
 
 class SimPODisRMTrainer(SequenceParallelMixin, RewardTrainer):
@@ -92,7 +96,9 @@ class SimPODisRMTrainer(SequenceParallelMixin, RewardTrainer):
         args = padded_fallback_args(model, args, type(self).__name__)
         keep_heads_under_liger(args, type(self).__name__)
         self._user_collator = data_collator
-        super().__init__(model, args, data_collator, *pargs, **kwargs)
+        with stock_activation_offloading_off(args):
+            super().__init__(model, args, data_collator, *pargs, **kwargs)
+        install_activation_offload(self)
         # Saved with a pad token other than EOS, the model is scored by stock consumers where it is trained: at each
         # sequence's last token (`trl_longrm.scoring`).
         ensure_distinct_pad_token(self.processing_class, self.model, args.pad_token)

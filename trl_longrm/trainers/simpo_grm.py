@@ -23,7 +23,9 @@ from trl_longrm.tiled_mlp import apply_tiled_mlp  # noqa: E402
 from trl_longrm.trainers.common import (  # noqa: E402
     SHARED_PREFIX_HELP,
     LongContextDataArguments,
+    check_activation_offload_args,
     check_shared_prefix_args,
+    install_activation_offload,
     keep_heads_under_liger,
     lm_head_reasons,
     model_skeleton,
@@ -92,6 +94,11 @@ class SimPOGRMConfig(CPOConfig, LongContextDataArguments, SequenceParallelConfig
     )
     learning_rate: float = field(default=2e-6, metadata={"help": "Initial AdamW learning rate. Default 2e-6."})
     shared_prefix: bool = field(default=True, metadata={"help": SHARED_PREFIX_HELP.format(default="True")})
+    # TRL's RewardConfig / SFTConfig field, which CPOConfig lacks (`trl_longrm.activation_offload`).
+    activation_offloading: bool = field(
+        default=False,
+        metadata={"help": "Whether to offload the activations to the CPU."},
+    )
 
     def __post_init__(self):
         # CPOConfig fields whose CPOTrainer code paths our token pipeline replaces: refused by name, never ignored.
@@ -118,6 +125,7 @@ class SimPOGRMConfig(CPOConfig, LongContextDataArguments, SequenceParallelConfig
         super().__post_init__()
         SequenceParallelConfig.__post_init__(self)
         check_shared_prefix_args(self)
+        check_activation_offload_args(self)
 
 
 class SimPOGRMTrainer(SequenceParallelMixin, CPOTrainer):
@@ -183,6 +191,7 @@ class SimPOGRMTrainer(SequenceParallelMixin, CPOTrainer):
         self._stock_path = self._use_stock_path(model, args, train_dataset, eval_dataset)
         if self._stock_path:
             super().__init__(**stock_kwargs)
+            install_activation_offload(self)
             apply_tiled_mlp(self.model, args.mlp_tile_tokens)  # a model-level setting: stock's forward is tiled too
             return
         args = padded_fallback_args(model, args, type(self).__name__)
@@ -217,9 +226,16 @@ class SimPOGRMTrainer(SequenceParallelMixin, CPOTrainer):
             peft_config=peft_config,
             compute_metrics=compute_metrics,
         )
+        install_activation_offload(self)
         add_token_logprob_head(self.model, chunk_elements=args.logprob_chunk_elements)
         self._init_long_context(pad_token_id_of(tokenizer))
         self._total_train_tokens = 0
+
+    def training_step(self, *args, **kwargs):
+        # As TRL's RewardTrainer and SFTTrainer do: forward and backward under the activation offload context
+        # (`install_activation_offload`), on either path.
+        with self.maybe_activation_offload_context:
+            return super().training_step(*args, **kwargs)
 
     def _use_stock_path(self, model, args, train_dataset, eval_dataset) -> bool:
         """Whether this model needs stock CPOTrainer's own forward (an encoder-decoder, logit scaling or softcapping,
