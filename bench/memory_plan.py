@@ -15,8 +15,8 @@ missing, or those named by `--only`), so a long run resumes where it stopped.
 
 The summary keys (`summary` in the JSON) are the longest prompts of the named cases (tokens, k = 4 rejected responses
 of 2,048 tokens) and their ratios to stock's on the same GPUs, plus `plan_vs_measured_max_rel_error_cpu`: the largest
-relative error of the plan against the measured peak over the validation cases of `tests/test_memory_plan.py` (their
-results file, written by that test when `TRL_LONGRM_MEMORY_PLAN_RESULTS` names one; `--validation FILE`).
+relative error of the plan against the measured peak over the validation cases of `tests/test_memory_plan.py`
+(`--validate` runs them and records each comparison they assert).
 """
 
 from __future__ import annotations
@@ -66,6 +66,8 @@ def _layout(mode: str, sp: int, zero: int, processes: int = 8, ulysses: int | No
               "--sequence_parallel_size", str(sp), "--sequence_parallel_mode", mode]  # fmt: skip
     if ulysses:
         values += ["--ulysses_size", str(ulysses)]
+    if mode == "ulysses":
+        values += ["--ring_head_stride", "1"]  # each rank holds 8 / 8 = 1 key/value head after the exchange
     return tuple(values)
 
 
@@ -151,6 +153,30 @@ def longest_prompt(entry: dict | None) -> int | None:
     return found["prompt_tokens"] if found else None
 
 
+def validate() -> dict:
+    """Run the plan-vs-measured tests of `tests/test_memory_plan.py` (CPU, one process and gloo groups of 2) and
+    collect each comparison they make."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        records = Path(tmp) / "records.jsonl"
+        env = {**os.environ, "TRL_LONGRM_MEMORY_PLAN_RESULTS": str(records)}
+        command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_memory_plan.py", "-k",
+                   "matches_measured_peak"]  # fmt: skip
+        result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
+        lines = records.read_text().splitlines() if records.exists() else []
+    cases = [json.loads(line) for line in lines]
+    if not cases:
+        raise RuntimeError(f"the validation tests recorded nothing:\n{result.stdout[-3000:]}")
+    return {
+        "command": " ".join(["pytest", *command[command.index("tests/test_memory_plan.py"):]]),
+        "tests_passed": result.returncode == 0,
+        "pytest_summary": result.stdout.strip().splitlines()[-1],
+        "cases": cases,
+        "max_rel_error": round(max(abs(c["rel_error"]) for c in cases), 4),
+    }
+
+
 def summarize(results: dict, validation: dict | None) -> dict:
     summary = {}
     if validation:
@@ -195,7 +221,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "bench/results/memory_plan.json")
     parser.add_argument("--longest", action="store_true", help="also search each case's longest prompt that fits")
     parser.add_argument("--only", nargs="*", help="(re)plan these cases only (default: the ones missing)")
-    parser.add_argument("--validation", type=Path, help="tests/test_memory_plan.py's results (the CPU validation)")
+    parser.add_argument("--validate", action="store_true",
+                        help="run the CPU validation tests (plan vs measured peak) and record their errors")  # fmt: skip
     parser.add_argument("--table", type=Path, help="print the table of this results file and exit")
     args = parser.parse_args()
     if args.table:
@@ -215,8 +242,9 @@ def main() -> None:
         logging.info("  %s: peak %.2f GiB, longest %s, %.0f s", case.name, entry["peak_gib"], longest_prompt(entry), entry["seconds"])
         data["summary"] = summarize(results, data.get("validation"))
         args.out.write_text(json.dumps(data, indent=1) + "\n")
-    if args.validation:
-        data["validation"] = json.loads(args.validation.read_text())
+    if args.validate:
+        logging.info("validating the plan against measured CPU peaks (tests/test_memory_plan.py) ...")
+        data["validation"] = validate()
     data["summary"] = summarize(results, data.get("validation"))
     data["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
     args.out.write_text(json.dumps(data, indent=1) + "\n")

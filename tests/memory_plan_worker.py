@@ -16,13 +16,14 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from tensor_memory import TensorMemoryRecorder  # noqa: E402
 
+from trl_longrm.activation_offload import CountingHostStore, use_host_store  # noqa: E402
 from trl_longrm.memory_plan.trace import GroupShape, build_model, fresh_args, synthetic_dataset  # noqa: E402
 from trl_longrm.stages import stage_classes  # noqa: E402
 from trl_longrm.testing_utils import build_chat_tokenizer  # noqa: E402
 
 
 def measure_step(stage, training_args, model_config, shape: GroupShape, peft_config=None, dtype=None,
-                 num_rows_per_step: int = 1) -> int:  # fmt: skip
+                 num_rows_per_step: int = 1, host_store: CountingHostStore | None = None) -> int:  # fmt: skip
     """Peak live tensor bytes of the second optimizer step (the first that starts with the optimizer's states, as
     every later one does) of `stage`'s trainer, on this process; the memory plan traces that step."""
     tokenizer = build_chat_tokenizer()
@@ -44,7 +45,10 @@ def measure_step(stage, training_args, model_config, shape: GroupShape, peft_con
             model=model, args=args, train_dataset=dataset, processing_class=tokenizer, peft_config=peft_config,
             callbacks=[recorder],
         )  # fmt: skip
-        trainer.train()
+        # Offloaded activations go to a counting store (meta tensors, no allocation): on CPU a real host copy would be
+        # in the same allocator as the device tensors; the plan reports host memory apart, so the measure must too.
+        with use_host_store(host_store or CountingHostStore()):
+            trainer.train()
     report = recorder.finish(2)
     return report[1]["peak_bytes"]
 

@@ -18,6 +18,7 @@ import torch
 from transformers import Qwen3Config
 
 from trl_longrm import LongSFTConfig, SimPODisRMConfig, SimPOGRMConfig
+from trl_longrm.activation_offload import CountingHostStore
 from trl_longrm.memory_plan import GroupShape, plan_memory
 
 
@@ -39,6 +40,13 @@ CASES = {
                                    (2048, 256, 4), True, True, 1),
     "disrm_lora_unshared_packed_fp32": ("simpo_disrm", {"shared_prefix": False, "max_tokens_per_row": 4096,
                                                         "gradient_checkpointing": True}, (512, 128, 4), True, False, 1),
+    "grm_checkpoint_offload_fp32": ("simpo_grm", {"gradient_checkpointing": True, "gradient_checkpointing_kwargs":
+                                                  {"use_reentrant": False, "offload": True}}, (2048, 256, 4), False,
+                                    False, 1),
+    "sft_activation_offloading_no_checkpointing_bf16": ("sft", {"packing": True, "max_tokens_per_row": 4096,
+                                                                "gradient_checkpointing": False,
+                                                                "activation_offloading": True},
+                                                        (1536, 512, 0), False, True, 1),
     "grm_ring2_checkpointing_fp32": ("simpo_grm", {"gradient_checkpointing": True, "sequence_parallel_size": 2},
                                      (2048, 256, 4), False, False, 2),
     "disrm_ulysses2_no_checkpointing_fp32": ("simpo_disrm", {"gradient_checkpointing": False,
@@ -76,9 +84,20 @@ def build_case(name: str):
     return stage, args, model_config(), shape, peft_config, dtype, rows
 
 
+# Where each comparison is also appended as a JSON line (`bench/memory_plan.py --validate` runs these tests with it
+# set and publishes the largest error as `plan_vs_measured_max_rel_error_cpu`).
+RESULTS_ENV = "TRL_LONGRM_MEMORY_PLAN_RESULTS"
+
+
 def assert_within(predicted: int, measured: int, what: str) -> None:
+    import os
+
     error = predicted / measured - 1
     print(f"{what}: predicted {predicted / 2**20:.1f} MiB, measured {measured / 2**20:.1f} MiB, error {error:+.1%}")
+    if os.environ.get(RESULTS_ENV):
+        with open(os.environ[RESULTS_ENV], "a", encoding="utf-8") as handle:
+            record = {"case": what, "predicted_bytes": predicted, "measured_bytes": measured, "rel_error": error}
+            handle.write(json.dumps(record) + "\n")
     assert abs(error) <= TOLERANCE, f"{what}: predicted {predicted} vs measured {measured} bytes ({error:+.1%})"
 
 
@@ -88,7 +107,11 @@ def test_plan_matches_measured_peak_one_process(name):
 
     stage, args, config, shape, peft_config, dtype, rows = build_case(name)
     plan = plan_memory(stage, args, config, shape, peft_config=peft_config, dtype=dtype)
-    measured = measure_step(stage, args, config, shape, peft_config, dtype, rows)
+    host = CountingHostStore()
+    measured = measure_step(stage, args, config, shape, peft_config, dtype, rows, host_store=host)
+    # Offloaded activations: the host bytes the plan predicts are those the run's offload hooks hold at their peak.
+    assert plan.host_memory == host.peak_bytes
+    assert (plan.host_memory > 0) == bool(args.activation_offloading or (args.gradient_checkpointing_kwargs or {}).get("offload"))
     assert plan.trainable_parameters < plan.total_parameters if peft_config else True
     assert_within(plan.peak, measured, name)
 

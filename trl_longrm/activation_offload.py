@@ -97,14 +97,19 @@ class HostStore:
 
 
 class CountingHostStore(HostStore):
-    """A `HostStore` that counts host bytes and keeps no values: the host copy is a `meta` tensor, and the tensor
-    returned to the device is uninitialised memory of the same shape. For memory traces (on fake tensors), never for
-    training."""
+    """A `HostStore` that counts host bytes and keeps no floating-point values: the host copy is a `meta` tensor, and
+    the tensor returned to the device is uninitialised memory of the same shape (integer tensors, which can decide
+    shapes in backward, keep their values). For memory traces and measurements, never for training."""
 
     def _host_tensor(self, tensor: torch.Tensor) -> torch.Tensor:
+        if not (tensor.is_floating_point() or tensor.is_complex()):
+            # Integer tensors (indices, lengths) decide shapes in backward: their values are kept (they are small).
+            return tensor
         return torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
 
     def to_device(self, packed: HostCopy) -> torch.Tensor:
+        if packed.tensor.device.type != "meta":
+            return packed.tensor.clone()
         return torch.empty(packed.tensor.shape, dtype=packed.tensor.dtype, device=packed.device)
 
 

@@ -75,6 +75,8 @@ class MemoryPlan:
     activations: int
     temporaries: int
     extra: dict[str, int] = field(default_factory=dict)
+    # Host (CPU) memory this rank holds for offloaded activations at its peak (0 without offload).
+    host_memory: int = 0
     peak: int = 0
     peak_phase: str = ""
     traced_peak: int = 0
@@ -104,6 +106,8 @@ class MemoryPlan:
                 else f" -> does NOT fit {device_bytes / GIB:.0f} GiB"
             )  # fmt: skip
         lines.append(f"  {'peak (' + self.peak_phase + ')':<34s} {self.peak / GIB:9.2f} GiB{verdict}")
+        if self.host_memory:
+            lines.append(f"  {'host memory (offloaded activations)':<34s} {self.host_memory / GIB:9.2f} GiB")
         return "\n".join(lines)
 
 
@@ -227,6 +231,7 @@ def plan_memory(
         activations=parts["activations"],
         temporaries=parts["temporaries"] + parts["other"],
         extra=terms,
+        host_memory=traced.host_bytes,
         peak=peak,
         peak_phase=phase,
         traced_peak=traced.peak,

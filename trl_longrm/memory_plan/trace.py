@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import TrainerCallback
 
+from trl_longrm.activation_offload import CountingHostStore, use_host_store
 from trl_longrm.memory_plan.fake_mode import HybridFakeMode
 
 
@@ -81,6 +82,9 @@ class TracedStep:
     optimizer_state_bytes: int
     row_tokens: int
     rank_tokens: int
+    # Host memory of offloaded activations at its peak (`activation_offloading`, or checkpoint offload), counted by a
+    # `CountingHostStore` the offload hooks fill instead of host buffers.
+    host_bytes: int = 0
     notes: list[str] = field(default_factory=list)
 
 
@@ -267,10 +271,15 @@ def _bucket_as_reduced(state, bucket):
 
 
 def _by_kind(snapshot) -> dict[str, int]:
-    """A MemTracker snapshot (per device, per kind) as bytes per plan kind, summed over devices, with `total`."""
+    """A MemTracker snapshot (per device, per kind) as bytes per plan kind, summed over devices, with `total`.
+
+    `meta` tensors are not device memory: they stand for host copies of offloaded activations (`CountingHostStore`),
+    counted as host memory instead."""
     kinds = dict.fromkeys(KINDS.values(), 0)
     total = 0
-    for device_snapshot in snapshot.values():
+    for device, device_snapshot in snapshot.items():
+        if getattr(device, "type", device) == "meta":
+            continue
         for key, value in device_snapshot.items():
             name = KINDS.get(getattr(key, "value", key))
             if name is not None:
@@ -430,7 +439,8 @@ def _trace_step(stage: str, training_args, model_config, shape: GroupShape, *, p
                 # A ZeRO run: DeepSpeed (which does not run on fake tensors) takes the place of DDP's wrapper.
                 trainer.accelerator.prepare_model = lambda model, *args, **kwargs: model
             try:
-                trainer.train()
+                with use_host_store(CountingHostStore()) as host:
+                    trainer.train()
             finally:
                 callback.close()
             model = trainer.model
@@ -458,6 +468,7 @@ def _trace_step(stage: str, training_args, model_config, shape: GroupShape, *, p
                 optimizer_state_bytes=state_bytes,
                 row_tokens=row_tokens,
                 rank_tokens=-(-row_tokens // sp),
+                host_bytes=host.peak_bytes,
             )
             del trainer, model, optimizer, parameters, trainable
     return traced
