@@ -136,12 +136,9 @@ def plan_case(case: Case, longest: bool) -> dict:
 def run_one(case: Case, longest: bool) -> dict:
     """`plan_case` in a fresh process: each plan sets up (and tears down) a fake process group and accelerate's state,
     and each process's resident memory is the case's own."""
-    code = (
-        "import json, sys; sys.path.insert(0, %r); import memory_plan as m; "
-        "case = next(c for c in m.CASES if c.name == %r); print('@@' + json.dumps(m.plan_case(case, %r)))"
-    ) % (str(ROOT / "bench"), case.name, longest)
-    env = {**os.environ, "TRANSFORMERS_VERBOSITY": "error", "DATASETS_VERBOSITY": "error", "HF_DATASETS_DISABLE_PROGRESS_BARS": "1"}
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT)
+    command = [sys.executable, __file__, "--case", case.name, *(["--longest"] if longest else [])]
+    env = {**os.environ, "TRANSFORMERS_VERBOSITY": "error", "HF_DATASETS_DISABLE_PROGRESS_BARS": "1"}
+    result = subprocess.run(command, capture_output=True, text=True, env=env, cwd=ROOT)
     lines = [line for line in result.stdout.splitlines() if line.startswith("@@")]
     if result.returncode or not lines:
         raise RuntimeError(f"{case.name} failed (exit {result.returncode}):\n{result.stderr[-4000:]}")
@@ -224,7 +221,12 @@ def main() -> None:
     parser.add_argument("--validate", action="store_true",
                         help="run the CPU validation tests (plan vs measured peak) and record their errors")  # fmt: skip
     parser.add_argument("--table", type=Path, help="print the table of this results file and exit")
+    parser.add_argument("--case", help=argparse.SUPPRESS)  # one case, in this process (`run_one`'s child)
     args = parser.parse_args()
+    if args.case:
+        case = next(c for c in CASES if c.name == args.case)
+        print("@@" + json.dumps(plan_case(case, args.longest)), flush=True)
+        return
     if args.table:
         print(table(json.loads(args.table.read_text())["cases"]))
         return
