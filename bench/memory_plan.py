@@ -31,7 +31,7 @@ import subprocess
 import sys
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 
@@ -50,13 +50,13 @@ class Case:
     recipe: str
     overrides: tuple[str, ...] = ()
     stock: bool = False
-    longest: bool = True
+    longest: bool = False
     notes: str = ""
-    group: tuple[str, ...] = field(default=())
+    max_length: int = MAX_LENGTH
 
     def argv(self) -> list[str]:
-        # The recipes' `max_length` (131,072) bounds the longest sequence: the plan's prompt is what it leaves.
-        shape = ["--max_length", str(MAX_LENGTH), "--plan_response_tokens", str(RESPONSE_TOKENS),
+        # `max_length` bounds the longest sequence (prompt + one response): the planned prompt is what it leaves.
+        shape = ["--max_length", str(self.max_length), "--plan_response_tokens", str(RESPONSE_TOKENS),
                  "--plan_num_rejected", str(NUM_REJECTED)]  # fmt: skip
         return [str(ROOT / "recipes" / self.recipe), *shape, *self.overrides, "--dry_run", "true"]
 
@@ -75,7 +75,25 @@ ONE_GPU = ("--num_processes", "1", "--accelerate_config", "single_gpu.yaml", "--
 # Stock holds whole rows on every rank: the same processes, every one data parallel.
 STOCK_8 = ("--num_processes", "8", "--accelerate_config", "zero3.yaml", "--sequence_parallel_size", "1")
 
+# The long-row settings of the `*_1m.yaml` recipes (docs/memory.md): checkpointed inputs offloaded to host memory, the
+# MLP over slices of 16,384 tokens, keys/values gathered one head at a time.
+LONG_ROWS = ("--gradient_checkpointing_kwargs", '{"use_reentrant": false, "offload": true}', "--mlp_tile_tokens",
+             "16384", "--ring_head_stride", "1")  # fmt: skip
+MILLION = 1_048_576
+
 CASES = [
+    # The long-row cases of the summary (and of issue 41's targets) first: they take the longest to plan.
+    Case("grm_qwen3_8b_full_8x80_ring_zero3_long", "simpo_grm_1m.yaml", (), longest=True, max_length=MILLION,
+         notes="recipes/simpo_grm_1m.yaml"),
+    Case("stock_cpo_qwen3_8b_full_8x80_zero3_long", "simpo_grm_1m.yaml", STOCK_8, stock=True, longest=True),
+    Case("disrm_llama31_8b_lora_1x80_long", "simpo_disrm_lora.yaml", ONE_GPU + LONG_ROWS, longest=True,
+         max_length=MILLION // 2),
+    Case("stock_reward_llama31_8b_lora_1x80_long", "simpo_disrm_lora.yaml", ONE_GPU + LONG_ROWS, stock=True,
+         longest=True),
+    Case("sft_qwen3_8b_full_8x80_ring_zero3_1m", "sft_1m.yaml", (), max_length=MILLION, notes="recipes/sft_1m.yaml"),
+    Case("disrm_llama31_8b_full_8x80_ring_zero3_1m", "simpo_disrm_1m.yaml", (), max_length=MILLION,
+         notes="recipes/simpo_disrm_1m.yaml"),
+    Case("stock_sft_qwen3_8b_full_8x80_zero3_long", "sft_1m.yaml", STOCK_8, stock=True),
     # Generative RM (stage II, SimPO), Qwen3-8B.
     Case("grm_qwen3_8b_full_8x80_ring_zero2", "simpo_grm.yaml", _layout("ring", 8, 2), notes="the paper recipe"),
     Case("grm_qwen3_8b_full_8x80_ring_zero3", "simpo_grm.yaml", _layout("ring", 8, 3)),
@@ -102,9 +120,11 @@ CASES = [
 
 # summary key -> (our case, stock case): the longest prompt of ours, and ours / stock's.
 SUMMARY = {
-    "grm_qwen3_8b": ("grm_qwen3_8b_full_8x80_ring_zero3", "stock_cpo_qwen3_8b_full_8x80_zero3"),
-    "disrm_llama31_8b_lora": ("disrm_llama31_8b_lora_1x80", "stock_reward_llama31_8b_lora_1x80"),
+    "grm_qwen3_8b": ("grm_qwen3_8b_full_8x80_ring_zero3_long", "stock_cpo_qwen3_8b_full_8x80_zero3_long"),
+    "disrm_llama31_8b_lora": ("disrm_llama31_8b_lora_1x80_long", "stock_reward_llama31_8b_lora_1x80_long"),
 }
+# summary key -> case: its predicted peak (GiB) at its recipe's length.
+PEAKS = {"sft_1m_8x80_peak_gib": "sft_qwen3_8b_full_8x80_ring_zero3_1m"}
 
 
 def plan_case(case: Case, longest: bool) -> dict:
@@ -183,21 +203,23 @@ def summarize(results: dict, validation: dict | None) -> dict:
         a, b = longest_prompt(results.get(ours)), longest_prompt(results.get(stock))
         summary[f"longest_group_{gpus}_{key}"] = a
         summary[f"longest_group_ratio_vs_stock_{key.split('_')[0]}"] = round(a / b, 2) if a and b else None
+    for key, case in PEAKS.items():
+        summary[key] = results[case]["peak_gib"] if case in results else None
     return summary
 
 
 def table(results: dict) -> str:
     """The Markdown table of README / docs: one line per case."""
     lines = [
-        "| case | trainer | GPUs | layout | peak at 131,072 tokens (GiB) | fits 80 GiB | longest prompt that fits (tokens) |",
-        "|---|---|---|---|---:|---|---:|",
+        "| case | trainer | GPUs | layout | longest sequence (tokens) | peak per rank (GiB) | host per rank (GiB) | fits 80 GiB | "
+        "longest prompt that fits (tokens) |",
+        "|---|---|---|---|---:|---:|---:|---|---:|",
     ]
     for case in CASES:
         entry = results.get(case.name)
         if entry is None:
             continue
         rank = entry["ranks"][-1]
-        layout = entry["distributed"] if "distributed" in entry else rank["distributed"]
         sp = rank["sequence_parallel_size"]
         if sp > 1:
             layout = f"{rank['sequence_parallel_mode']} {sp}, {rank['distributed']}"
@@ -206,9 +228,12 @@ def table(results: dict) -> str:
         longest = entry.get("longest_group")
         longest_text = "-" if longest is None else (f"{longest['prompt_tokens']:,}" if longest["prompt_tokens"] else "none")
         lora = "LoRA" if rank["trainable_parameters"] < rank["total_parameters"] // 2 else "full"
+        host = max(r.get("host_memory", 0) for r in entry["ranks"]) / GIB
+        group = entry["group"]
         lines.append(
             f"| {case.name} | {entry['trainer']} ({lora}) | {entry['world_size']} x 80 GB | {layout} | "
-            f"{entry['peak_gib']:.1f} | {'yes' if entry['fits'] else 'no'} | {longest_text} |"
+            f"{group['prompt_tokens'] + group['response_tokens']:,} | {entry['peak_gib']:.1f} | {host:.1f} | "
+            f"{'yes' if entry['fits'] else 'no'} | {longest_text} |"
         )
     return "\n".join(lines)
 

@@ -207,7 +207,7 @@ def plan_memory(
     started = time.perf_counter()
     traced = trace_step(stage, training_args, model_config, shape, peft_config=peft_config, dtype=dtype,
                         world_size=world_size, rank=rank, max_traced_layers=max_traced_layers,
-                        ddp=distributed not in ("zero2", "zero3"), stock=stock)  # fmt: skip
+                        ddp=distributed not in ("zero2", "zero3"), stock=stock, kernels=device)  # fmt: skip
     seconds = time.perf_counter() - started
     phase, (parts, terms, peak) = _combine(traced, distributed, world_size, device)
     sp = 1 if stock else getattr(training_args, "sequence_parallel_size", 1) or 1
@@ -253,9 +253,9 @@ def _trainer_name(stage: str, stock: bool) -> str:
 def _kernel_notes(device: str) -> list[str]:
     if device != "cuda":
         return []
-    # The trace runs on CPU fake tensors, so the ring attention resolves its CPU kernels (PyTorch's fused CPU
-    # attention, masked blocks of 1024 queries), not flash-attn's / torch's varlen kernels a CUDA run uses.
-    return ["attention traced with the CPU kernels; a CUDA run uses the varlen kernels (flash-attn or torch)"]
+    # The trace runs on CPU fake tensors; `planned_kernels("cuda")` gives our attention flash-attn's kernels as their
+    # allocations (`PlannedFlashAttnOps`). Stock trainers' attention is the model's own (SDPA), traced as on CPU.
+    return ["our attention traced with flash-attn's varlen kernels (their allocations); half precision only"]
 
 
 def load_model_config(path):

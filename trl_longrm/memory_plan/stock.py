@@ -6,8 +6,9 @@ Stock has neither shared prefixes nor several rejected responses per row nor seq
 and `1 + k` responses is `k` pairs (chosen, rejected_i), each a padded batch of two sequences of the whole prompt and a
 response (SFT: one example), and every process holds whole rows (`sequence_parallel_size` 1, all ranks data
 parallel). Its training arguments are TRL's defaults for the stage plus the user's `TrainingArguments` fields
-(precision, gradient checkpointing, batch sizes, optimizer, ...), with the lengths set so that the group is admitted
-whole.
+(precision, gradient checkpointing and transformers' checkpoint offload, batch sizes, optimizer, ...) and TRL's
+`activation_offloading` where the stock config has it (RewardConfig, SFTConfig), with the lengths set so that the group
+is admitted whole. Our `mlp_tile_tokens`, shared prefixes, sparse heads and sequence parallelism are not stock's.
 """
 
 from __future__ import annotations

@@ -28,6 +28,7 @@ from transformers import TrainerCallback
 
 from trl_longrm.activation_offload import CountingHostStore, use_host_store
 from trl_longrm.memory_plan.fake_mode import HybridFakeMode
+from trl_longrm.sequence_parallel.kernels import planned_kernels
 
 
 logger = logging.getLogger(__name__)
@@ -352,31 +353,35 @@ def _extrapolate(small: TracedStep, large: TracedStep, small_layers: int, large_
 
 def trace_step(stage: str, training_args, model_config, shape: GroupShape, *, peft_config=None,
                dtype: torch.dtype | None = None, world_size: int = 1, rank: int = 0,
-               max_traced_layers: int | None = None, ddp: bool = True, stock: bool = False) -> TracedStep:  # fmt: skip
+               max_traced_layers: int | None = None, ddp: bool = True, stock: bool = False,
+               kernels: str = "cpu") -> TracedStep:  # fmt: skip
     """Trace one optimizer step of `stage`'s trainer on rank `rank` of `world_size` (see the module docstring).
 
     `max_traced_layers`: a model with more decoder layers is traced with `max_traced_layers - 1` and
     `max_traced_layers` of them and extrapolated per layer (`_extrapolate`; checked against full traces in
     tests/test_memory_plan.py). None traces every layer. `ddp=False` leaves the model unwrapped on several ranks (a
     ZeRO run: DeepSpeed, not DDP, holds its gradients; `plan.zero_terms` adds them). `stock=True` traces stock TRL's
-    trainer of the stage instead, on the same model, group and training arguments (`trl_longrm.memory_plan.stock`)."""
+    trainer of the stage instead, on the same model, group and training arguments (`trl_longrm.memory_plan.stock`).
+    `kernels`: the device whose attention kernels are traced ('cuda': flash-attn's allocations,
+    `trl_longrm.sequence_parallel.kernels.planned_kernels`; 'cpu': the CPU kernels a CPU run uses)."""
     layers = model_config.num_hidden_layers
     if max_traced_layers is not None and layers > max_traced_layers:
         if max_traced_layers < 2:
             raise ValueError("max_traced_layers must be at least 2 (two traces give the per-layer increment).")
         traces = [
             _trace_step(stage, training_args, with_layers(model_config, n), shape, peft_config=peft_config,
-                        dtype=dtype, world_size=world_size, rank=rank, ddp=ddp, stock=stock)  # fmt: skip
+                        dtype=dtype, world_size=world_size, rank=rank, ddp=ddp, stock=stock,
+                        kernels=kernels)  # fmt: skip
             for n in (max_traced_layers - 1, max_traced_layers)
         ]
         return _extrapolate(*traces, max_traced_layers - 1, max_traced_layers, layers)
     return _trace_step(stage, training_args, model_config, shape, peft_config=peft_config, dtype=dtype,
-                       world_size=world_size, rank=rank, ddp=ddp, stock=stock)  # fmt: skip
+                       world_size=world_size, rank=rank, ddp=ddp, stock=stock, kernels=kernels)  # fmt: skip
 
 
 def _trace_step(stage: str, training_args, model_config, shape: GroupShape, *, peft_config=None,
                 dtype: torch.dtype | None = None, world_size: int = 1, rank: int = 0, ddp: bool = True,
-                stock: bool = False) -> TracedStep:  # fmt: skip
+                stock: bool = False, kernels: str = "cpu") -> TracedStep:  # fmt: skip
     """One trace of `trace_step`: the trainer built on fake weights and `trainer.train()` for one optimizer step.
 
     The dataset holds the rows of that step for every data-parallel replica (the sampler gives this rank its
@@ -430,16 +435,28 @@ def _trace_step(stage: str, training_args, model_config, shape: GroupShape, *, p
         with HybridFakeMode(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             model = build_model(stage, model_config, dtype)
-            trainer = trainer_cls(
-                model=model, args=args, train_dataset=dataset, processing_class=tokenizer, peft_config=peft_config,
-                callbacks=[callback],
-            )  # fmt: skip
+            if stock:
+                from trl_longrm.trainers.common import install_activation_offload, stock_activation_offloading_off
+
+                # TRL's `activation_offloading` and transformers' checkpoint offload need an accelerator; on the CPU of
+                # the trace ours stands in for them, by the same rule (what is saved, what is offloaded).
+                with stock_activation_offloading_off(args):
+                    trainer = trainer_cls(
+                        model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
+                        peft_config=peft_config, callbacks=[callback],
+                    )  # fmt: skip
+                install_activation_offload(trainer)
+            else:
+                trainer = trainer_cls(
+                    model=model, args=args, train_dataset=dataset, processing_class=tokenizer, peft_config=peft_config,
+                    callbacks=[callback],
+                )  # fmt: skip
             callback.trainer = trainer
             if not ddp:
                 # A ZeRO run: DeepSpeed (which does not run on fake tensors) takes the place of DDP's wrapper.
                 trainer.accelerator.prepare_model = lambda model, *args, **kwargs: model
             try:
-                with use_host_store(CountingHostStore()) as host:
+                with use_host_store(CountingHostStore()) as host, planned_kernels(kernels):
                     trainer.train()
             finally:
                 callback.close()

@@ -15,6 +15,7 @@ accumulates), since bf16 sums over 64 blocks lose ~1e-2 relative.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import inspect
 from collections.abc import Callable
@@ -544,6 +545,74 @@ class SharedPrefixVarlenKernel:
         return self.backward_from(q, k, v, out, lse, grad_out, meta, scaling)
 
 
+class PlannedFlashAttnOps(VarlenOps):
+    """flash-attn 2's varlen kernels as a memory plan sees them: every tensor a call allocates, none computed.
+
+    A memory plan of a CUDA run traces it on CPU fake tensors (`trl_longrm.memory_plan`), where flash-attn cannot
+    run; these ops allocate what `mha_varlen_fwd` / `mha_varlen_bwd` (csrc/flash_attn/flash_api.cpp) do: the forward
+    `out` and its float32 `softmax_lse [H, Tq]`; the backward `dq`/`dk`/`dv`, and for the kernel's duration a float32
+    `dq_accum [Tq + 128, H, D rounded up to 32]`, a float32 `softmax_d [H, Tq + 128]` and, with grouped-query heads,
+    `dk`/`dv` expanded to the query heads. Values are never read (fake tensors have none)."""
+
+    name = "flash_attn"
+
+    def forward(self, q, k, v, cu_q, cu_k, max_q, max_k, scale, causal):
+        out = q.new_empty(q.shape[0], q.shape[1], v.shape[2])
+        return out, torch.empty(q.shape[1], q.shape[0], dtype=torch.float32, device=q.device)
+
+    def backward(self, grad_out, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, causal):
+        batch = len(cu_q) - 1
+        tokens, heads, head_dim = q.shape
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        workspace = [
+            torch.empty(tokens + 128 * batch, heads, -(-head_dim // 32) * 32, dtype=torch.float32, device=q.device),
+            torch.empty(heads, tokens + 128 * batch, dtype=torch.float32, device=q.device),
+        ]
+        if k.shape[1] != heads:
+            workspace += [k.new_empty(k.shape[0], heads, k.shape[2]), v.new_empty(v.shape[0], heads, v.shape[2])]
+        del workspace  # freed when the kernel returns
+        return dq, dk, dv
+
+
+class _PlannedFlashAttnFunction(torch.autograd.Function):
+    """`flash_attn_varlen_func` as a memory plan sees it: `PlannedFlashAttnOps`, saving q, k, v, out and lse for the
+    backward as flash-attn's autograd function does."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_q, cu_k, max_q, max_k, scale):
+        ops = PlannedFlashAttnOps()
+        out, lse = ops.forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, True)
+        ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
+        ctx.layout = (max_q, max_k, scale)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
+        dq, dk, dv = PlannedFlashAttnOps().backward(grad_out, q, k, v, out, lse, cu_q, cu_k, *ctx.layout, True)
+        return dq, dk, dv, None, None, None, None, None
+
+
+def _planned_flash_attn_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale):
+    return _PlannedFlashAttnFunction.apply(q, k, v, cu_q, cu_k, max_q, max_k, scale)
+
+
+# The device whose kernels `resolve_kernel` gives while `planned_kernels` is active (innermost last).
+_planned_devices: list[str] = []
+
+
+@contextlib.contextmanager
+def planned_kernels(device_type: str):
+    """Within this context, attention kernels are resolved as on `device_type`: on 'cuda', half-precision attention
+    gets flash-attn's kernels as `PlannedFlashAttnOps` (allocations only), whatever device the (fake) tensors are on.
+    What a memory plan of a CUDA run uses to trace on CPU (`trl_longrm.memory_plan.trace`)."""
+    _planned_devices.append(device_type)
+    try:
+        yield
+    finally:
+        _planned_devices.pop()
+
+
 def _flash_attn_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale):
     from flash_attn import flash_attn_varlen_func
 
@@ -592,6 +661,10 @@ def resolve_kernel(backend: str, device: torch.device, dtype: torch.dtype):
     'torch'
     ```
     """
+    if _planned_devices and _planned_devices[-1] == "cuda" and dtype in _HALF_DTYPES:
+        # A memory plan of a CUDA run: flash-attn's kernels (what 'auto' picks there; torch's varlen kernels allocate
+        # the same out and lse), as allocations.
+        return VarlenKernel("flash_attn", _planned_flash_attn_varlen, PlannedFlashAttnOps())
     if backend == "flash_attn":
         if not is_flash_attn_available():
             raise ImportError(
