@@ -71,6 +71,7 @@ def _layout(mode: str, sp: int, zero: int, processes: int = 8, ulysses: int | No
     return tuple(values)
 
 
+FULL = ("--use_peft", "false")  # the DisRM recipes train LoRA adapters (the paper's); full parameters otherwise
 ONE_GPU = ("--num_processes", "1", "--accelerate_config", "single_gpu.yaml", "--sequence_parallel_size", "1")
 # Stock holds whole rows on every rank: the same processes, every one data parallel.
 STOCK_8 = ("--num_processes", "8", "--accelerate_config", "zero3.yaml", "--sequence_parallel_size", "1")
@@ -91,7 +92,7 @@ CASES = [
     Case("stock_reward_llama31_8b_lora_1x80_long", "simpo_disrm_lora.yaml", ONE_GPU + LONG_ROWS, stock=True,
          longest=True),
     Case("sft_qwen3_8b_full_8x80_ring_zero3_1m", "sft_1m.yaml", (), max_length=MILLION, notes="recipes/sft_1m.yaml"),
-    Case("disrm_llama31_8b_full_8x80_ring_zero3_1m", "simpo_disrm_1m.yaml", (), max_length=MILLION,
+    Case("disrm_llama31_8b_lora_8x80_ring_zero3_1m", "simpo_disrm_1m.yaml", (), max_length=MILLION,
          notes="recipes/simpo_disrm_1m.yaml"),
     Case("stock_sft_qwen3_8b_full_8x80_zero3_long", "sft_1m.yaml", STOCK_8, stock=True),
     # Generative RM (stage II, SimPO), Qwen3-8B.
@@ -104,11 +105,11 @@ CASES = [
     Case("stock_cpo_qwen3_8b_full_8x80_zero3", "simpo_grm.yaml", STOCK_8, stock=True),
     Case("stock_cpo_qwen3_8b_lora_1x80", "simpo_grm_lora.yaml", ONE_GPU, stock=True),
     # Discriminative RM (Bradley-Terry), Llama-3.1-8B.
-    Case("disrm_llama31_8b_full_8x80_ring_zero3", "simpo_disrm.yaml", _layout("ring", 8, 3)),
-    Case("disrm_llama31_8b_full_8x80_ulysses_zero3", "simpo_disrm.yaml", _layout("ulysses", 8, 3)),
-    Case("disrm_llama31_8b_lora_8x80_ring_zero2", "simpo_disrm_lora.yaml", _layout("ring", 8, 2)),
+    Case("disrm_llama31_8b_full_8x80_ring_zero3", "simpo_disrm.yaml", _layout("ring", 8, 3) + FULL),
+    Case("disrm_llama31_8b_full_8x80_ulysses_zero3", "simpo_disrm.yaml", _layout("ulysses", 8, 3) + FULL),
+    Case("disrm_llama31_8b_lora_8x80_ring_zero2", "simpo_disrm.yaml", _layout("ring", 8, 2), notes="the paper recipe"),
     Case("disrm_llama31_8b_lora_1x80", "simpo_disrm_lora.yaml", ONE_GPU),
-    Case("stock_reward_llama31_8b_full_8x80_zero3", "simpo_disrm.yaml", STOCK_8, stock=True),
+    Case("stock_reward_llama31_8b_full_8x80_zero3", "simpo_disrm.yaml", STOCK_8 + FULL, stock=True),
     Case("stock_reward_llama31_8b_lora_1x80", "simpo_disrm_lora.yaml", ONE_GPU, stock=True),
     # SFT of the judge (stage I), Qwen3-8B: one example of 131,072 + 2,048 tokens a row.
     Case("sft_qwen3_8b_full_8x80_ring_zero2", "sft.yaml", _layout("ring", 8, 2), notes="the paper recipe"),

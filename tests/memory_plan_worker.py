@@ -23,24 +23,32 @@ from trl_longrm.testing_utils import build_chat_tokenizer  # noqa: E402
 
 
 def measure_step(stage, training_args, model_config, shape: GroupShape, peft_config=None, dtype=None,
-                 num_rows_per_step: int = 1, host_store: CountingHostStore | None = None) -> int:  # fmt: skip
+                 num_rows_per_step: int = 1, host_store: CountingHostStore | None = None,
+                 stock: bool = False) -> int:  # fmt: skip
     """Peak live tensor bytes of the second optimizer step (the first that starts with the optimizer's states, as
-    every later one does) of `stage`'s trainer, on this process; the memory plan traces that step."""
+    every later one does) of `stage`'s trainer (`stock`: stock TRL's, on its pairs), on this process; the memory plan
+    traces that step."""
     tokenizer = build_chat_tokenizer()
     accumulation = min(training_args.gradient_accumulation_steps, 2)
     recorder = TensorMemoryRecorder()
     recorder.start()  # before the model exists: its weights are live tensors of every step
     torch.manual_seed(0)
     model = build_model(stage, model_config, dtype)
-    dataset = synthetic_dataset(
-        stage, shape, 2 * accumulation * num_rows_per_step, model_config.vocab_size, tokenizer.eos_token_id
-    )
+    rows = 2 * accumulation * num_rows_per_step
     with tempfile.TemporaryDirectory() as tmp:
-        args = fresh_args(
-            training_args, output_dir=tmp, max_steps=2, gradient_accumulation_steps=accumulation, save_strategy="no",
-            report_to=[], disable_tqdm=True, logging_steps=1,
-        )  # fmt: skip
-        trainer_cls = stage_classes(stage)[0]
+        overrides = dict(output_dir=tmp, max_steps=2, gradient_accumulation_steps=accumulation, save_strategy="no",
+                         report_to=[], disable_tqdm=True, logging_steps=1)  # fmt: skip
+        if stock:
+            from trl_longrm.memory_plan.stock import stock_args, stock_classes, stock_dataset
+
+            trainer_cls = stock_classes(stage)[0]
+            args = stock_args(stage, training_args, shape, **overrides)
+            groups = -(-rows // max(shape.num_rejected, 1)) if stage != "sft" else rows
+            dataset = stock_dataset(stage, shape, groups, model_config.vocab_size, tokenizer.eos_token_id)
+        else:
+            trainer_cls = stage_classes(stage)[0]
+            args = fresh_args(training_args, **overrides)
+            dataset = synthetic_dataset(stage, shape, rows, model_config.vocab_size, tokenizer.eos_token_id)
         trainer = trainer_cls(
             model=model, args=args, train_dataset=dataset, processing_class=tokenizer, peft_config=peft_config,
             callbacks=[recorder],

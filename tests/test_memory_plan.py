@@ -116,6 +116,66 @@ def test_plan_matches_measured_peak_one_process(name):
     assert_within(plan.peak, measured, name)
 
 
+# name -> (case of CASES whose settings stock TRL's trainer runs with, on its own layout: pairs of whole rows).
+STOCK_CASES = {
+    "stock_reward_no_checkpointing_fp32": "disrm_shared_k4_no_checkpointing_fp32",
+    "stock_cpo_checkpointing_fp32": "grm_shared_k4_checkpointing_fp32",
+    "stock_sft_checkpointing_bf16": "sft_packed_checkpointing_bf16",
+}
+
+
+@pytest.mark.parametrize("name", list(STOCK_CASES))
+def test_stock_plan_matches_measured_peak(name):
+    """Stock TRL's trainers (RewardTrainer, CPOTrainer, SFTTrainer), planned the same way (`stock=True`, the side of the
+    published comparisons), against the same measurement of a real stock run."""
+    from memory_plan_worker import measure_step
+
+    stage, args, config, shape, peft_config, dtype, _ = build_case(STOCK_CASES[name])
+    plan = plan_memory(stage, args, config, shape, peft_config=peft_config, dtype=dtype, stock=True)
+    assert plan.trainer == {"simpo_disrm": "RewardTrainer", "simpo_grm": "CPOTrainer", "sft": "SFTTrainer"}[stage]
+    # Stock holds a group's prompt once per response: a micro-batch is a padded pair of whole sequences.
+    pair = 1 if stage == "sft" else 2
+    assert plan.row_tokens == pair * (shape.prompt_tokens + shape.response_tokens)
+    measured = measure_step(stage, args, config, shape, peft_config, dtype, stock=True)
+    assert_within(plan.peak, measured, name)
+
+
+def test_cuda_plans_trace_flash_attn_allocations(monkeypatch):
+    """A plan on CUDA traces our attention with flash-attn's kernels as allocations (`PlannedFlashAttnOps`, the same
+    contract and output shapes as the CPU kernels a CPU run uses), a CPU plan with the CPU kernels."""
+    from trl_longrm.sequence_parallel import kernels
+
+    q, k, v = (torch.randn(n, h, 16, dtype=torch.bfloat16) for n, h in ((24, 4), (40, 2), (40, 2)))
+    cu_q, cu_k = torch.tensor([0, 10, 24], dtype=torch.int32), torch.tensor([0, 16, 40], dtype=torch.int32)
+    layout = (cu_q, cu_k, 14, 24, 0.25, True)
+    cpu, planned = kernels.TorchCpuFlashOps.load(), kernels.PlannedFlashAttnOps()
+    for got, want in zip(planned.forward(q, k, v, *layout), cpu.forward(q, k, v, *layout)):
+        assert (got.shape, got.dtype) == (want.shape, want.dtype)
+    out, lse = cpu.forward(q, k, v, *layout)
+    grads = (planned.backward(torch.ones_like(out), q, k, v, out, lse, *layout),
+             cpu.backward(torch.ones_like(out), q, k, v, out, lse, *layout))  # fmt: skip
+    for got, want in zip(*grads):
+        assert got.shape == want.shape
+    with kernels.planned_kernels("cuda"):
+        assert isinstance(kernels.resolve_kernel("auto", torch.device("cpu"), torch.bfloat16).ops,
+                          kernels.PlannedFlashAttnOps)  # fmt: skip
+    assert not isinstance(getattr(kernels.resolve_kernel("auto", torch.device("cpu"), torch.bfloat16), "ops", None),
+                          kernels.PlannedFlashAttnOps)  # fmt: skip
+
+    calls = []
+    for name in ("forward", "backward"):
+        original = getattr(kernels.PlannedFlashAttnOps, name)
+        monkeypatch.setattr(kernels.PlannedFlashAttnOps, name,
+                            lambda self, *a, _f=original, _n=name: calls.append(_n) or _f(self, *a))  # fmt: skip
+    stage, args, config, shape, peft_config, _, _ = build_case("grm_lora_accumulation_bf16")
+    args.bf16 = True
+    plan_memory(stage, args, config, shape, peft_config=peft_config, dtype=torch.bfloat16, device="cuda")
+    assert "forward" in calls and "backward" in calls
+    calls.clear()
+    plan_memory(stage, args, config, shape, peft_config=peft_config, dtype=torch.bfloat16, device="cpu")
+    assert not calls
+
+
 # The SFT ring case's measured peak moves from run to run: within 10% of the 58.4 MiB predicted for rank 1 in one
 # clean-clone CI run of 2026-11-26, 69.9 MiB (-16.5%) in the next, same code path: skipped until explained.
 UNSTABLE = {"sft_ring2_packed_lora_fp32": "measured peak unstable run to run on a gloo SFT ring (issue 40, open)"}

@@ -19,9 +19,10 @@ ROOT = Path(__file__).resolve().parents[1]
 RECIPES = ROOT / "recipes"
 PAPER = ["sft.yaml", "simpo_grm.yaml", "simpo_disrm.yaml"]
 LOW_MEMORY = [f"{stage}_{kind}.yaml" for stage in ("sft", "simpo_grm", "simpo_disrm") for kind in ("lora", "qlora")]
+LONG_ROWS = ["sft_1m.yaml", "simpo_grm_1m.yaml", "simpo_disrm_1m.yaml"]
 
 
-@pytest.mark.parametrize("name", PAPER + LOW_MEMORY)
+@pytest.mark.parametrize("name", PAPER + LOW_MEMORY + LONG_ROWS)
 def test_recipe_dry_run_matches_the_paper(name, capsys):
     from trl_longrm.train import main
 
@@ -31,7 +32,7 @@ def test_recipe_dry_run_matches_the_paper(name, capsys):
     script, args, model = parse_args([str(RECIPES / name), "--dry_run"])
     plan = training_plan(script, args, model)
     # The LongRM paper's appendix: shared by every stage.
-    assert args.learning_rate == (2e-6 if name in PAPER else 1e-5)
+    assert args.learning_rate == (2e-6 if name in PAPER + LONG_ROWS else 1e-5)
     assert args.warmup_steps == 0.03 and (args.adam_beta1, args.adam_beta2) == (0.9, 0.95)
     assert args.num_train_epochs == 1 and args.max_grad_norm == 1.0 and args.bf16
     assert args.per_device_train_batch_size == 1 and plan["global_batch_size"] == 32
@@ -46,6 +47,12 @@ def test_recipe_dry_run_matches_the_paper(name, capsys):
         # The mode is a recipe/command-line field like any other: Ulysses of 8 over the same group.
         _, ulysses, _ = parse_args([str(RECIPES / name), "--dry_run", "--sequence_parallel_mode", "ulysses"])
         assert training_plan(script, ulysses, model)["ulysses_size"] == 8
+    if name in LONG_ROWS:
+        # The paper recipe's layout at 1M tokens: ZeRO-3, checkpoint offload, tiled MLP, keys/values one head at a time.
+        assert args.max_length == 1048576 and args.sequence_parallel_size == 8 and args.ring_head_stride == 1
+        assert script.accelerate_config == "zero3.yaml" and plan["world_size"] == 8
+        assert args.gradient_checkpointing_kwargs == {"use_reentrant": False, "offload": True}
+        assert args.mlp_tile_tokens == 16384
     if "qlora" in name:
         assert model.load_in_4bit and model.bnb_4bit_quant_type == "nf4" and model.use_bnb_nested_quant
     if "lora" in name or "disrm" in name:

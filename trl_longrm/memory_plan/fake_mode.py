@@ -89,6 +89,14 @@ def _mask_to_indices(indices):
     return converted
 
 
+# Out-of-place ops that autograd's backward formulas use in place on real tensors (FunctionsManual.cpp: the
+# `areAnyTensorSubclassLike` branches of gather_backward and index_select_backward), and their in-place ops.
+_IN_PLACE_IN_REAL_BACKWARD = {
+    aten.scatter_add.default: aten.scatter_add_.default,
+    aten.index_add.default: aten.index_add_.default,
+}
+
+
 class HybridFakeMode(TorchDispatchMode):
     """Fake weights, activations, gradients and optimizer states; real integer metadata (see the module docstring).
 
@@ -160,6 +168,11 @@ class HybridFakeMode(TorchDispatchMode):
             # `.item()` of a fake scalar (a loss or metric read for logging): it has no value.
             dtype = args[0].dtype
             return False if dtype == torch.bool else (0.0 if dtype.is_floating_point else 0)
+        if func in _IN_PLACE_IN_REAL_BACKWARD and _is_fake(args[0]) and torch._C._current_autograd_node() is not None:
+            # autograd's backward formulas (gather's, index_select's) fill a fresh zeros tensor in place, but use the
+            # out-of-place op when an input is a tensor subclass, as fake tensors are: one more buffer of the input's
+            # size than the real run allocates. Done in place here, as the real run does.
+            return _IN_PLACE_IN_REAL_BACKWARD[func](*args, **kwargs)
         if func in _BOOL_INDEXED:
             args = (args[0], _mask_to_indices(args[1]), *args[2:])
         elif func is aten.masked_select.default and not _is_fake(args[1]) and args[0].shape == args[1].shape:
