@@ -140,6 +140,33 @@ def test_stock_plan_matches_measured_peak(name):
     assert_within(plan.peak, measured, name)
 
 
+@pytest.mark.parametrize("nested", [True, False], ids=["nested", "plain"])
+def test_4bit_weights_are_what_bitsandbytes_holds(tmp_path, nested):
+    """QLoRA plans replace the quantized weights' bytes by bitsandbytes' 4-bit storage: the same bytes as a model
+    loaded in 4 bits holds (its parameters and their quant states), and the rest of the weights unchanged."""
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    from trl_longrm.memory_plan.quantized import bnb_4bit_bytes, quantized_weight_numels
+
+    config = model_config()
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16,
+                                      bnb_4bit_use_double_quant=nested)  # fmt: skip
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=quantization, dtype=torch.bfloat16,
+                                                 device_map="cpu")  # fmt: skip
+
+    def state_bytes(state):
+        tensors = [state.absmax, state.code, *([state.offset] if state.offset is not None else [])]
+        own = sum(t.numel() * t.element_size() for t in tensors)
+        return own + (state_bytes(state.state2) if state.state2 is not None else 0)
+
+    quantized = [p for p in model.parameters() if getattr(p, "quant_state", None) is not None]
+    real = sum(p.numel() * p.element_size() + state_bytes(p.quant_state) for p in quantized)
+    numels = quantized_weight_numels("sft", config)
+    assert len(numels) == len(quantized) == 7 * config.num_hidden_layers
+    assert sum(bnb_4bit_bytes(n, nested) for n in numels) == real
+
+
 def test_cuda_plans_trace_flash_attn_allocations(monkeypatch):
     """A plan on CUDA traces our attention with flash-attn's kernels as allocations (`PlannedFlashAttnOps`, the same
     contract and output shapes as the CPU kernels a CPU run uses), a CPU plan with the CPU kernels."""

@@ -70,26 +70,37 @@ def recipe_memory_plans(script_args, training_args, model_args, world_size: int,
             f"no memory plan: model_name_or_path={model_args.model_name_or_path!r} is not a local model folder; name "
             "its config.json in `model_config` (bench/configs/ holds Qwen3-8B's and Llama-3.1-8B's)"
         )
-    if model_args.load_in_4bit or model_args.load_in_8bit:
-        return None, "no memory plan: quantised (4/8-bit) weights are not traced yet"
+    if model_args.load_in_8bit:
+        return None, "no memory plan: 8-bit weights are not planned (4-bit QLoRA is)"
     config = load_model_config(path)
     distributed, device = distribution(script_args, world_size)
     shape = group_shape(script_args, training_args, stage)
+    import torch
+
     dtype = None
     if model_args.dtype not in (None, "auto"):
-        import torch
-
         dtype = getattr(torch, model_args.dtype)
+    if model_args.load_in_4bit:
+        # Traced with the frozen weights in the 4-bit layers' compute dtype (TRL's: the model's `dtype`), then those
+        # weights put in 4 bits (`quantize_plan`).
+        dtype = dtype or torch.bfloat16
     sp = getattr(training_args, "sequence_parallel_size", 1) or 1
     ranks = [0] if stock else sorted({0, sp - 1})
     peft_config = peft_config_for(stage, model_args)
 
     def plans_for(shape: GroupShape, args=training_args):
-        return [
+        plans = [
             plan_memory(stage, args, config, shape, peft_config=peft_config, dtype=dtype, world_size=world_size,
                         rank=rank, distributed=distributed, device=device, stock=stock)  # fmt: skip
             for rank in ranks
         ]
+        if model_args.load_in_4bit:
+            from trl_longrm.memory_plan.quantized import quantize_plan
+
+            element = torch.empty((), dtype=dtype).element_size()
+            nested = bool(model_args.use_bnb_nested_quant)
+            plans = [quantize_plan(plan, stage, config, nested, element) for plan in plans]
+        return plans
 
     plans = plans_for(shape)
     device_bytes = int(script_args.device_memory_gib * GIB)
