@@ -10,7 +10,7 @@ from test_sequence_parallel_trainers import PRELOAD, assert_state_close
 
 from trl_longrm.sequence_parallel.launch import run_on_gloo_ranks
 from trl_longrm.testing_utils import build_chat_tokenizer, build_tiny_model
-from trl_longrm.tiled_mlp import apply_tiled_mlp, decoder_mlps
+from trl_longrm.tiled_mlp import TILED_MARK, apply_tiled_mlp, decoder_mlps, decoder_norms
 
 
 @pytest.fixture(scope="module")
@@ -40,6 +40,9 @@ def test_tiled_model_has_the_same_logits_and_gradients(tokenizer, checkpointing)
     for mlp in decoder_mlps(model):
         mlp.register_forward_hook(lambda module, args, output: calls.append(args[0].shape[-2]))
     assert apply_tiled_mlp(model, 8) == model.config.num_hidden_layers
+    # The layers' RMSNorms are per token too (Qwen3: input, post-attention, and the per-head q/k norms): tiled alike.
+    norms = decoder_norms(model)
+    assert len(norms) == 4 * model.config.num_hidden_layers and all(hasattr(n, TILED_MARK) for n in norms)
     got_logits, got_grads = forward_backward(model, input_ids, position_ids)
     torch.testing.assert_close(got_logits, want_logits, rtol=1e-5, atol=1e-6)
     assert_state_close(got_grads, want_grads, "tiled gradient", atol=1e-6)

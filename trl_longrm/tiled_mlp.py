@@ -1,4 +1,5 @@
-"""Sequence-tiled MLP: each decoder layer's MLP computed over slices of a rank's tokens (ALST's TiledMLP).
+"""Sequence-tiled MLP: each decoder layer's MLP (and RMSNorms) computed over slices of a rank's tokens (ALST's
+TiledMLP).
 
 An MLP is applied to every token on its own, so slicing the tokens changes nothing in its outputs or gradients; what
 it changes is memory. A whole row's MLP materialises its intermediate activations (gate, up, their product: 3 x
@@ -7,6 +8,11 @@ checkpointing recomputes the layer in backward: 128K tokens on one rank make 10.
 runs under `torch.utils.checkpoint` (non-reentrant): the forward keeps only the slice's output, the backward recomputes
 one slice's intermediates at a time. The peak then holds one slice's intermediates, at the cost of one more forward of
 the MLP per step (with gradient checkpointing, which recomputes the layer anyway, three forwards instead of two).
+
+The decoder layers' RMSNorms (`input_layernorm`, `post_attention_layernorm`, and per-head ones such as Qwen3's
+`q_norm`/`k_norm`) are tiled the same way: they are per-token too, and transformers computes them in float32, so a whole
+row's norm keeps float32 copies of the row's hidden states for its backward (4 bytes a value: 8 GiB for Llama-3-8B at
+512K tokens, several of them live at once in a layer's backward); tiled, one slice's.
 
 Gradients reach the parameters through autograd as usual (DDP's and DeepSpeed's hooks see them), so the tiled model
 trains the same weights, to rounding of the summation order of each weight's gradient over the slices.
@@ -24,13 +30,13 @@ from torch.utils.checkpoint import checkpoint
 TILED_MARK = "_longrm_mlp_tile_tokens"
 
 
-def tiled_mlp_forward(forward, hidden_states: torch.Tensor, tile_tokens: int) -> torch.Tensor:
-    """`forward(hidden_states)` over slices of at most `tile_tokens` tokens (dim -2), each checkpointed when gradients
-    are recorded; a plain call when the tokens fit in one slice."""
-    length = hidden_states.shape[-2]
+def tiled_mlp_forward(forward, hidden_states: torch.Tensor, tile_tokens: int, dim: int = -2) -> torch.Tensor:
+    """`forward(hidden_states)` over slices of at most `tile_tokens` tokens (along `dim`), each checkpointed when
+    gradients are recorded; a plain call when the tokens fit in one slice."""
+    length = hidden_states.shape[dim]
     if length <= tile_tokens:
         return forward(hidden_states)
-    tiles = hidden_states.split(tile_tokens, dim=-2)  # views; the split's backward is one concatenation
+    tiles = hidden_states.split(tile_tokens, dim=dim)  # views; the split's backward is one concatenation
     if torch.is_grad_enabled():
         outputs = [checkpoint(forward, tile, use_reentrant=False) for tile in tiles]
     else:
@@ -41,7 +47,21 @@ def tiled_mlp_forward(forward, hidden_states: torch.Tensor, tile_tokens: int) ->
                 f"mlp_tile_tokens: this MLP returns {type(output).__name__}, not a tensor (a Mixture-of-Experts block "
                 "with router outputs?); only per-token MLPs that return their hidden states can be tiled."
             )
-    return torch.cat(outputs, dim=-2)
+    return torch.cat(outputs, dim=dim)
+
+
+def decoder_norms(model: nn.Module) -> list[nn.Module]:
+    """The RMSNorms inside every decoder layer of `model` (the layer's own and its attention's per-head ones): modules
+    of a `...RMSNorm` class, per token like the MLP."""
+    norms = []
+    for module in model.modules():
+        layers = getattr(module, "layers", None)
+        if isinstance(layers, nn.ModuleList):
+            for layer in layers:
+                norms.extend(m for m in layer.modules() if type(m).__name__.endswith("RMSNorm"))
+            if norms:
+                return norms
+    return norms
 
 
 def decoder_mlps(model: nn.Module) -> list[nn.Module]:
@@ -58,7 +78,8 @@ def decoder_mlps(model: nn.Module) -> list[nn.Module]:
 
 
 def apply_tiled_mlp(model: nn.Module, tile_tokens: int | None) -> int:
-    """Compute every decoder layer's MLP over slices of at most `tile_tokens` tokens (None: leave the model as it is).
+    """Compute every decoder layer's MLP and RMSNorms over slices of at most `tile_tokens` tokens (None: leave the
+    model as it is).
     Returns the number of MLPs tiled; raises if `model` has no decoder MLP to tile. Applying again changes the size.
 
     Example:
@@ -75,15 +96,17 @@ def apply_tiled_mlp(model: nn.Module, tile_tokens: int | None) -> int:
         raise NotImplementedError(
             f"mlp_tile_tokens={tile_tokens}: {type(model).__name__} has no decoder layers with an `mlp` module to tile."
         )
-    for mlp in mlps:
-        if not hasattr(mlp, TILED_MARK):
-            untiled = mlp.forward
+    # MLPs take [..., tokens, hidden]; the norms [batch, tokens, hidden] or, per head, [batch, tokens, heads, dim]:
+    # tokens on dim 1 (transformers' decoder layers are batch first).
+    for module, dim in [*((mlp, -2) for mlp in mlps), *((norm, 1) for norm in decoder_norms(model))]:
+        if not hasattr(module, TILED_MARK):
+            untiled = module.forward
 
-            def forward(self, hidden_states, *args, _untiled=untiled, **kwargs):
-                if args or kwargs:  # not a per-token call we know how to slice
+            def forward(self, hidden_states, *args, _untiled=untiled, _dim=dim, **kwargs):
+                if args or kwargs or hidden_states.dim() < 3:  # not a per-token call we know how to slice
                     return _untiled(hidden_states, *args, **kwargs)
-                return tiled_mlp_forward(_untiled, hidden_states, getattr(self, TILED_MARK))
+                return tiled_mlp_forward(_untiled, hidden_states, getattr(self, TILED_MARK), _dim)
 
-            mlp.forward = types.MethodType(forward, mlp)
-        setattr(mlp, TILED_MARK, tile_tokens)
+            module.forward = types.MethodType(forward, module)
+        setattr(module, TILED_MARK, tile_tokens)
     return len(mlps)

@@ -75,10 +75,11 @@ class LongContextDataArguments:
     mlp_tile_tokens: int | None = field(
         default=None,
         metadata={
-            "help": "If set, each decoder layer's MLP runs over slices of at most this many of a rank's tokens, each "
-            "recomputed in backward (`trl_longrm.tiled_mlp`, ALST's TiledMLP): the MLP's intermediate activations "
-            "(3 x intermediate_size per token) are then held for one slice at a time instead of the whole row, for "
-            "one more MLP forward per step; the same gradients. Worth it when a rank holds tens of thousands of "
+            "help": "If set, each decoder layer's MLP and RMSNorms run over slices of at most this many of a rank's "
+            "tokens, each recomputed in backward (`trl_longrm.tiled_mlp`, ALST's TiledMLP): the MLP's intermediate "
+            "activations (3 x intermediate_size per token) and the norms' float32 copies of the hidden states are "
+            "then held for one slice at a time instead of the whole row, for one more MLP forward per step; the same "
+            "gradients. Worth it when a rank holds tens of thousands of "
             "tokens (say 8192 for rows past 64K per rank). Default None (off)."
         },
     )
