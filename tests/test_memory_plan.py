@@ -118,6 +118,34 @@ def test_plan_matches_measured_peak_gloo_group_of_two(name, tmp_path):
         assert_within(plan.peak, measured, f"{name} rank {rank}")
 
 
+def test_ring_metadata_is_freed_with_its_last_reference():
+    """A row's ring attention metadata, and the index tensors it caches, are freed when its step drops it, not when
+    Python's cyclic GC happens to run: a metadata of one piece used to hold itself in its cache of `pieces()`, a
+    reference cycle that kept the metadata of past steps alive (on the gloo SFT ring's measured peak too)."""
+    import gc
+    import weakref
+
+    from trl_longrm.sequence_parallel.sharding import RingAttentionMetadata, packed_row_metadata
+
+    one_process = packed_row_metadata(torch.tensor([[0, 1, 2, 0, 1, 2, 3, 0]]))
+    zigzag = RingAttentionMetadata(cu_seqlens=(0, 3, 8), total_length=8, unpadded_length=8, local_start=0,
+                                   local_length=4, group_size=2, rank=0, placement="zigzag")  # fmt: skip
+    assert len(zigzag.pieces()) == 2
+    gc.disable()
+    try:
+        for meta in (one_process, zigzag):
+            meta.rank_major_order()
+            meta.to_global_order(torch.arange(8.0))
+            for _, piece in meta.pieces():  # what the kernels read
+                piece.key_span()
+                piece.key_document_ids("cpu")
+        refs = [weakref.ref(m) for m in (one_process, zigzag, *(p for _, p in zigzag.pieces()))]
+        del one_process, zigzag, meta, piece
+        assert [ref() for ref in refs] == [None] * len(refs)
+    finally:
+        gc.enable()
+
+
 def test_per_layer_extrapolation_matches_a_full_trace():
     """A deep model is traced with 2 and 3 layers and extended per layer (what makes an 8B plan take seconds): for a
     6-layer model the extrapolated parts and peak equal those of tracing all 6 layers, on a ring rank too."""
