@@ -7,6 +7,14 @@ reports, per optimizer step, the live tensor bytes at the step's start and their
 `torch.cuda.max_memory_allocated`), with what was alive at that peak grouped by the operator (and Python callers) that
 allocated it.
 
+The profiler records an allocator event only on a thread that runs under it: the training thread, and gloo's worker
+threads while they run a collective, but not a gloo worker thread dropping a finished collective's work object (and,
+with it, the work's last references to its tensors) a moment after the caller's `wait()` returned. Which thread drops a
+buffer last is a race, so a replay of the events would count a buffer freed there as live for the rest of the run: a
+run-to-run difference of one DDP bucket of all parameters (the flat buffer `DistributedDataParallel` broadcasts its
+module states through at setup) or one ring's gathered keys/values. While it profiles, the recorder makes sure the
+training thread drops them last (`collectives_released_here`).
+
     recorder = TensorMemoryRecorder()          # a TrainerCallback; start it before the model is built
     recorder.start()
     model = ...; trainer = Trainer(..., callbacks=[recorder]); trainer.train()
@@ -15,7 +23,11 @@ allocated it.
 
 from __future__ import annotations
 
+import os
+import time
+import warnings
 from collections import defaultdict
+from contextlib import contextmanager
 
 import torch
 from transformers import TrainerCallback
@@ -72,8 +84,9 @@ def step_report(events, steps: int, top: int = 30, big_bytes: int = 64 * 2**20):
         peak, peak_live, big = start, dict(live), []
         for time_ns, ptr, size, owner in events[begin:end]:
             if size > 0:
+                stale = live.get(ptr)  # an address handed out again: its earlier block was freed where not seen
                 live[ptr] = (size, owner, step)
-                current += size
+                current += size - (stale[0] if stale else 0)
             else:
                 freed = live.pop(ptr, None)
                 if freed is not None:
@@ -95,8 +108,167 @@ def step_report(events, steps: int, top: int = 30, big_bytes: int = 64 * 2**20):
     return report
 
 
+# The methods of a process group that issue a collective (or point-to-point) operation and return its work.
+COLLECTIVES = (
+    "allreduce", "allreduce_coalesced", "broadcast", "allgather", "allgather_coalesced",
+    "allgather_into_tensor_coalesced", "all_gather_single", "all_gather_single_coalesced", "_allgather_base",
+    "reduce_scatter", "reduce_scatter_single", "reduce_scatter_single_coalesced", "reduce_scatter_tensor_coalesced",
+    "_reduce_scatter_base", "alltoall", "alltoall_base", "all_to_all_single", "gather", "scatter", "reduce", "send",
+    "recv", "recv_anysource",
+)  # fmt: skip
+
+RELEASE_TIMEOUT = 60.0
+"""Seconds a dropped work waits for gloo's worker thread to let go of it before giving up (with a warning)."""
+
+
+def _tensors_in(values):
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            yield value
+        elif isinstance(value, (list, tuple)):
+            yield from _tensors_in(value)
+
+
+class _ReleasedHere:
+    """A collective's work whose tensors are freed by the thread that drops it. Dropped, it waits for the operation,
+    drops the work, waits until nothing else holds the work (gloo's worker thread, for a moment after completing it):
+    until the reference count of each tensor the work took has fallen, and only then lets go of the tensors."""
+
+    __slots__ = ("_work", "_tensors")
+
+    def __init__(self, work, tensors):
+        self._work, self._tensors = work, tensors
+
+    def __getattr__(self, name):
+        attribute = getattr(self._work, name)
+        if not callable(attribute):
+            return attribute
+        # Bound to this wrapper, not to the work: in `issue(...).wait()` the wrapper must outlive the call.
+        return lambda *args, **kwargs: getattr(self._work, name)(*args, **kwargs)
+
+    def __del__(self):
+        work, tensors = self._work, self._tensors
+        self._work = self._tensors = None
+        try:
+            work.wait()
+        except Exception:  # its caller saw (or chose to ignore) the failure; the work is released all the same
+            pass
+        held = [tensor._use_count() for tensor in tensors]
+        del work
+        deadline = time.monotonic() + RELEASE_TIMEOUT
+        while any(tensor._use_count() >= count for tensor, count in zip(tensors, held)):
+            if time.monotonic() > deadline:
+                warnings.warn("tensor_memory: a collective's work was not released in time; its tensors may be "
+                              "counted live after they are freed", stacklevel=1)  # fmt: skip
+                break
+            os.sched_yield()
+
+
+class _CopyOutOnWait:
+    """The work of gloo's reduce-scatter: an all-reduce of a copy of the input, this rank's chunk of which `wait()`
+    copies into the output."""
+
+    def __init__(self, work, buffer, output, rank, size):
+        self.work, self.buffer, self.output, self.rank, self.size = work, buffer, output, rank, size
+
+    def wait(self, *args, **kwargs):
+        done = self.work.wait(*args, **kwargs)
+        self.output.copy_(self.buffer.chunk(self.size)[self.rank])
+        return done
+
+    def __getattr__(self, name):
+        return getattr(self.work, name)
+
+
+def _gloo_reduce_scatter_single(original):
+    """`ProcessGroup.reduce_scatter_single` as gloo runs it (`ProcessGroupGloo::reduce_scatter_tensor_coalesced`: it
+    clones the input and all-reduces the clone), in Python on a gloo group, so that the clone, which gloo's work holds
+    and Python never sees, goes through `_ReleasedHere` too."""
+
+    def method(self, output, input, opts=None):
+        if self._get_backend_name() != "gloo":
+            return original(self, output, input, *([opts] if opts is not None else []))
+        from torch.distributed import AllreduceOptions
+
+        options = AllreduceOptions()
+        if opts is not None:
+            options.reduceOp, options.timeout = opts.reduceOp, opts.timeout
+        buffer = input.clone()
+        return _CopyOutOnWait(self.allreduce([buffer], options), buffer, output, self.rank(), self.size())
+
+    return method
+
+
+def _broadcast_coalesced(process_group, tensors, buffer_size, src=0):
+    """`torch.distributed._broadcast_coalesced` (what `DistributedDataParallel` syncs its parameters and buffers
+    with) in Python: buckets as torch makes them (per dtype and device, each closed once it reaches `buffer_size`
+    bytes), flattened, broadcast from `src` and copied back, one at a time (torch keeps two in flight), through the
+    process group's `broadcast`, so that the flat buckets, which torch's C++ keeps out of Python's sight, go through
+    `_ReleasedHere` too."""
+    from torch.distributed import BroadcastOptions
+
+    open_buckets, buckets = {}, []
+    for tensor in tensors:
+        key = (tensor.dtype, tensor.device)
+        bucket = open_buckets.setdefault(key, [0, []])
+        bucket[0] += tensor.numel() * tensor.element_size()
+        bucket[1].append(tensor)
+        if bucket[0] >= buffer_size:
+            buckets.append(open_buckets.pop(key)[1])
+    buckets.extend(bucket for _, bucket in open_buckets.values())
+    options = BroadcastOptions()
+    options.rootRank = src
+    for bucket in buckets:
+        flat = torch._utils._flatten_dense_tensors(bucket)
+        process_group.broadcast([flat], options).wait()
+        if process_group.rank() != src:
+            for tensor, synced in zip(bucket, torch._utils._unflatten_dense_tensors(flat, bucket)):
+                tensor.copy_(synced)
+        del flat
+
+
+@contextmanager
+def collectives_released_here():
+    """Within it, the tensors of every collective issued from Python (through `torch.distributed`'s functions, and
+    `DistributedDataParallel`'s broadcast of its module states) are freed by the thread that drops the collective's
+    work (see `_ReleasedHere`), where the profiler records it, not by gloo's worker thread. The gradient all-reduces
+    that DDP's reducer issues from C++ are left alone: their buckets live as long as the model."""
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        yield
+        return
+    from torch._C._distributed_c10d import ProcessGroup
+
+    def released_here(original):
+        def method(self, *args, **kwargs):
+            tensors = list({id(t): t for t in _tensors_in((*args, *kwargs.values()))}.values())
+            before = [tensor._use_count() for tensor in tensors]
+            work = original(self, *args, **kwargs)
+            taken = [tensor for tensor, count in zip(tensors, before) if tensor._use_count() > count]
+            return _ReleasedHere(work, taken) if work is not None and taken else work
+
+        return method
+
+    saved = {name: ProcessGroup.__dict__[name] for name in COLLECTIVES if name in ProcessGroup.__dict__}
+    saved_broadcast_coalesced = dist._broadcast_coalesced
+    try:
+        for name in saved:
+            method = getattr(ProcessGroup, name)
+            if name in ("reduce_scatter_single", "_reduce_scatter_base"):
+                method = _gloo_reduce_scatter_single(method)
+            setattr(ProcessGroup, name, released_here(method))
+        dist._broadcast_coalesced = _broadcast_coalesced
+        yield
+    finally:
+        for name, method in saved.items():
+            setattr(ProcessGroup, name, method)
+        dist._broadcast_coalesced = saved_broadcast_coalesced
+
+
 class TensorMemoryRecorder(TrainerCallback):
-    """Profile allocator events from `start()` to `finish()` and mark the optimizer steps (see `step_report`)."""
+    """Profile allocator events from `start()` to `finish()` and mark the optimizer steps (see `step_report`); in
+    between, collectives free their tensors where the profiler sees it (`collectives_released_here`)."""
 
     def __init__(self, callers: int = 5):
         from torch.profiler import ProfilerActivity, profile
@@ -104,8 +276,10 @@ class TensorMemoryRecorder(TrainerCallback):
         self.profiler = profile(activities=[ProfilerActivity.CPU], profile_memory=True, with_stack=True)
         self.callers = callers
         self._marks = []
+        self._released_here = collectives_released_here()
 
     def start(self):
+        self._released_here.__enter__()
         self.profiler.start()
 
     def on_step_begin(self, args, state, control, **kwargs):
@@ -116,6 +290,7 @@ class TensorMemoryRecorder(TrainerCallback):
 
     def finish(self, steps: int):
         self.profiler.stop()
+        self._released_here.__exit__(None, None, None)
         return step_report(allocator_events(self.profiler, self.callers), steps)
 
 

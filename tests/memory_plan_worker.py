@@ -14,7 +14,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 
-from tensor_memory import TensorMemoryRecorder  # noqa: E402
+from tensor_memory import TensorMemoryRecorder, allocator_events  # noqa: E402
 
 from trl_longrm.activation_offload import CountingHostStore, use_host_store  # noqa: E402
 from trl_longrm.memory_plan.trace import GroupShape, build_model, fresh_args, synthetic_dataset  # noqa: E402
@@ -72,3 +72,34 @@ def measure_on_rank(rank: int, world_size: int, out_dir: str, case: dict) -> Non
     stage, args, model_config, shape, peft_config, dtype, rows = build_case(**case)
     peak = measure_step(stage, args, model_config, shape, peft_config, dtype, rows)
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps({"peak_bytes": peak}))
+
+
+def collectives_on_rank(rank: int, world_size: int, out_dir: str, rounds: int) -> None:
+    """`run_on_gloo_ranks` entry: under a `TensorMemoryRecorder`, `rounds` times what a gloo ring run does with
+    buffers that only a collective's work holds: DDP's broadcast of its module states (through a flat bucket), the
+    ring's all-gather of a temporary and its reduce-scatter (gloo reduces a copy). Writes `out_dir/rank{rank}.json`
+    with the bytes whose free the recorder did not see (still live at the end of its events, or their address handed
+    out again while live): all of them are freed."""
+    import torch.distributed as dist
+
+    from trl_longrm.sequence_parallel.collectives import reduce_scatter_dim0, start_all_gather_dim0
+
+    states = [torch.randn(256, 256) for _ in range(8)]  # 2 MiB, allocated before the recorder starts
+    chunk = torch.randn(1024, 64)
+    recorder = TensorMemoryRecorder()
+    recorder.start()
+    for _ in range(rounds):
+        dist._broadcast_coalesced(dist.group.WORLD, states, 250 * 2**20, 0)
+        gathered, work = start_all_gather_dim0(torch.cat([chunk, chunk]), dist.group.WORLD)
+        work.wait()
+        del gathered, work
+        reduce_scatter_dim0(chunk, dist.group.WORLD)
+    recorder.finish(0)
+    live, unseen = {}, 0
+    for _, ptr, size, _ in allocator_events(recorder.profiler):
+        if size > 0:
+            unseen += live.get(ptr, 0)
+            live[ptr] = size
+        else:
+            live.pop(ptr, None)
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps({"unseen_free_bytes": unseen + sum(live.values())}))

@@ -200,17 +200,16 @@ def test_cuda_plans_trace_flash_attn_allocations(monkeypatch):
     assert "forward" in calls and "backward" in calls  # (a CPU plan's kernels: resolved outside the context, above)
 
 
-# The SFT ring case's measured peak moves from run to run: within 10% of the 58.4 MiB predicted for rank 1 in one
-# clean-clone CI run of 2026-11-26, 69.9 MiB (-16.5%) in the next, same code path: skipped until explained.
-UNSTABLE = {"sft_ring2_packed_lora_fp32": "measured peak unstable run to run on a gloo SFT ring (issue 40, open)"}
-
-
+# The measured peak of a gloo case used to move from run to run (the SFT ring case's rank 1: within 10% of the 58.4 MiB
+# predicted in one clean-clone CI run of 2026-11-26, 69.9 MiB in the next, same code path). Cause: the profiler records
+# no allocator event on a gloo worker thread outside a collective's run, and which thread drops a finished
+# collective's work (and with it the last reference to its buffer) is a race: when gloo's worker thread dropped DDP's
+# flat broadcast bucket of all parameters (8.8 MiB here) or a ring's gathered keys/values last, their frees went
+# unrecorded and the recorder counted them live for the rest of the run. The recorder now makes the training thread
+# drop them last (`bench/tensor_memory.py`, `collectives_released_here`): each rank's peak is now the same run after
+# run (to within 1 KiB), with Python's cyclic GC disabled too.
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "name",
-    [pytest.param(n, marks=pytest.mark.skip(reason=UNSTABLE[n])) if n in UNSTABLE else n
-     for n, case in CASES.items() if case[-1] == 2],
-)  # fmt: skip
+@pytest.mark.parametrize("name", [n for n, case in CASES.items() if case[-1] == 2])
 def test_plan_matches_measured_peak_gloo_group_of_two(name, tmp_path):
     from memory_plan_worker import measure_on_rank
 
@@ -223,6 +222,48 @@ def test_plan_matches_measured_peak_gloo_group_of_two(name, tmp_path):
         plan = plan_memory(stage, args, config, shape, peft_config=peft_config, dtype=dtype, world_size=2, rank=rank)
         assert plan.distributed == "ddp"
         assert_within(plan.peak, measured, f"{name} rank {rank}")
+
+
+@pytest.mark.slow
+def test_recorder_sees_the_buffers_of_gloo_collectives_freed(tmp_path):
+    """What a gloo collective frees (DDP's broadcast bucket, a ring's all-gather input, gloo's copy in a
+    reduce-scatter) is seen freed by the recorder on both ranks, every round: before, gloo's worker thread often
+    dropped such a buffer last, where the profiler records nothing, and the recorder counted it live for good."""
+    from memory_plan_worker import collectives_on_rank
+
+    from trl_longrm.sequence_parallel.launch import run_on_gloo_ranks
+
+    run_on_gloo_ranks(collectives_on_rank, 2, str(tmp_path), 30, timeout=120)
+    for rank in range(2):
+        assert json.loads((tmp_path / f"rank{rank}.json").read_text()) == {"unseen_free_bytes": 0}, rank
+
+
+def test_ring_metadata_is_freed_with_its_last_reference():
+    """A row's ring attention metadata, and the index tensors it caches, are freed when its step drops it, not when
+    Python's cyclic GC happens to run: a metadata of one piece used to hold itself in its cache of `pieces()`, a
+    reference cycle that kept the metadata of past steps alive (on the gloo SFT ring's measured peak too)."""
+    import gc
+    import weakref
+
+    from trl_longrm.sequence_parallel.sharding import RingAttentionMetadata, packed_row_metadata
+
+    one_process = packed_row_metadata(torch.tensor([[0, 1, 2, 0, 1, 2, 3, 0]]))
+    zigzag = RingAttentionMetadata(cu_seqlens=(0, 3, 8), total_length=8, unpadded_length=8, local_start=0,
+                                   local_length=4, group_size=2, rank=0, placement="zigzag")  # fmt: skip
+    assert len(zigzag.pieces()) == 2
+    gc.disable()
+    try:
+        for meta in (one_process, zigzag):
+            meta.rank_major_order()
+            meta.to_global_order(torch.arange(8.0))
+            for _, piece in meta.pieces():  # what the kernels read
+                piece.key_span()
+                piece.key_document_ids("cpu")
+        refs = [weakref.ref(m) for m in (one_process, zigzag, *(p for _, p in zigzag.pieces()))]
+        del one_process, zigzag, meta, piece
+        assert [ref() for ref in refs] == [None] * len(refs)
+    finally:
+        gc.enable()
 
 
 def test_per_layer_extrapolation_matches_a_full_trace():

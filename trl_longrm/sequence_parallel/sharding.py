@@ -371,7 +371,10 @@ class RingAttentionMetadata:
         if "pieces" not in self._cache:
             ranges = self.local_ranges()
             if len(ranges) == 1 and ranges[0] == (self.local_start, self.local_end):
-                self._cache["pieces"] = [(0, self)]
+                # Itself, not cached: `[(0, self)]` in its own cache would be a reference cycle, which keeps the
+                # metadata and the tensors it caches (index orders of the whole row) alive past its step, until
+                # Python's cyclic GC happens to run.
+                self._cache["pieces"] = None
             else:
                 pieces, offset = [], 0
                 for start, end in ranges:
@@ -379,7 +382,7 @@ class RingAttentionMetadata:
                     pieces.append((offset, piece))
                     offset += end - start
                 self._cache["pieces"] = pieces
-        return self._cache["pieces"]
+        return self._cache["pieces"] or [(0, self)]
 
     def global_index(self, device: torch.device | str = "cpu", rank: int | None = None) -> torch.Tensor:
         """Global positions of the local tokens of `rank` (default: this rank), in local order."""
