@@ -11,8 +11,8 @@ reproduces a second machine's run. `native` is whatever this machine picks.
     .venv/bin/python bench/demo_seeds.py --out bench/results/demo_seeds.json            # 5 seeds x 2 profiles
     .venv/bin/python bench/demo_seeds.py --seeds 1 --profiles avx2 --stages simpo_disrm  # one seed, the DisRM only
 
-Prints one JSON line per run, then the summary: each stage's lowest PairWise accuracy over the runs. Each run takes
-about 3 minutes on 2 cores (the whole reduced demo).
+Prints one JSON line per run, then the summary: each stage's lowest PairWise accuracy over the runs. Each run is
+the whole reduced demo (a few minutes on 2 cores).
 """
 
 from __future__ import annotations

@@ -125,6 +125,30 @@ def test_pointwise_scores_are_expected_scores_of_a_single_unpadded_forward(paths
             assert score == pytest.approx(float((probs / probs.sum()) @ torch.arange(10.0)), abs=1e-4)
 
 
+def test_judgments_are_generated_with_the_kv_cache_even_if_the_saved_model_turns_it_off(paths):
+    """transformers' Trainer saves the models it trains with `use_cache: false`: the judge still generates with the
+    cache (one pass over the prompt, then one token per pass), and writes what generation without it writes."""
+    tokenizer = AutoTokenizer.from_pretrained(paths["grm"])
+    model = AutoModelForCausalLM.from_pretrained(paths["grm"])
+    model.config.use_cache = model.generation_config.use_cache = False
+    judge = GenerativeJudge(model, tokenizer, max_new_tokens=4, protocol="pointwise", verdict_probs=False)
+    lengths = []
+    hook = model.register_forward_pre_hook(lambda module, args, kwargs: lengths.append(kwargs["input_ids"].shape[1]),
+                                           with_kwargs=True)  # fmt: skip
+    try:
+        outputs = judge.judge(_requests(paths, 2))
+    finally:
+        hook.remove()
+    assert lengths[0] > 1 and lengths[1:] == [1] * (len(lengths) - 1), lengths
+    # The reference: each judgment alone, generated without the cache.
+    judgments = [j for output in outputs for j in output.judgments]
+    prompts = [judge._prompt_ids(judge.template.pointwise_messages(r.task_prompt, response))[0]
+               for r in _requests(paths, 2) for response in r.responses]  # fmt: skip
+    for ids, judgment in zip(prompts, judgments):
+        alone = model.generate(torch.tensor([ids]), max_new_tokens=4, do_sample=False, use_cache=False)
+        assert tokenizer.decode(alone[0, len(ids) :], skip_special_tokens=True) == judgment
+
+
 def test_pointwise_judge_end_to_end(paths):
     root = paths["root"]
     kwargs = dict(model_path=paths["grm"], data_path=paths["bench"], max_new_tokens=3, judge_protocol="pointwise")

@@ -364,6 +364,10 @@ class GenerativeJudge:
             attention_mask=attention_mask.to(device),
             max_new_tokens=self.max_new_tokens,
             do_sample=False,
+            # With the KV cache whatever the saved configs say: transformers' Trainer saves the models it trains with
+            # `use_cache: false` (TrainingArguments' default), and without the cache each new token recomputes the
+            # whole prompt (a 16-token judgment: 16 prompt-length passes instead of one).
+            use_cache=True,
             pad_token_id=self.pad_id,
             logits_processor=LogitsProcessorList([recorder]) if recorder else None,
         )[:, input_ids.shape[1] :]
