@@ -43,8 +43,11 @@ def measure_step(stage, training_args, model_config, shape: GroupShape, peft_con
 
             trainer_cls = stock_classes(stage)[0]
             args = stock_args(stage, training_args, shape, **overrides)
-            groups = -(-rows // max(shape.num_rejected, 1)) if stage != "sft" else rows
-            dataset = stock_dataset(stage, shape, groups, model_config.vocab_size, tokenizer.eos_token_id)
+            groups = -(-rows // max(shape.num_rejected, 1))
+            if stage == "sft":  # the same examples as ours
+                dataset = synthetic_dataset(stage, shape, rows, model_config.vocab_size, tokenizer.eos_token_id)
+            else:
+                dataset = stock_dataset(stage, shape, groups, model_config.vocab_size, tokenizer.eos_token_id)
         else:
             trainer_cls = stage_classes(stage)[0]
             args = fresh_args(training_args, **overrides)

@@ -58,15 +58,13 @@ def stock_args(stage: str, training_args, shape, **overrides):
 
 
 def stock_dataset(stage: str, shape, num_groups: int, vocab_size: int, eos_token_id: int):
-    """`num_groups` groups of `shape` as stock's rows: `num_rejected` pairs per group (SFT: one example), tokenized as
-    the stock trainer accepts them (RewardTrainer: `chosen_ids`/`rejected_ids`; SFTTrainer: `input_ids` and
-    `completion_mask`; CPOTrainer tokenizes text itself: a text of n one-token characters)."""
+    """`num_groups` groups of `shape` as stock's rows: `num_rejected` pairs per group, tokenized as the stock trainer
+    accepts them (RewardTrainer: `chosen_ids`/`rejected_ids`; CPOTrainer tokenizes text itself: a text of n one-token
+    characters). SFT examples are the same for stock as for ours (`trace.synthetic_dataset`)."""
     from datasets import Dataset
 
-    from trl_longrm.memory_plan.trace import synthetic_dataset
-
     if stage == "sft":
-        return synthetic_dataset(stage, shape, num_groups, vocab_size, eos_token_id)
+        raise ValueError("stock SFTTrainer takes the same examples as ours: use trace.synthetic_dataset")
 
     def ids(n, offset):
         return [3 + (offset + i) % max(vocab_size - 3, 1) for i in range(n)]

@@ -422,15 +422,20 @@ def _trace_step(stage: str, training_args, model_config, shape: GroupShape, *, p
             save_strategy="no", eval_strategy="no", report_to=[], logging_steps=1, disable_tqdm=True,
             dataloader_num_workers=0, use_cpu=True, push_to_hub=False, resume_from_checkpoint=None,
         )  # fmt: skip
-        if stock:
+        if stock and stage != "sft":  # (stock SFTTrainer takes the same examples as ours)
             from trl_longrm.memory_plan.stock import stock_args, stock_dataset
 
             args = stock_args(stage, training_args, shape, **overrides)
             # Stock's rows are pairs: a group of k rejected responses is k of them (the step traces the first ones).
-            groups = -(-num_rows // max(shape.num_rejected, 1)) if stage != "sft" else num_rows
+            groups = -(-num_rows // max(shape.num_rejected, 1))
             dataset = stock_dataset(stage, shape, groups, model_config.vocab_size, tokenizer.eos_token_id)
         else:
-            args = fresh_args(training_args, **overrides)
+            if stock:
+                from trl_longrm.memory_plan.stock import stock_args
+
+                args = stock_args(stage, training_args, shape, **overrides)
+            else:
+                args = fresh_args(training_args, **overrides)
             dataset = synthetic_dataset(stage, shape, num_rows, model_config.vocab_size, tokenizer.eos_token_id)
         with HybridFakeMode(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
