@@ -151,7 +151,12 @@ def plan_case(case: Case, longest: bool) -> dict:
     summary["text"] = text
     summary["notes"] = case.notes
     summary["world_size"] = world_size
+    summary["commit"] = _commit()
     return summary
+
+
+def _commit() -> str:
+    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
 
 
 def run_one(case: Case, longest: bool) -> dict:
@@ -239,6 +244,21 @@ def table(results: dict) -> str:
     return "\n".join(lines)
 
 
+DOCS = ROOT / "docs" / "memory_plan.md"
+MARKERS = ("<!-- memory-plan-table -->", "<!-- /memory-plan-table -->")
+
+
+def write_docs(data: dict, path: Path = DOCS) -> None:
+    """The table and summary of `data` between the markers of docs/memory_plan.md (generated, never typed)."""
+    text = path.read_text()
+    start, end = text.index(MARKERS[0]) + len(MARKERS[0]), text.index(MARKERS[1])
+    summary = ", ".join(f"`{k}`: {v}" for k, v in data.get("summary", {}).items())
+    commits = sorted({case.get("commit", "?") for case in data["cases"].values()})
+    block = (f"\nPlanned on commit(s) {', '.join(commits)} ({data.get('date', '?')}); summary: {summary}.\n\n"
+             f"{table(data['cases'])}\n")  # fmt: skip
+    path.write_text(text[:start] + block + text[end:])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=ROOT / "bench/results/memory_plan.json")
@@ -247,6 +267,7 @@ def main() -> None:
     parser.add_argument("--validate", action="store_true",
                         help="run the CPU validation tests (plan vs measured peak) and record their errors")  # fmt: skip
     parser.add_argument("--table", type=Path, help="print the table of this results file and exit")
+    parser.add_argument("--docs", action="store_true", help="write the table into docs/memory_plan.md")
     parser.add_argument("--case", help=argparse.SUPPRESS)  # one case, in this process (`run_one`'s child)
     args = parser.parse_args()
     if args.case:
@@ -254,7 +275,10 @@ def main() -> None:
         print("@@" + json.dumps(plan_case(case, args.longest)), flush=True)
         return
     if args.table:
-        print(table(json.loads(args.table.read_text())["cases"]))
+        data = json.loads(args.table.read_text())
+        print(table(data["cases"]))
+        if args.docs:
+            write_docs(data)
         return
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     data = json.loads(args.out.read_text()) if args.out.exists() else {"cases": {}}
@@ -274,8 +298,11 @@ def main() -> None:
         logging.info("validating the plan against measured CPU peaks (tests/test_memory_plan.py) ...")
         data["validation"] = validate()
     data["summary"] = summarize(results, data.get("validation"))
-    data["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+    data["commit"] = _commit()
+    data["date"] = time.strftime("%Y-%m-%d", time.gmtime())
     args.out.write_text(json.dumps(data, indent=1) + "\n")
+    if args.docs:
+        write_docs(data)
     print(table(results))
     print(json.dumps(data["summary"]))
 
