@@ -136,6 +136,7 @@ def plan_case(case: Case, longest: bool) -> dict:
     from trl_longrm.train import parse_args, training_plan
 
     argv = [*case.argv(), "--plan_longest_group", "true" if longest and case.longest else "false"]
+    commit = _commit()  # the code this case is planned with (read now: a long case may outlive the commit)
     started = time.perf_counter()
     script_args, training_args, model_args = parse_args(argv, check_only=True)
     world_size = training_plan(script_args, training_args, model_args)["world_size"]
@@ -151,7 +152,7 @@ def plan_case(case: Case, longest: bool) -> dict:
     summary["text"] = text
     summary["notes"] = case.notes
     summary["world_size"] = world_size
-    summary["commit"] = _commit()
+    summary["commit"] = commit
     return summary
 
 
