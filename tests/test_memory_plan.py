@@ -94,13 +94,15 @@ def test_plan_matches_measured_peak_one_process(name):
 
 
 # The measured peak of a gloo case used to move from run to run (the SFT ring case's rank 1: within 10% of the 58.4 MiB
-# predicted in one clean-clone CI run of 2026-11-26, 69.9 MiB in the next, same code path). Cause: the profiler records
-# no allocator event on a gloo worker thread outside a collective's run, and which thread drops a finished
-# collective's work (and with it the last reference to its buffer) is a race: when gloo's worker thread dropped DDP's
-# flat broadcast bucket of all parameters (8.8 MiB here) or a ring's gathered keys/values last, their frees went
-# unrecorded and the recorder counted them live for the rest of the run. The recorder now makes the training thread
-# drop them last (`bench/tensor_memory.py`, `collectives_released_here`): each rank's peak is now the same run after
-# run (to within 1 KiB), with Python's cyclic GC disabled too.
+# predicted in one clean-clone CI run of 2026-11-26, 69.9 MiB in the next, same code path). Causes, both in the
+# measurement, by thread timing: (1) the profiler records no allocator event on a gloo worker thread outside a
+# collective's run, and which thread drops a finished collective's work (and with it the last reference to its buffer)
+# is a race: when gloo's worker thread dropped DDP's flat broadcast bucket of all parameters (8.8 MiB here) or a ring's
+# gathered keys/values last, the recorder never saw them freed; (2) gloo's own staging buffer of an all-gather (1.6 MiB
+# on the GRM ring) was counted when the collective happened to overlap the training thread's peak. The recorder now
+# has the training thread drop what collectives free (`collectives_released_here`) and counts the training thread's
+# tensors only (`bench/tensor_memory.py`): each rank's peak is the same run after run (to within 1 KiB), with
+# Python's cyclic GC disabled too.
 @pytest.mark.slow
 @pytest.mark.parametrize("name", [n for n, case in CASES.items() if case[-1] == 2])
 def test_plan_matches_measured_peak_gloo_group_of_two(name, tmp_path):
