@@ -133,6 +133,22 @@ def test_recorder_sees_the_buffers_of_gloo_collectives_freed(tmp_path):
         assert json.loads((tmp_path / f"rank{rank}.json").read_text()) == {"unseen_free_bytes": 0}, rank
 
 
+def test_step_report_counts_the_training_threads_tensors_once():
+    """A step's peak, by hand: the training thread's tensors (the thread of the step marks), not a gloo worker
+    thread's staging buffer, and a block whose free went unseen counted once when its address is handed out again."""
+    import memory_plan_worker  # noqa: F401  (puts bench/ on the path)
+    from tensor_memory import MARK, step_report
+
+    training, gloo = 1, 7
+    events = [(0, 100, MARK, "mark", training), (1, 1, 1000, "activation", training),
+              (2, 2, 5000, "gloo:all_gather", gloo), (3, 3, 300, "temporary", training),
+              (4, 3, 200, "temporary", training),  # address 3 again: the 300 bytes were freed where not seen
+              (5, 2, -5000, "gloo:all_gather", gloo), (6, 1, -1000, "", training), (7, 3, -200, "", training),
+              (8, 101, MARK + 1, "mark", training)]  # fmt: skip
+    (step,) = step_report(events, 1)
+    assert (step["start_bytes"], step["peak_bytes"]) == (0, MARK + 1000 + 300)
+
+
 def test_ring_metadata_is_freed_with_its_last_reference():
     """A row's ring attention metadata, and the index tensors it caches, are freed when its step drops it, not when
     Python's cyclic GC happens to run: a metadata of one piece used to hold itself in its cache of `pieces()`, a
