@@ -13,7 +13,8 @@ with it, the work's last references to its tensors) a moment after the caller's 
 buffer last is a race, so a replay of the events would count a buffer freed there as live for the rest of the run: a
 run-to-run difference of one DDP bucket of all parameters (the flat buffer `DistributedDataParallel` broadcasts its
 module states through at setup) or one ring's gathered keys/values. While it profiles, the recorder makes sure the
-training thread drops them last (`collectives_released_here`).
+training thread drops them last (`collectives_released_here`), and the report counts the training thread's tensors
+only, not gloo's staging buffers (see `step_report`).
 
     recorder = TensorMemoryRecorder()          # a TrainerCallback; start it before the model is built
     recorder.start()
@@ -38,8 +39,9 @@ MARK = 1_000_003
 
 
 def allocator_events(profiler, callers: int = 5):
-    """`(time_ns, ptr, bytes, owner)` of every CPU allocator event (bytes < 0: a free), in time order; `owner` names
-    the operator that allocated and up to `callers` enclosing operators / Python frames."""
+    """`(time_ns, ptr, bytes, owner, thread)` of every CPU allocator event (bytes < 0: a free), in time order; `owner`
+    names the operator that allocated and up to `callers` enclosing operators / Python frames, `thread` the profiler's
+    id of the thread it ran on."""
     from torch._C._profiler import _EventType
 
     events = []
@@ -57,7 +59,7 @@ def allocator_events(profiler, callers: int = 5):
                 chain.append(owner.name.split("/")[-1][:70])
             owner = owner.parent
         fields = node.extra_fields
-        events.append((node.start_time_ns, fields.ptr, fields.alloc_size, " < ".join(chain)))
+        events.append((node.start_time_ns, fields.ptr, fields.alloc_size, " < ".join(chain), node.start_tid))
     events.sort(key=lambda e: e[0])
     return events
 
@@ -65,9 +67,16 @@ def allocator_events(profiler, callers: int = 5):
 def step_report(events, steps: int, top: int = 30, big_bytes: int = 64 * 2**20):
     """Per step: live tensor bytes at its start, their peak inside it, what was alive at the peak (by owner, marked as
     allocated before the step or in it), and every allocation or free of at least `big_bytes` (seconds into the step,
-    bytes, live bytes after it, owner). Bytes allocated before the profiler started are not seen."""
+    bytes, live bytes after it, owner). Bytes allocated before the profiler started are not seen.
+
+    Only the training thread's events count (the thread that allocates the step marks): gloo's worker threads allocate
+    staging buffers of their own while they run a collective (an all-gather's flat output, for one), at times that
+    overlap the training thread's work by chance, so counting them would make a peak depend on thread timing; they
+    are the backend's, as NCCL's buffers are, which `torch.cuda.max_memory_allocated` does not count either."""
+    training = next((e[4] for e in events if e[2] > 0 and MARK <= e[2] < MARK + 2 * steps), None)
+    events = [e for e in events if e[4] == training] if training is not None else events
     marks = {}
-    for i, (_, _, size, _) in enumerate(events):
+    for i, (_, _, size, _, _) in enumerate(events):
         if size > 0 and MARK <= size < MARK + 2 * steps:
             marks[size - MARK] = i
     report, live, cursor = [], {}, 0
@@ -75,14 +84,14 @@ def step_report(events, steps: int, top: int = 30, big_bytes: int = 64 * 2**20):
         if 2 * step + 1 not in marks:
             break
         begin, end = marks[2 * step], marks[2 * step + 1]
-        for _, ptr, size, owner in events[cursor:begin]:
+        for _, ptr, size, owner, _ in events[cursor:begin]:
             if size > 0:
                 live[ptr] = (size, owner, step - 1)
             else:
                 live.pop(ptr, None)
         current = start = sum(s for s, _, _ in live.values())
         peak, peak_live, big = start, dict(live), []
-        for time_ns, ptr, size, owner in events[begin:end]:
+        for time_ns, ptr, size, owner, _ in events[begin:end]:
             if size > 0:
                 stale = live.get(ptr)  # an address handed out again: its earlier block was freed where not seen
                 live[ptr] = (size, owner, step)

@@ -99,7 +99,7 @@ def collectives_on_rank(rank: int, world_size: int, out_dir: str, rounds: int) -
         reduce_scatter_dim0(chunk, dist.group.WORLD)
     recorder.finish(0)
     live, unseen = {}, 0
-    for _, ptr, size, _ in allocator_events(recorder.profiler):
+    for _, ptr, size, _, _ in allocator_events(recorder.profiler):
         if size > 0:
             unseen += live.get(ptr, 0)
             live[ptr] = size

@@ -201,13 +201,15 @@ def test_cuda_plans_trace_flash_attn_allocations(monkeypatch):
 
 
 # The measured peak of a gloo case used to move from run to run (the SFT ring case's rank 1: within 10% of the 58.4 MiB
-# predicted in one clean-clone CI run of 2026-11-26, 69.9 MiB in the next, same code path). Cause: the profiler records
-# no allocator event on a gloo worker thread outside a collective's run, and which thread drops a finished
-# collective's work (and with it the last reference to its buffer) is a race: when gloo's worker thread dropped DDP's
-# flat broadcast bucket of all parameters (8.8 MiB here) or a ring's gathered keys/values last, their frees went
-# unrecorded and the recorder counted them live for the rest of the run. The recorder now makes the training thread
-# drop them last (`bench/tensor_memory.py`, `collectives_released_here`): each rank's peak is now the same run after
-# run (to within 1 KiB), with Python's cyclic GC disabled too.
+# predicted in one clean-clone CI run of 2026-11-26, 69.9 MiB in the next, same code path). Causes, both in the
+# measurement, by thread timing: (1) the profiler records no allocator event on a gloo worker thread outside a
+# collective's run, and which thread drops a finished collective's work (and with it the last reference to its buffer)
+# is a race: when gloo's worker thread dropped DDP's flat broadcast bucket of all parameters (8.8 MiB here) or a ring's
+# gathered keys/values last, the recorder never saw them freed; (2) gloo's own staging buffer of an all-gather (1.6 MiB
+# on the GRM ring) was counted when the collective happened to overlap the training thread's peak. The recorder now
+# has the training thread drop what collectives free (`collectives_released_here`) and counts the training thread's
+# tensors only (`bench/tensor_memory.py`): each rank's peak is the same run after run (to within 1 KiB), with
+# Python's cyclic GC disabled too.
 @pytest.mark.slow
 @pytest.mark.parametrize("name", [n for n, case in CASES.items() if case[-1] == 2])
 def test_plan_matches_measured_peak_gloo_group_of_two(name, tmp_path):
@@ -236,6 +238,22 @@ def test_recorder_sees_the_buffers_of_gloo_collectives_freed(tmp_path):
     run_on_gloo_ranks(collectives_on_rank, 2, str(tmp_path), 30, timeout=120)
     for rank in range(2):
         assert json.loads((tmp_path / f"rank{rank}.json").read_text()) == {"unseen_free_bytes": 0}, rank
+
+
+def test_step_report_counts_the_training_threads_tensors_once():
+    """A step's peak, by hand: the training thread's tensors (the thread of the step marks), not a gloo worker
+    thread's staging buffer, and a block whose free went unseen counted once when its address is handed out again."""
+    import memory_plan_worker  # noqa: F401  (puts bench/ on the path)
+    from tensor_memory import MARK, step_report
+
+    training, gloo = 1, 7
+    events = [(0, 100, MARK, "mark", training), (1, 1, 1000, "activation", training),
+              (2, 2, 5000, "gloo:all_gather", gloo), (3, 3, 300, "temporary", training),
+              (4, 3, 200, "temporary", training),  # address 3 again: the 300 bytes were freed where not seen
+              (5, 2, -5000, "gloo:all_gather", gloo), (6, 1, -1000, "", training), (7, 3, -200, "", training),
+              (8, 101, MARK + 1, "mark", training)]  # fmt: skip
+    (step,) = step_report(events, 1)
+    assert (step["start_bytes"], step["peak_bytes"]) == (0, MARK + 1000 + 300)
 
 
 def test_ring_metadata_is_freed_with_its_last_reference():
