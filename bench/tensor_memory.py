@@ -130,23 +130,18 @@ RELEASE_TIMEOUT = 60.0
 """Seconds a dropped work waits for gloo's worker thread to let go of it before giving up (with a warning)."""
 
 
-def _tensors_in(values):
-    for value in values:
-        if isinstance(value, torch.Tensor):
-            yield value
-        elif isinstance(value, (list, tuple)):
-            yield from _tensors_in(value)
-
-
 class _ReleasedHere:
-    """A collective's work whose tensors are freed by the thread that drops it. Dropped, it waits for the operation,
-    drops the work, waits until nothing else holds the work (gloo's worker thread, for a moment after completing it):
-    until the reference count of each tensor the work took has fallen, and only then lets go of the tensors."""
+    """A collective's work whose tensors are freed by the thread that drops it. The work was handed aliases of the
+    caller's tensors on storages of their own (`_aliases`: DLPack views of the same memory, whose storage frees nothing
+    but its reference to the caller's tensor), so that whether the work still holds any of the memory, through the
+    alias or a view it made of it, is exactly whether an alias's storage is alive. Dropped, it waits for the
+    operation, drops the work, waits until every alias's storage is gone (gloo's worker thread lets go of a finished
+    work a moment later, and then of its tensors one at a time), and only then lets go of the caller's tensors."""
 
-    __slots__ = ("_work", "_tensors")
+    __slots__ = ("_work", "_tensors", "_alias_storages")
 
-    def __init__(self, work, tensors):
-        self._work, self._tensors = work, tensors
+    def __init__(self, work, tensors, alias_storages):
+        self._work, self._tensors, self._alias_storages = work, tensors, alias_storages
 
     def __getattr__(self, name):
         attribute = getattr(self._work, name)
@@ -156,21 +151,38 @@ class _ReleasedHere:
         return lambda *args, **kwargs: getattr(self._work, name)(*args, **kwargs)
 
     def __del__(self):
-        work, tensors = self._work, self._tensors
-        self._work = self._tensors = None
+        work, tensors, storages = self._work, self._tensors, self._alias_storages
+        self._work = self._tensors = self._alias_storages = None
         try:
             work.wait()
         except Exception:  # its caller saw (or chose to ignore) the failure; the work is released all the same
             pass
-        held = [tensor._use_count() for tensor in tensors]
         del work
         deadline = time.monotonic() + RELEASE_TIMEOUT
-        while any(tensor._use_count() >= count for tensor, count in zip(tensors, held)):
+        while not all(storage.expired() for storage in storages):
             if time.monotonic() > deadline:
                 warnings.warn("tensor_memory: a collective's work was not released in time; its tensors may be "
                               "counted live after they are freed", stacklevel=1)  # fmt: skip
                 break
             os.sched_yield()
+        del tensors  # here, on the thread that dropped the work, where the profiler sees the frees
+
+
+def _aliases(value, tensors, storages):
+    """`value` (a tensor, or lists / tuples of them, as a process group's methods take them) with each tensor replaced
+    by an alias on a storage of its own (a DLPack view: same memory and layout), the tensor appended to `tensors` and a
+    weak reference to the alias's storage to `storages`."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+    from torch.utils.dlpack import from_dlpack, to_dlpack
+
+    if isinstance(value, torch.Tensor):
+        alias = from_dlpack(to_dlpack(value.detach()))
+        tensors.append(value)
+        storages.append(StorageWeakRef(alias.untyped_storage()))
+        return alias
+    if isinstance(value, (list, tuple)):
+        return type(value)(_aliases(item, tensors, storages) for item in value)
+    return value
 
 
 class _CopyOutOnWait:
@@ -251,11 +263,12 @@ def collectives_released_here():
 
     def released_here(original):
         def method(self, *args, **kwargs):
-            tensors = list({id(t): t for t in _tensors_in((*args, *kwargs.values()))}.values())
-            before = [tensor._use_count() for tensor in tensors]
+            tensors, storages = [], []
+            args = _aliases(args, tensors, storages)
+            kwargs = {key: _aliases(value, tensors, storages) for key, value in kwargs.items()}
             work = original(self, *args, **kwargs)
-            taken = [tensor for tensor, count in zip(tensors, before) if tensor._use_count() > count]
-            return _ReleasedHere(work, taken) if work is not None and taken else work
+            del args, kwargs  # from here on only the work holds the aliases
+            return _ReleasedHere(work, tensors, storages) if work is not None and tensors else work
 
         return method
 

@@ -33,8 +33,9 @@ TRAINING_RECIPES = sorted(
 
 def test_the_training_recipes_are_the_paper_low_memory_and_tiny_ones():
     names = {Path(recipe).name for recipe in TRAINING_RECIPES}
-    assert len(TRAINING_RECIPES) == 12 and sum(recipe.startswith("recipes/tiny/") for recipe in TRAINING_RECIPES) == 3
+    assert len(TRAINING_RECIPES) == 15 and sum(recipe.startswith("recipes/tiny/") for recipe in TRAINING_RECIPES) == 3
     assert {"sft.yaml", "simpo_grm.yaml", "simpo_disrm.yaml", "simpo_grm_qlora.yaml"} <= names
+    assert {"sft_1m.yaml", "simpo_grm_1m.yaml", "simpo_disrm_1m.yaml"} <= names  # activation offload + tiled MLP
 
 
 @pytest.fixture
