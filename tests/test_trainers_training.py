@@ -15,6 +15,7 @@ from trl_longrm import (
     SimPOGRMConfig,
     SimPOGRMTrainer,
 )
+from trl_longrm.lora_input_cast import HOOKED_MARK
 from trl_longrm.testing_utils import save_tiny_model
 
 
@@ -92,6 +93,9 @@ def test_lora_trains_adapters_and_score_head(tmp_path, tokenizer, model_paths, k
     task_type = KINDS[kind][3]
     lora = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type=task_type)
     trainer = make_trainer(kind, model_paths[KINDS[kind][2]], tmp_path, tokenizer, peft_config=lora, max_steps=3)
+    # Every LoRA projection skips PEFT's input copy under autocast (tests/test_lora_input_cast.py: exact).
+    lora_linears = [m for m in trainer.model.modules() if type(m).__name__ == "Linear" and hasattr(m, "lora_A")]
+    assert lora_linears and all(getattr(m, HOOKED_MARK, False) for m in lora_linears)
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     trainer.train()
     after = dict(trainer.model.named_parameters())

@@ -18,6 +18,7 @@ from trl_longrm.data.sources import holds_json_feature
 from trl_longrm.heads import add_token_logprob_head
 from trl_longrm.packing import SFTCollator
 from trl_longrm.sequence_parallel import SequenceParallelConfig
+from trl_longrm.lora_input_cast import skip_lora_input_casts_under_autocast
 from trl_longrm.tiled_mlp import apply_tiled_mlp
 from trl_longrm.trainers.common import (
     LongContextDataArguments,
@@ -340,6 +341,7 @@ class LongSFTTrainer(SequenceParallelMixin, SFTTrainer):
         install_activation_offload(self)
         if self._stock_path:
             apply_tiled_mlp(self.model, args.mlp_tile_tokens)  # a model-level setting: stock's forward is tiled too
+            skip_lora_input_casts_under_autocast(self.model)
             return
         self.data_collator = data_collator or SFTCollator(
             pad_token_id=self._pad_token_id,

@@ -17,6 +17,7 @@ import torch
 from accelerate.data_loader import BatchSamplerShard
 
 from trl_longrm.heads import shift_labels_left
+from trl_longrm.lora_input_cast import skip_lora_input_casts_under_autocast
 from trl_longrm.packing import is_shared_prefix_batch
 from trl_longrm.sequence_parallel import (
     RING_META_KWARG,
@@ -113,6 +114,8 @@ class SequenceParallelMixin:
             # Our attention keeps the documents of a packed row apart without an L x L mask (and runs the ring).
             apply_ring_attention(self.model, args)
         apply_tiled_mlp(self.model, getattr(args, "mlp_tile_tokens", None))
+        # Exact (bit for bit) and less memory: no float32 copy of each LoRA layer's input under autocast.
+        skip_lora_input_casts_under_autocast(self.model)
 
     @property
     def sequence_parallel_size(self) -> int:
