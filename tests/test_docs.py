@@ -14,7 +14,7 @@ PAGES = [ROOT / "README.md", ROOT / "CHANGELOG.md", *sorted((ROOT / "docs").glob
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 CODE = re.compile(r"`([^`\s]+)`")
 # Top-level folders of the repository: a backticked name starting with one of them is a path the reader may open.
-TOP = ("recipes/", "bench/", "tests/", "trl_longrm/", "accelerate_configs/", "docs/")
+TOP = ("recipes/", "bench/", "tests/", "trl_longrm/", "accelerate_configs/", "docs/", ".ci/")
 
 
 def anchors(page: Path) -> set[str]:
