@@ -40,9 +40,11 @@ def test_tiled_model_has_the_same_logits_and_gradients(tokenizer, checkpointing)
     for mlp in decoder_mlps(model):
         mlp.register_forward_hook(lambda module, args, output: calls.append(args[0].shape[-2]))
     assert apply_tiled_mlp(model, 8) == model.config.num_hidden_layers
-    # The layers' RMSNorms are per token too (Qwen3: input, post-attention, and the per-head q/k norms): tiled alike.
+    # The layers' RMSNorms are per token too (Qwen3: input, post-attention, and the per-head q/k norms), and the
+    # backbone's final norm: tiled alike.
     norms = decoder_norms(model)
-    assert len(norms) == 4 * model.config.num_hidden_layers and all(hasattr(n, TILED_MARK) for n in norms)
+    assert len(norms) == 4 * model.config.num_hidden_layers + 1 and all(hasattr(n, TILED_MARK) for n in norms)
+    assert norms[-1] is model.model.norm
     got_logits, got_grads = forward_backward(model, input_ids, position_ids)
     torch.testing.assert_close(got_logits, want_logits, rtol=1e-5, atol=1e-6)
     assert_state_close(got_grads, want_grads, "tiled gradient", atol=1e-6)

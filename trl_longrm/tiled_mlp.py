@@ -10,9 +10,10 @@ one slice's intermediates at a time. The peak then holds one slice's intermediat
 the MLP per step (with gradient checkpointing, which recomputes the layer anyway, three forwards instead of two).
 
 The decoder layers' RMSNorms (`input_layernorm`, `post_attention_layernorm`, and per-head ones such as Qwen3's
-`q_norm`/`k_norm`) are tiled the same way: they are per-token too, and transformers computes them in float32, so a whole
-row's norm keeps float32 copies of the row's hidden states for its backward (4 bytes a value: 8 GiB for Llama-3-8B at
-512K tokens, several of them live at once in a layer's backward); tiled, one slice's.
+`q_norm`/`k_norm`) and the stack's final `norm` are tiled the same way: they are per-token too, and transformers
+computes them in float32, so a whole row's norm keeps float32 copies of the row's hidden states for its backward (4
+bytes a value: 8 GiB for Llama-3-8B at 512K tokens, several of them live at once in a norm's backward); tiled, one
+slice's.
 
 Gradients reach the parameters through autograd as usual (DDP's and DeepSpeed's hooks see them), so the tiled model
 trains the same weights, to rounding of the summation order of each weight's gradient over the slices.
@@ -51,8 +52,8 @@ def tiled_mlp_forward(forward, hidden_states: torch.Tensor, tile_tokens: int, di
 
 
 def decoder_norms(model: nn.Module) -> list[nn.Module]:
-    """The RMSNorms inside every decoder layer of `model` (the layer's own and its attention's per-head ones): modules
-    of a `...RMSNorm` class, per token like the MLP."""
+    """The RMSNorms inside every decoder layer of `model` (the layer's own and its attention's per-head ones) and the
+    decoder stack's final norm: modules of a `...RMSNorm` class, per token like the MLP."""
     norms = []
     for module in model.modules():
         layers = getattr(module, "layers", None)
@@ -60,6 +61,10 @@ def decoder_norms(model: nn.Module) -> list[nn.Module]:
             for layer in layers:
                 norms.extend(m for m in layer.modules() if type(m).__name__.endswith("RMSNorm"))
             if norms:
+                # The backbone's final norm: per token too, over the whole row (the heads then read a few tokens).
+                final = getattr(module, "norm", None)
+                if type(final).__name__.endswith("RMSNorm"):
+                    norms.append(final)
                 return norms
     return norms
 
