@@ -284,6 +284,31 @@ def test_ring_metadata_is_freed_with_its_last_reference():
         gc.enable()
 
 
+def test_the_trace_frees_each_micro_batchs_input_embeddings(monkeypatch):
+    """With PEFT and gradient checkpointing the input embeddings' output is a leaf that requires grad
+    (`enable_input_require_grads`); the run frees it and its `.grad` after each micro-batch's backward (checked on a
+    real CPU run in tests/test_trainers_training.py's LoRA test), and so must the trace: torch's module tracker held it,
+    through its backward hooks, until the end of the step (two hidden-state-sized tensors per micro-batch)."""
+    import weakref
+
+    from trl_longrm.memory_plan import fake_mode
+
+    stage, args, config, shape, peft_config, dtype, _ = build_case("grm_lora_accumulation_bf16")
+    outputs, alive_at_next = [], []
+    dispatch = fake_mode.HybridFakeMode.__torch_dispatch__
+
+    def recording(self, func, types, args=(), kwargs=None):
+        out = dispatch(self, func, types, args, kwargs)
+        if func is torch.ops.aten.embedding.default:
+            alive_at_next.append(sum(ref() is not None for ref in outputs))
+            outputs.append(weakref.ref(out))
+        return out
+
+    monkeypatch.setattr(fake_mode.HybridFakeMode, "__torch_dispatch__", recording)
+    plan_memory(stage, args, config, shape, peft_config=peft_config, dtype=dtype)
+    assert args.gradient_accumulation_steps == 2 and alive_at_next == [0, 0]
+
+
 def test_per_layer_extrapolation_matches_a_full_trace():
     """A deep model is traced with 2 and 3 layers and extended per layer (what makes an 8B plan take seconds): for a
     6-layer model the extrapolated parts and peak equal those of tracing all 6 layers, on a ring rank too."""

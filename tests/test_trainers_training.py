@@ -106,6 +106,27 @@ def test_lora_trains_adapters_and_score_head(tmp_path, tokenizer, model_paths, k
         assert any("score" in n and "modules_to_save" in n for n in changed), "the score head must train"
 
 
+def test_lora_with_checkpointing_frees_each_micro_batchs_input_embeddings(tmp_path, tokenizer, model_paths):
+    """PEFT with gradient checkpointing makes the input embeddings' output a leaf that requires grad
+    (`enable_input_require_grads`): it and its `.grad` are freed after each micro-batch's backward, as the memory plan
+    assumes (tests/test_memory_plan.py::test_the_trace_frees_each_micro_batchs_input_embeddings)."""
+    import weakref
+
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="SEQ_CLS")
+    trainer = make_trainer("disrm", model_paths["seq-cls"], tmp_path, tokenizer, peft_config=lora, max_steps=2,
+                           gradient_accumulation_steps=2, gradient_checkpointing=True,
+                           gradient_checkpointing_kwargs={"use_reentrant": False})  # fmt: skip
+    outputs, seen = [], []
+
+    def record(module, args, output):
+        seen.append((output.is_leaf and output.requires_grad, sum(ref() is not None for ref in outputs)))
+        outputs.append(weakref.ref(output))
+
+    trainer.model.get_input_embeddings().register_forward_hook(record)  # after enable_input_require_grads' hook
+    trainer.train()
+    assert seen == [(True, 0)] * 4
+
+
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_ddp_keeps_gradients_in_its_buckets(tmp_path, tokenizer, model_paths, kind):
     # Under DDP (every multi-process run, sequence parallelism included) the gradients are views of the all-reduce

@@ -193,7 +193,36 @@ def _memory_tracker():
                 del self._param_to_grad_hook_handles[param]
             super()._deregister_param_and_optimizer_hooks()
 
-    return _Tracker()
+    tracker = _Tracker()
+    tracker._mod_tracker = _forward_mod_tracker()
+    return tracker
+
+
+def _forward_mod_tracker():
+    """torch's `ModTracker` (MemTracker's module bookkeeping) without its backward hooks. It registers a multi-grad
+    hook on every module's inputs and outputs that require grad, to follow modules in backward; each hook holds a node
+    of the micro-batch's autograd graph, hence the graph's nodes down to the gradient accumulator of any leaf that
+    requires grad (the input embeddings' output under `enable_input_require_grads`, which TRL and our trainers turn on
+    for PEFT with gradient checkpointing), hence that leaf and its `.grad`, for the rest of the trace. The run the plan
+    stands for frees them after each micro-batch's backward: two hidden-state-sized tensors per micro-batch too many
+    (8 GiB for Llama-3.1-8B at 512K tokens). The whole-step peak needs the forward bookkeeping only (which module runs;
+    whether the engine is in backward is read from the engine itself, `is_bw`)."""
+    import weakref
+
+    from torch.distributed._tools.mod_tracker import ModTracker
+
+    class _ForwardModTracker(ModTracker):
+        def _fw_pre_hook(self, mod, input):
+            self._get_append_fn(weakref.ref(mod), self._get_mod_name(mod), False)()
+            if self._user_pre_fw_hook is not None:
+                self._user_pre_fw_hook(mod, input)
+
+        def _fw_post_hook(self, mod, input, output):
+            if self._user_post_fw_hook is not None:
+                self._user_post_fw_hook(mod, input, output)
+            self._get_pop_fn(weakref.ref(mod), self._get_mod_name(mod), False)()
+
+    return _ForwardModTracker()
 
 
 class _TraceStep(TrainerCallback):
