@@ -7,6 +7,7 @@
   fp32, k in {1, 3}, several groups per row, and with LoRA.
 """
 
+import itertools
 import types
 
 import pytest
@@ -494,6 +495,38 @@ def test_shared_row_varlen_merge_on_emulated_ring(row, group_size, ops):
     assert_all_close(got, expected, f"varlen merge, ring of {group_size}")
     local = -(-length // group_size)
     assert any(ks < rank * local for rank, ks in enumerate(kv_starts))
+
+
+@pytest.mark.parametrize("row", ROWS, ids=["three_groups", "with_unshared_document"])
+def test_shared_row_half_precision_dq_is_the_float32_one_cast(row):
+    """The one-rank autograd path asks the merge for `dq` in the kernel's dtype (no float32 copy of the whole row's
+    `dq`): bit for bit the float32 `dq` cast once, and the same key/value gradients, on bf16 inputs through PyTorch's
+    fused CPU attention returning bf16 gradients as the CUDA kernels do."""
+    from trl_longrm.sequence_parallel.kernels import TorchCpuFlashOps, _SharedPrefixLayout
+
+    lengths, parents, _ = shared_layout(row)
+    length = sum(lengths)
+    q, k, v, grad_out = random_problem(6, 3, length, seed=5)
+    meta = RingAttentionMetadata(cu_seqlens=tuple(itertools.accumulate([0, *lengths])), total_length=length,
+                                 unpadded_length=length, local_start=0, local_length=length, group_size=1, rank=0,
+                                 query_chunk_size=1024, segment_parents=tuple(parents))  # fmt: skip
+    layout = _SharedPrefixLayout.of(meta, q.device)
+    assert layout.has_b
+    class KernelDtypeOps(TorchCpuFlashOps):
+        """Gradients in the inputs' dtype, as flash-attn and torch's CUDA varlen kernels return them."""
+
+        def backward(self, grad_out, q, *args):
+            return tuple(t.to(q.dtype) for t in super().backward(grad_out, q, *args))
+
+    ops = KernelDtypeOps()
+    q, k, v = (t.transpose(0, 1).contiguous().bfloat16() for t in (q, k, v))
+    grad_out = grad_out.bfloat16()
+    out, lse = layout.forward(ops, q, k, v, 0.25)
+    want = layout.backward(ops, grad_out, q, k, v, out, lse, 0.25)
+    got = layout.backward(ops, grad_out, q, k, v, out, lse, 0.25, dq_dtype=torch.bfloat16)
+    assert want[0].dtype == torch.float32 and got[0].dtype == torch.bfloat16
+    assert torch.equal(got[0], want[0].to(torch.bfloat16))
+    assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

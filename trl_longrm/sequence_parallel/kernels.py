@@ -473,13 +473,18 @@ class _SharedPrefixLayout:
         lse[:, idx] = merged
         return out, lse
 
-    def backward(self, ops: VarlenOps, grad_out, q, k, v, out, lse, scale):
+    def backward(self, ops: VarlenOps, grad_out, q, k, v, out, lse, scale, dq_dtype=torch.float32):
+        """float32 `(dq, dk, dv)`; `dq_dtype=q.dtype` returns `dq` in the kernel's dtype instead, with the same values
+        once cast: the responses' queries, the only ones with a second term, are summed in float32 and cast once, and
+        the row's other queries keep the kernel's `dq` as it is (no float32 copy of the whole row's `dq`, the largest
+        buffer of a long row's attention backward)."""
         a = self.keys_a_start
         dq, dk_a, dv_a = ops.backward(grad_out, q, k[a:].contiguous(), v[a:].contiguous(), out, lse, *self.call_a,
                                       scale, True)  # fmt: skip
         # The two calls' gradients (and every response's share of its prefix's) are summed in float32; the caller
         # casts once.
-        dq = dq.float()
+        if dq_dtype == torch.float32:
+            dq = dq.float()
         dk, dv = _fp32_zeros(k), _fp32_zeros(v)
         dk[a:] += dk_a
         dv[a:] += dv_a
@@ -489,7 +494,10 @@ class _SharedPrefixLayout:
                 grad_out[idx], q[idx], self.keys_b(k), self.keys_b(v), out[idx], lse[:, idx].contiguous(),
                 *self.call_b, scale, False,
             )  # fmt: skip
-            dq = dq.index_add(0, idx, dq_b.float())
+            if dq.dtype == torch.float32:
+                dq.index_add_(0, idx, dq_b.float())  # in place: `dq` is this call's own
+            else:
+                dq[idx] = (dq[idx].float() + dq_b.float()).to(dq.dtype)
             at = 0
             for lo, hi in self.key_ranges_b:  # each prefix once, with the gradient of all its responses' queries
                 dk[lo:hi] += dk_b[at : at + hi - lo]
@@ -511,7 +519,7 @@ class _SharedPrefixVarlenFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = ctx.layout.backward(ctx.ops, grad_out, q, k, v, out, lse, ctx.scale)
+        dq, dk, dv = ctx.layout.backward(ctx.ops, grad_out, q, k, v, out, lse, ctx.scale, dq_dtype=q.dtype)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 
