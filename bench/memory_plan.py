@@ -87,6 +87,8 @@ CASES = [
     Case("grm_qwen3_8b_full_8x80_ring_zero3_long", "simpo_grm_1m.yaml", (), longest=True, max_length=MILLION,
          notes="recipes/simpo_grm_1m.yaml"),
     Case("stock_cpo_qwen3_8b_full_8x80_zero3_long", "simpo_grm_1m.yaml", STOCK_8, stock=True, longest=True),
+    Case("grm_qwen3_8b_full_8x80_ring_zero3_2m", "simpo_grm_1m.yaml", (), max_length=2 * MILLION + RESPONSE_TOKENS,
+         notes="recipes/simpo_grm_1m.yaml at a 2,097,152-token prompt (issue 41)"),
     Case("disrm_llama31_8b_lora_1x80_long", "simpo_disrm_lora.yaml", ONE_GPU + LONG_ROWS, longest=True,
          max_length=MILLION // 2),
     Case("stock_reward_llama31_8b_lora_1x80_long", "simpo_disrm_lora.yaml", ONE_GPU + LONG_ROWS, stock=True,
@@ -125,7 +127,8 @@ SUMMARY = {
     "disrm_llama31_8b_lora": ("disrm_llama31_8b_lora_1x80_long", "stock_reward_llama31_8b_lora_1x80_long"),
 }
 # summary key -> case: its predicted peak (GiB) at its recipe's length.
-PEAKS = {"sft_1m_8x80_peak_gib": "sft_qwen3_8b_full_8x80_ring_zero3_1m"}
+PEAKS = {"sft_1m_8x80_peak_gib": "sft_qwen3_8b_full_8x80_ring_zero3_1m",
+         "grm_2m_8x80_peak_gib": "grm_qwen3_8b_full_8x80_ring_zero3_2m"}
 
 
 def plan_case(case: Case, longest: bool) -> dict:
