@@ -83,7 +83,8 @@ def test_same_loss_and_gradients_bit_for_bit_and_no_input_copies(tokenizer, chec
     assert grads.keys() == want_grads.keys() and any("lora_A" in n for n in grads)
     for name, grad in grads.items():
         assert torch.equal(grad, want_grads[name]), name
-    assert all(not m.cast_input_dtype_enabled for m in ours.modules() if type(m) is LoraLinear)
+    # PEFT's switch is off for the call only: as it was after it.
+    assert all(m.cast_input_dtype_enabled for m in ours.modules() if type(m) is LoraLinear)
     # Per LoRA layer, in the forward (and again in each recomputation of it under checkpointing): PEFT's float32 copy
     # and autocast's bf16 copy of that, both gone.
     layers = sum(type(m) is LoraLinear for m in ours.modules())
@@ -113,3 +114,14 @@ def test_dropout_keeps_peft_cast(tokenizer):
     input_ids = torch.randint(10, len(tokenizer), (1, 9), generator=torch.Generator().manual_seed(3))
     step(model, input_ids)
     assert all(m.cast_input_dtype_enabled for m in model.modules() if type(m) is LoraLinear)
+
+
+def test_a_switch_the_user_turned_off_stays_off(tokenizer):
+    model = lora_model(tokenizer)
+    skip_lora_input_casts_under_autocast(model)
+    layers = [m for m in model.modules() if type(m) is LoraLinear]
+    for layer in layers:
+        layer.cast_input_dtype_enabled = False
+    input_ids = torch.randint(10, len(tokenizer), (1, 9), generator=torch.Generator().manual_seed(4))
+    step(model, input_ids)
+    assert not any(layer.cast_input_dtype_enabled for layer in layers)

@@ -8,10 +8,11 @@ input (transient) and a bf16 copy kept until the backward, beside the input the 
 `all-linear` adapters on Llama-3.1-8B that is 4 bf16 copies of a layer's hidden states saved by the attention
 projections (q, k, v, o), and at 512K tokens on one GPU several GiB.
 
-`skip_lora_input_casts_under_autocast(model)` registers a forward pre-hook on each plain LoRA `Linear` that turns PEFT's
-cast off (`cast_input_dtype_enabled`, PEFT's own switch) exactly when autocast is on for the input's device, and leaves it
-on otherwise. Only where the result is the same bit for bit: vanilla LoRA (no DoRA or other variant, whose extra terms
-PEFT computes in the adapter's dtype) without dropout (dropout would scale the bf16 input instead of its float32 copy).
+`skip_lora_input_casts_under_autocast(model)` registers forward hooks on each plain LoRA `Linear` that turn PEFT's cast
+off for the call (`cast_input_dtype_enabled`, PEFT's own switch) exactly when autocast is on for the input's device, and
+otherwise leave the switch as it is. Only where the result is the same bit for bit: vanilla LoRA (no DoRA or other
+variant, whose extra terms PEFT computes in the adapter's dtype) without dropout (dropout would scale the bf16 input
+instead of its float32 copy).
 """
 
 from __future__ import annotations
@@ -35,8 +36,14 @@ def _cast_is_a_copy(module: nn.Module, x) -> bool:
 
 
 def _pre_hook(module: nn.Module, args, kwargs):
-    x = args[0] if args else kwargs.get("x")
-    module.cast_input_dtype_enabled = not _cast_is_a_copy(module, x)
+    # The switch as the user (or PEFT's `disable_input_dtype_casting`) left it is restored after the call.
+    module._longrm_cast_setting = module.cast_input_dtype_enabled
+    if _cast_is_a_copy(module, args[0] if args else kwargs.get("x")):
+        module.cast_input_dtype_enabled = False
+
+
+def _post_hook(module: nn.Module, args, kwargs, output):
+    module.cast_input_dtype_enabled = module._longrm_cast_setting
 
 
 def skip_lora_input_casts_under_autocast(model: nn.Module) -> int:
@@ -60,6 +67,7 @@ def skip_lora_input_casts_under_autocast(model: nn.Module) -> int:
             continue
         if not getattr(module, HOOKED_MARK, False):
             module.register_forward_pre_hook(_pre_hook, with_kwargs=True)
+            module.register_forward_hook(_post_hook, with_kwargs=True, always_call=True)
             setattr(module, HOOKED_MARK, True)
         hooked += 1
     return hooked
