@@ -47,7 +47,9 @@ def test_tiled_model_has_the_same_logits_and_gradients(tokenizer, checkpointing)
     assert norms[-1] is model.model.norm
     got_logits, got_grads = forward_backward(model, input_ids, position_ids)
     torch.testing.assert_close(got_logits, want_logits, rtol=1e-5, atol=1e-6)
-    assert_state_close(got_grads, want_grads, "tiled gradient", atol=1e-6)
+    # Float32 rounding of another summation order (a norm's weight gradient over slices; the embedding's, whose rows
+    # sum the final norm's input gradient): 1.2e-6 on one element under the AVX2 kernels.
+    assert_state_close(got_grads, want_grads, "tiled gradient", atol=1e-5)
     assert len(want_grads) > 10
     # The hooks see the whole row: the tiled forward is the module's own; the slices run inside it.
     assert set(calls) == {53}
