@@ -47,7 +47,7 @@ def _post_hook(module: nn.Module, args, kwargs, output):
 
 
 def skip_lora_input_casts_under_autocast(model: nn.Module) -> int:
-    """Register the pre-hook (see the module docstring) on every plain LoRA `Linear` of `model`; returns how many
+    """Register the hooks (see the module docstring) on every plain LoRA `Linear` of `model`; returns how many
     layers have it. Idempotent; a model without PEFT LoRA layers is left alone.
 
     Example:
