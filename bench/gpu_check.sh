@@ -15,11 +15,17 @@ cd "$(dirname "$0")/.."
 
 OUT=""
 MODE=gpu
+STAGES="env,cuda_tests,defaults,profile,throughput,longest_grm,reward_function,longest_disrm"
+SEED=""
 while [ $# -gt 0 ]; do
     case "$1" in
         --out) OUT="$2"; shift 2 ;;
         --rehearse) MODE=rehearse; shift ;;
         --fetch-wheels) MODE=fetch; shift ;;
+        # Some stages only (a second call after a first one cut short), e.g. --stages defaults,profile
+        --stages) STAGES="$2"; shift 2 ;;
+        # A report of an earlier call (gpu.json): its finished attempts are not run again.
+        --seed-report) SEED="$2"; shift 2 ;;
         *) echo "gpu_check.sh: unknown argument $1" >&2; exit 2 ;;
     esac
 done
@@ -58,10 +64,13 @@ fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TRL_EXPERIMENTAL_SILENCE=1 \
     HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 
+[ -z "$SEED" ] || cp "$SEED" "$OUT/gpu.json"
 START=$(date +%s)
-# stage NAME BUDGET_SECONDS COMMAND...: run it under `timeout`, its output in OUT/NAME.log, a line in stages.jsonl.
+# stage NAME BUDGET_SECONDS COMMAND...: run it under `timeout`, its output in OUT/NAME.log, a line in stages.jsonl;
+# skipped unless NAME is in STAGES.
 stage() {
     local name=$1 budget=$2; shift 2
+    case ",$STAGES," in *",$name,"*) ;; *) return 0 ;; esac
     local t0=$(date +%s)
     echo "=== $name (budget ${budget}s, $(( t0 - START ))s elapsed)"
     timeout --kill-after=10 "$budget" "$@" >"$OUT/$name.log" 2>&1
@@ -82,19 +91,33 @@ print(json.dumps(info)); open('$OUT/env.json', 'w').write(json.dumps(info, inden
 if [ "$MODE" = rehearse ]; then
     # Every stage's command line is exercised on CPU at a tiny size: a typo fails here, not in the GPU call.
     stage cuda_tests 120 $PY -m pytest -q --collect-only tests/test_shared_prefix.py tests/test_sequence_parallel_attention.py
-    stage defaults 300 $PY bench/gpu_defaults.py --use-cpu --prompt-length 128 --out "$OUT/defaults.json"
-    stage longest_row 60 $PY bench/gpu_longest_row.py --help
-    stage reward_function 60 $PY bench/reward_function.py --help
+    stage defaults 300 $PY bench/gpu_defaults.py --use-cpu --prompt-length 1100 --out "$OUT/defaults.json"
+    stage profile 120 $PY bench/gpu_longest_row.py --attempt --trainers grm --impls ours --start-prompt-length 256 \
+        --steps 2 --profile --num-hidden-layers 2 --out -
+    stage throughput 60 $PY bench/gpu_longest_row.py --help
+    stage longest_grm 60 $PY bench/gpu_longest_row.py --help
+    stage reward_function 120 $PY bench/reward_function.py --prompt-tokens 1024 --repeats 1 --output "$OUT/reward_function.json"
+    stage longest_disrm 60 $PY bench/gpu_longest_row.py --help
 else
     # (1) The CUDA-only tests, then each trainer with TRL's defaults on a Qwen3-shaped model (kernels recorded).
     stage cuda_tests 90 $PY -m pytest -q -rs -p no:cacheprovider --junitxml="$OUT/cuda_tests.xml" \
         tests/test_shared_prefix.py tests/test_sequence_parallel_attention.py -k cuda
-    stage defaults 90 $PY bench/gpu_defaults.py --out "$OUT/defaults.json"
-    # (2) Ours vs stock TRL on one GPU (Qwen3-0.6B shape): tokens/s and peak memory, MFU, then the longest rows.
-    stage longest_row 210 $PY bench/gpu_longest_row.py --throughput-prompt-lengths 8192 32768 --timeout 120 \
-        --out "$OUT/gpu.json"
-    # (4) LongRMReward vs TRL's reward-model path: 8 completions of a 16K prompt.
-    stage reward_function 60 $PY bench/reward_function.py --output "$OUT/reward_function.json"
+    stage defaults 60 $PY bench/gpu_defaults.py --out "$OUT/defaults.json"
+    # (2) Ours vs stock TRL on one GPU (Qwen3-0.6B shape). Each call of gpu_longest_row.py adds to OUT/gpu.json
+    # (--resume): where one 32K step of ours spends its time (the MFU's bound), tokens/s and peak memory at 8K and
+    # 32K, then the longest rows. Every attempt is a fresh process of ~20 s (model init on the GPU) plus its steps.
+    LONGEST="$PY bench/gpu_longest_row.py --resume --out $OUT/gpu.json --timeout 150"
+    stage profile 60 $LONGEST --throughput-prompt-lengths --skip-longest --profile-prompt-length 32768
+    stage throughput 150 $LONGEST --throughput-prompt-lengths 8192 32768 --skip-longest
+    # Stock GRM stops at the full-vocabulary logits (between 8K and 32K); ours is tried from 32K up to a cap that
+    # fits the call (its ratio is then a lower bound, said so in summary.json).
+    stage longest_grm 150 bash -c "$LONGEST --throughput-prompt-lengths --trainers grm --impls stock \
+        && $LONGEST --throughput-prompt-lengths --trainers grm --impls ours --start-prompt-length 32768 \
+        --max-prompt-length 65536"
+    # (4) LongRMReward vs TRL's reward-model path: 8 completions of a 16K prompt on the GPU.
+    stage reward_function 90 $PY bench/reward_function.py --device cuda --output "$OUT/reward_function.json"
+    # DisRM rows reach hundreds of thousands of tokens on 80 GB (a 256K step of this model is minutes): last.
+    stage longest_disrm 300 $LONGEST --throughput-prompt-lengths --trainers disrm --max-prompt-length 524288
 fi
 echo "=== done in $(( $(date +%s) - START ))s; stages:"
 cat "$OUT/stages.jsonl"

@@ -126,7 +126,8 @@ def run_case(trainer, impl, dtype_name, prompt_length, num_rejected, tokenizer, 
     elif (trainer, impl) == ("disrm", "stock"):
         from trl import RewardConfig, RewardTrainer
 
-        instance = RewardTrainer(args=RewardConfig(**quiet(output_dir)),
+        # TRL's max_length (1024) drops every longer group before training: the long rows this compares are kept.
+        instance = RewardTrainer(args=RewardConfig(**quiet(output_dir, max_length=None)),
                                  train_dataset=Dataset.from_list(common.stock_reward_rows(rows)), **kwargs)
     elif trainer == "sft":
         from trl import SFTConfig, SFTTrainer
@@ -137,7 +138,7 @@ def run_case(trainer, impl, dtype_name, prompt_length, num_rejected, tokenizer, 
                      "completion_mask": [0] * len(r["prompt_ids"]) + [1] * len(r["chosen_completion_ids"])}
                     for r in rows]  # fmt: skip
         config, cls = (LongSFTConfig, LongSFTTrainer) if impl == "ours" else (SFTConfig, SFTTrainer)
-        extra = {} if impl == "ours" else {"completion_only_loss": True}
+        extra = {} if impl == "ours" else {"completion_only_loss": True, "max_length": None}
         instance = cls(args=config(**quiet(output_dir, **extra)), train_dataset=Dataset.from_list(sft_rows), **kwargs)
     else:
         raise ValueError((trainer, impl))
@@ -199,6 +200,9 @@ def main() -> None:
                 a, b = pick["ours"]["losses"][0], pick["stock"]["losses"][0]
                 print(f"first-step loss {trainer} {dtype_name}: ours {a:.6f} stock {b:.6f} "
                       f"rel diff {abs(a - b) / max(abs(b), 1e-12):.2e}")
+    failed = [f"{c['trainer']} {c['impl']} {c['checkpoint_dtype']}" for c in report["cases"] if c.get("error")]
+    if failed:
+        raise SystemExit(f"gpu_defaults.py: {len(failed)} case(s) failed: {', '.join(failed)}")
 
 
 if __name__ == "__main__":

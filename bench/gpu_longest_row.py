@@ -80,8 +80,10 @@ def model_flops(groups: list[dict], shared: bool, trainer: str, shape: dict = QW
 
 
 def attempt(trainer: str, impl: str, prompt_length: int, steps: int, response_length: int,
-            num_rejected: int = 1) -> dict:
-    """One training run in this process; returns its record (status 'oom' on CUDA out-of-memory)."""
+            num_rejected: int = 1, profile: bool = False, shape: dict = QWEN3_0_6B) -> dict:
+    """One training run in this process; returns its record (status 'oom' on CUDA out-of-memory). With `profile`, the
+    last step runs under `torch.profiler` and the record's `profile` says where its time went (`step_profile.py`).
+    Without CUDA (a rehearsal) it runs on CPU, without memory or FLOPs figures."""
     import warnings
 
     import torch
@@ -96,28 +98,35 @@ def attempt(trainer: str, impl: str, prompt_length: int, steps: int, response_le
     groups = common.random_groups(steps, prompt_length, response_length, tokenizer.eos_token_id,
                                   warmup_prompt_length=None, num_rejected=num_rejected)
     task = "causal-lm" if trainer == "grm" else "seq-cls"
-    with torch.device("cuda"):  # initialised on the GPU: seconds instead of a minute of CPU init per attempt
-        model = build_tiny_model(common.ARCH, task, tokenizer, seed=0, dtype=torch.bfloat16, **QWEN3_0_6B)
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
+    cuda = torch.cuda.is_available()
+    with torch.device("cuda" if cuda else "cpu"):  # initialised on the GPU: seconds instead of a minute of CPU init
+        model = build_tiny_model(common.ARCH, task, tokenizer, seed=0, dtype=torch.bfloat16, **shape)
+    if cuda:
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
     timer = CudaStepTimer()
+    callbacks = [timer]
+    if profile:
+        from step_profile import ProfileLastStep
+
+        callbacks.append(ProfileLastStep(steps))
     record = {"trainer": trainer, "impl": impl, "prompt_length": prompt_length, "num_rejected": num_rejected}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
             with tempfile.TemporaryDirectory() as output_dir:
-                instance = common.build_trainer(trainer, impl, model, tokenizer, groups, output_dir, steps, [timer],
-                                                use_cpu=False, bf16=True)
+                instance = common.build_trainer(trainer, impl, model, tokenizer, groups, output_dir, steps, callbacks,
+                                                use_cpu=not cuda, bf16=cuda)
                 shared = bool(getattr(instance.args, "shared_prefix", False) and instance.args.padding_free)
                 instance.train()
         except torch.OutOfMemoryError:
             record.update(status="oom", peak_mem_bytes=torch.cuda.max_memory_allocated() - base)
             return record
     tokens = [common.group_tokens(g) for g in groups]
-    flops = [model_flops([g], shared, trainer) for g in groups]
+    flops = [model_flops([g], shared, trainer, shape) for g in groups]
     timed = timer.times[1:]
-    device_peak = peak_flops(torch.cuda.get_device_name(0))
+    device_peak = peak_flops(torch.cuda.get_device_name(0)) if cuda else None
     record.update(
         status="ok",
         shared_prefix=shared,
@@ -126,12 +135,21 @@ def attempt(trainer: str, impl: str, prompt_length: int, steps: int, response_le
         tokens_per_s=sum(tokens[1:]) / sum(timed) if steps > 1 else None,
         model_flops_per_step=flops,
         mfu=sum(flops[1:]) / sum(timed) / device_peak if steps > 1 and device_peak else None,
-        peak_mem_bytes=torch.cuda.max_memory_allocated() - base,
+        peak_mem_bytes=torch.cuda.max_memory_allocated() - base if cuda else None,
         num_params=sum(p.numel() for p in model.parameters()),
         kernels=sorted(kernels),
         warnings=sorted({f"{w.category.__name__}: {w.message}"[:300] for w in caught
                          if not issubclass(w.category, (DeprecationWarning, FutureWarning))}),
     )
+    if profile:
+        record["profile"] = callbacks[-1].result
+        if record["profile"] and record["model_flops_per_step"]:
+            # Model FLOPs of the profiled step over its kernels' time: the MFU the kernels would reach with the
+            # device never idle (what the host costs is the rest).
+            busy = record["profile"]["kernel_seconds"]
+            record["profile"]["mfu_if_never_idle"] = (
+                record["model_flops_per_step"][-1] / busy / device_peak if busy and device_peak else None
+            )
     return record
 
 
@@ -141,20 +159,25 @@ class CudaStepTimer(common.StepTimer):
     def on_step_begin(self, args, state, control, **kwargs):
         import torch
 
-        torch.cuda.synchronize()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
         super().on_step_begin(args, state, control, **kwargs)
 
     def on_step_end(self, args, state, control, **kwargs):
         import torch
 
-        torch.cuda.synchronize()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
         super().on_step_end(args, state, control, **kwargs)
 
 
-def run_attempt(trainer: str, impl: str, prompt_length: int, steps: int, cli, num_rejected: int = 1) -> dict:
+def run_attempt(trainer: str, impl: str, prompt_length: int, steps: int, cli, num_rejected: int = 1,
+                profile: bool = False) -> dict:
     command = [sys.executable, __file__, "--attempt", f"--trainers={trainer}", f"--impls={impl}",
                f"--start-prompt-length={prompt_length}", f"--steps={steps}",
-               f"--response-length={cli.response_length}", f"--shared-k={num_rejected}", "--out=-"]
+               f"--response-length={cli.response_length}", f"--shared-k={num_rejected}", "--out=-",
+               *(["--profile"] if profile else []),
+               *([f"--num-hidden-layers={cli.num_hidden_layers}"] if cli.num_hidden_layers else [])]
     started = time.monotonic()
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=cli.timeout)
@@ -229,6 +252,12 @@ def summary(report: dict) -> dict:
             out[f"mfu_32k_{trainer}"] = at_32k["mfu"]
     if "mfu_32k_grm" in out:
         out["mfu_32k"] = out["mfu_32k_grm"]
+    profiled = (report.get("profile") or {}).get("profile")
+    if profiled:
+        # What bounds the MFU: the kernels' shares of the device time, and how much of the step the device idled.
+        out["profile"] = {"prompt_length": report["profile"]["prompt_length"],
+                          **{key: profiled.get(key) for key in ("kernel_share", "device_busy_fraction",
+                                                                "mfu_if_never_idle", "step_wall_seconds")}}
     return out
 
 
@@ -249,13 +278,19 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=1800.0, help="Seconds before an attempt is given up.")
     parser.add_argument("--resume", action="store_true",
                         help="Read the report at --out and run only the attempts it does not hold yet.")
+    parser.add_argument("--profile-prompt-length", type=int, default=None,
+                        help="Also profile one step of ours (GRM, k = 1) at this prompt length: where the time goes.")
+    parser.add_argument("--profile", action="store_true", help="With --attempt: profile its last step.")
+    parser.add_argument("--num-hidden-layers", type=int, default=None,
+                        help="Fewer layers than Qwen3-0.6B's 28 (a CPU rehearsal of --attempt).")
     parser.add_argument("--attempt", action="store_true", help="Internal: run one attempt and print its record.")
     parser.add_argument("--out", required=True, help="JSON file of the results ('-' with --attempt).")
     cli = parser.parse_args()
 
     if cli.attempt:
+        shape = {**QWEN3_0_6B, **({"num_hidden_layers": cli.num_hidden_layers} if cli.num_hidden_layers else {})}
         record = attempt(cli.trainers[0], cli.impls[0], cli.start_prompt_length, cli.steps, cli.response_length,
-                         cli.shared_k)
+                         cli.shared_k, profile=cli.profile, shape=shape)
         print("RESULT " + json.dumps(record), flush=True)
         return
 
@@ -271,6 +306,7 @@ def main() -> None:
         "model": f"qwen3 random init, bf16, {QWEN3_0_6B}",
         "longest_row": [],
         "throughput": [],
+        "profile": None,
     }
     out = Path(cli.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -278,6 +314,7 @@ def main() -> None:
         previous = json.loads(out.read_text())
         report["throughput"] = [r for r in previous["throughput"] if r["status"] in ("ok", "oom")]
         report["longest_row"] = previous["longest_row"]
+        report["profile"] = previous.get("profile")
     done = {(r["trainer"], r["impl"], r["prompt_length"], r.get("num_rejected", 1)) for r in report["throughput"]}
     searched = {(r["trainer"], r["impl"]) for r in report["longest_row"]}
 
@@ -294,6 +331,10 @@ def main() -> None:
                 if (trainer, impl, length, k) not in done:
                     report["throughput"].append(run_attempt(trainer, impl, length, cli.steps, cli, k))
                     save()
+    if cli.profile_prompt_length and not (report["profile"] or {}).get("profile"):
+        report["profile"] = run_attempt("grm", "ours", cli.profile_prompt_length, 2, cli, 1, profile=True)
+        save()
+        print(json.dumps(report["profile"].get("profile"), indent=1), flush=True)
     if not cli.skip_longest:
         for trainer in cli.trainers:
             for impl in cli.impls:
