@@ -1,0 +1,105 @@
+"""The memory plan (`trl_longrm.memory_plan`, device 'cuda') next to the peaks a GPU measured for the same runs: every
+attempt of a `gpu_longest_row.py` report (`bench/results/gpu/gpu.json`), ours and stock TRL, planned here on CPU.
+
+What is compared: the run's `torch.cuda.max_memory_allocated()` less the allocation after the model was built (the
+report's `peak_mem_bytes`), against the plan's peak tensor bytes less its weights; the plan's CUDA constants (context,
+allocator fragmentation) are not in `max_memory_allocated` and are left out. An attempt that ran out of memory is
+checked the other way: the plan must say it does not fit (its full peak over the device's memory).
+
+    python bench/gpu_plan_vs_measured.py --report bench/results/gpu/gpu.json --out bench/results/gpu/plan_vs_measured.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import common  # noqa: E402
+from gpu_longest_row import QWEN3_0_6B  # noqa: E402
+
+
+STAGES = {"grm": "simpo_grm", "disrm": "simpo_disrm"}
+
+
+def training_args(trainer: str, impl: str, max_length: int):
+    """The arguments `common.build_trainer` gives the run (bf16 on the GPU), as a config object the plan reads."""
+    args = common.base_args("/tmp/plan", 2, max_length=max_length, bf16=True)
+    if impl == "ours":
+        from trl_longrm import SimPODisRMConfig, SimPOGRMConfig
+
+        return SimPOGRMConfig(nll_loss_weight=0.0, **args) if trainer == "grm" else SimPODisRMConfig(**args)
+    if trainer == "grm":
+        from trl.experimental.cpo import CPOConfig
+
+        return CPOConfig(loss_type="simpo", cpo_alpha=0.0, beta=2.5, simpo_gamma=0.5, remove_unused_columns=False,
+                         **args)  # fmt: skip
+    from trl import RewardConfig
+
+    return RewardConfig(**args)
+
+
+def plan_attempt(record: dict, response_length: int, model_config) -> dict:
+    import torch
+
+    from trl_longrm.memory_plan import GroupShape, plan_memory
+
+    trainer, impl, k = record["trainer"], record["impl"], record.get("num_rejected", 1)
+    shape = GroupShape(record["prompt_length"], response_length, k)
+    args = training_args(trainer, impl, record["prompt_length"] + response_length)
+    plan = plan_memory(STAGES[trainer], args, model_config, shape, dtype=torch.bfloat16, device="cuda",
+                       stock=impl == "stock")  # fmt: skip
+    tensors = plan.peak - sum(plan.extra.values())
+    return {"planned_bytes": tensors - plan.weights, "planned_total_bytes": plan.peak,
+            "plan_seconds": plan.trace_seconds}  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--report", default=str(HERE / "results" / "gpu" / "gpu.json"))
+    parser.add_argument("--response-length", type=int, default=256, help="The report's longest response.")
+    parser.add_argument("--out", default=str(HERE / "results" / "gpu" / "plan_vs_measured.json"))
+    cli = parser.parse_args()
+
+    from trl_longrm.testing_utils import build_chat_tokenizer, tiny_config
+
+    report = json.loads(Path(cli.report).read_text())
+    device_bytes = int(report["gpu_memory_gib"] * 2**30)
+    model_config = tiny_config(common.ARCH, build_chat_tokenizer(), **QWEN3_0_6B)
+    attempts = [*report["throughput"], *(a for row in report["longest_row"] for a in row["attempts"])]
+    seen, rows = set(), []
+    for record in attempts:
+        key = (record["trainer"], record["impl"], record["prompt_length"], record.get("num_rejected", 1))
+        if key in seen or record["status"] not in ("ok", "oom"):
+            continue
+        seen.add(key)
+        row = {"trainer": key[0], "impl": key[1], "prompt_length": key[2], "num_rejected": key[3],
+               "status": record["status"], "measured_bytes": record.get("peak_mem_bytes"),
+               **plan_attempt(record, cli.response_length, model_config)}  # fmt: skip
+        if record["status"] == "ok":
+            row["rel_error"] = row["planned_bytes"] / row["measured_bytes"] - 1
+        else:
+            row["plan_says_oom"] = row["planned_total_bytes"] > device_bytes
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    errors = [abs(r["rel_error"]) for r in rows if "rel_error" in r]
+    result = {
+        "command": " ".join(["python", *sys.argv]),
+        "report": cli.report,
+        "gpu": report["gpu"],
+        "rows": rows,
+        "max_abs_rel_error": max(errors) if errors else None,
+        "ooms_predicted": sum(bool(r.get("plan_says_oom")) for r in rows),
+        "ooms_measured": sum(r["status"] == "oom" for r in rows),
+    }
+    Path(cli.out).write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps({k: v for k, v in result.items() if k != "rows"}))
+
+
+if __name__ == "__main__":
+    main()
