@@ -43,8 +43,11 @@ def stock_args(stage: str, training_args, shape, **overrides):
     """The stock config of `stage`: TRL's defaults, the user's `TrainingArguments` fields from `training_args`, and
     lengths that admit the group of `shape` whole."""
     _, config_cls = stock_classes(stage)
-    hf_fields = {f.name for f in dataclasses.fields(TrainingArguments) if f.init}
-    values = {name: getattr(training_args, name) for name in hf_fields if hasattr(training_args, name)}
+    # A stock config given as it is (e.g. `bench/gpu_plan_vs_measured.py` planning a stock run) keeps all its fields;
+    # from one of ours, only the `TrainingArguments` fields carry over.
+    source = config_cls if type(training_args) is config_cls else TrainingArguments
+    fields = {f.name for f in dataclasses.fields(source) if f.init}
+    values = {name: getattr(training_args, name) for name in fields if hasattr(training_args, name)}
     longest = shape.prompt_tokens + shape.response_tokens
     values["max_length"] = longest
     if stage == "simpo_grm":
@@ -69,6 +72,9 @@ def stock_dataset(stage: str, shape, num_groups: int, vocab_size: int, eos_token
     def ids(n, offset):
         return [3 + (offset + i) % max(vocab_size - 3, 1) for i in range(n)]
 
+    # As in real preference data, the rejected response is not as long as the chosen one (here one token shorter), so
+    # the pair is padded and stock's attention takes a mask: a CUDA run converts it to an additive `queries x keys`
+    # tensor (`cuda_sdpa`), a cost of stock's padded layout that equal lengths would hide.
     rows = []
     for g in range(num_groups):
         for _ in range(max(shape.num_rejected, 1)):
@@ -78,11 +84,11 @@ def stock_dataset(stage: str, shape, num_groups: int, vocab_size: int, eos_token
                     {
                         "prompt": ONE_TOKEN_CHARACTER * shape.prompt_tokens,
                         "chosen": ONE_TOKEN_CHARACTER * (shape.response_tokens - 1),
-                        "rejected": ONE_TOKEN_CHARACTER * (shape.response_tokens - 1),
+                        "rejected": ONE_TOKEN_CHARACTER * (shape.response_tokens - 2),
                     }
                 )
                 continue
             prompt = ids(shape.prompt_tokens, g)
             response = ids(shape.response_tokens - 1, g + 7) + [eos_token_id]
-            rows.append({"chosen_ids": prompt + response, "rejected_ids": prompt + list(response)})
+            rows.append({"chosen_ids": prompt + response, "rejected_ids": prompt + response[1:]})
     return Dataset.from_list(rows)

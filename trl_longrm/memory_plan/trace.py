@@ -27,6 +27,7 @@ import torch
 from transformers import TrainerCallback
 
 from trl_longrm.activation_offload import CountingHostStore, use_host_store
+from trl_longrm.memory_plan.cuda_paths import cuda_code_paths
 from trl_longrm.memory_plan.fake_mode import HybridFakeMode
 from trl_longrm.sequence_parallel.kernels import planned_kernels
 
@@ -490,7 +491,9 @@ def _trace_step(stage: str, training_args, model_config, shape: GroupShape, *, p
                 # A ZeRO run: DeepSpeed (which does not run on fake tensors) takes the place of DDP's wrapper.
                 trainer.accelerator.prepare_model = lambda model, *args, **kwargs: model
             try:
-                with use_host_store(CountingHostStore()) as host, planned_kernels(kernels):
+                # Where a CUDA run's code path differs from a CPU one's (masked SDPA, TRL's fused log-probs).
+                cuda_paths = cuda_code_paths() if kernels == "cuda" else contextlib.nullcontext()
+                with use_host_store(CountingHostStore()) as host, planned_kernels(kernels), cuda_paths:
                     trainer.train()
             finally:
                 callback.close()
