@@ -15,7 +15,7 @@ cd "$(dirname "$0")/.."
 
 OUT=""
 MODE=gpu
-STAGES="env,cuda_tests,defaults,profile,throughput,longest_grm,reward_function,longest_disrm"
+STAGES="env,cuda_tests,defaults,profile,throughput,longest_grm,reward_function,long_rows,longest_disrm"
 SEED=""
 while [ $# -gt 0 ]; do
     case "$1" in
@@ -97,6 +97,8 @@ if [ "$MODE" = rehearse ]; then
     stage throughput 60 $PY bench/gpu_longest_row.py --help
     stage longest_grm 60 $PY bench/gpu_longest_row.py --help
     stage reward_function 120 $PY bench/reward_function.py --prompt-tokens 1024 --repeats 1 --output "$OUT/reward_function.json"
+    stage long_rows 300 $PY bench/gpu_longest_row.py --attempt --trainers grm --impls ours --start-prompt-length 256 \
+        --steps 2 --long-rows --num-hidden-layers 2 --out -
     stage longest_disrm 60 $PY bench/gpu_longest_row.py --help
 else
     # (1) The CUDA-only tests, then each trainer with TRL's defaults on a Qwen3-shaped model (kernels recorded).
@@ -116,6 +118,9 @@ else
         --max-prompt-length 65536"
     # (4) LongRMReward vs TRL's reward-model path: 8 completions of a 16K prompt on the GPU.
     stage reward_function 90 $PY bench/reward_function.py --device cuda --output "$OUT/reward_function.json"
+    # (Issue 41) The long-row settings (checkpoint offload + tiled MLP) on ours at a 65K prompt, next to without: the
+    # memory they save and what a step pays for it; their plans are in bench/gpu_plan_vs_measured.py.
+    stage long_rows 120 $LONGEST --throughput-prompt-lengths --skip-longest --long-rows-prompt-lengths 65536
     # DisRM rows reach hundreds of thousands of tokens on 80 GB (a 256K step of this model is minutes): last.
     stage longest_disrm 300 $LONGEST --throughput-prompt-lengths --trainers disrm --max-prompt-length 524288
 fi

@@ -46,6 +46,11 @@ QWEN3_0_6B = dict(
 )
 
 
+# The long-row settings of the `*_1m.yaml` recipes (docs/memory.md), ours only: checkpointed layer inputs offloaded to
+# host memory, the MLP (and final norm) over slices of 16,384 tokens.
+LONG_ROWS = dict(gradient_checkpointing_kwargs={"use_reentrant": False, "offload": True}, mlp_tile_tokens=16384)
+
+
 # bf16 dense peak of the GPUs this runs on (tensor cores, no sparsity), for the MFU.
 PEAK_BF16_FLOPS = {"H100": 989.4e12, "H200": 989.4e12, "A100": 312e12}
 
@@ -80,7 +85,7 @@ def model_flops(groups: list[dict], shared: bool, trainer: str, shape: dict = QW
 
 
 def attempt(trainer: str, impl: str, prompt_length: int, steps: int, response_length: int,
-            num_rejected: int = 1, profile: bool = False, shape: dict = QWEN3_0_6B) -> dict:
+            num_rejected: int = 1, profile: bool = False, shape: dict = QWEN3_0_6B, long_rows: bool = False) -> dict:
     """One training run in this process; returns its record (status 'oom' on CUDA out-of-memory). With `profile`, the
     last step runs under `torch.profiler` and the record's `profile` says where its time went (`step_profile.py`).
     Without CUDA (a rehearsal) it runs on CPU, without memory or FLOPs figures."""
@@ -111,13 +116,14 @@ def attempt(trainer: str, impl: str, prompt_length: int, steps: int, response_le
         from step_profile import ProfileLastStep
 
         callbacks.append(ProfileLastStep(steps))
-    record = {"trainer": trainer, "impl": impl, "prompt_length": prompt_length, "num_rejected": num_rejected}
+    record = {"trainer": trainer, "impl": impl, "prompt_length": prompt_length, "num_rejected": num_rejected,
+              **({"long_rows": True} if long_rows else {})}  # fmt: skip
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
             with tempfile.TemporaryDirectory() as output_dir:
                 instance = common.build_trainer(trainer, impl, model, tokenizer, groups, output_dir, steps, callbacks,
-                                                use_cpu=not cuda, bf16=cuda)
+                                                use_cpu=not cuda, bf16=cuda, **(LONG_ROWS if long_rows else {}))
                 shared = bool(getattr(instance.args, "shared_prefix", False) and instance.args.padding_free)
                 instance.train()
         except torch.OutOfMemoryError:
@@ -172,24 +178,26 @@ class CudaStepTimer(common.StepTimer):
 
 
 def run_attempt(trainer: str, impl: str, prompt_length: int, steps: int, cli, num_rejected: int = 1,
-                profile: bool = False) -> dict:
+                profile: bool = False, long_rows: bool = False) -> dict:
     command = [sys.executable, __file__, "--attempt", f"--trainers={trainer}", f"--impls={impl}",
                f"--start-prompt-length={prompt_length}", f"--steps={steps}",
                f"--response-length={cli.response_length}", f"--shared-k={num_rejected}", "--out=-",
-               *(["--profile"] if profile else []),
+               *(["--profile"] if profile else []), *(["--long-rows"] if long_rows else []),
                *([f"--num-hidden-layers={cli.num_hidden_layers}"] if cli.num_hidden_layers else [])]
     started = time.monotonic()
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=cli.timeout)
     except subprocess.TimeoutExpired:
-        return {"trainer": trainer, "impl": impl, "prompt_length": prompt_length, "status": "timeout"}
+        return {"trainer": trainer, "impl": impl, "prompt_length": prompt_length, "status": "timeout",
+                **({"long_rows": True} if long_rows else {})}
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     if not lines:
         return {"trainer": trainer, "impl": impl, "prompt_length": prompt_length, "status": "error",
                 "error_tail": done.stderr.strip().splitlines()[-5:]}
     record = json.loads(lines[-1][len("RESULT ") :])
     record["wall_seconds"] = round(time.monotonic() - started, 1)
-    print(f"{trainer:5s} {impl:5s} k={num_rejected} prompt {prompt_length:7d}: {record['status']}"
+    print(f"{trainer:5s} {impl:5s} k={num_rejected} prompt {prompt_length:7d}{' long rows' if long_rows else ''}: "
+          f"{record['status']}"
           + (f", peak {record['peak_mem_bytes'] / 2**30:.1f} GiB" if "peak_mem_bytes" in record else "")
           + (f", {record['tokens_per_s']:.0f} tokens/s" if record.get("tokens_per_s") else "")
           + (f", MFU {record['mfu']:.3f}" if record.get("mfu") else "")
@@ -252,6 +260,16 @@ def summary(report: dict) -> dict:
             out[f"mfu_32k_{trainer}"] = at_32k["mfu"]
     if "mfu_32k_grm" in out:
         out["mfu_32k"] = out["mfu_32k_grm"]
+    pairs = {}
+    for r in report.get("long_rows", []):
+        if r["status"] == "ok":
+            pairs.setdefault(r["prompt_length"], {})[bool(r.get("long_rows"))] = r
+    for length, pair in sorted(pairs.items()):
+        if len(pair) == 2:
+            # The long-row settings' memory saving and their step cost (median step after the first), ours GRM.
+            steps = {k: sorted(v["step_seconds"][1:])[len(v["step_seconds"][1:]) // 2] for k, v in pair.items()}
+            out[f"long_rows_peak_ratio_{length}"] = pair[True]["peak_mem_bytes"] / pair[False]["peak_mem_bytes"]
+            out[f"long_rows_step_ratio_{length}"] = steps[True] / steps[False]
     profiled = (report.get("profile") or {}).get("profile")
     if profiled:
         # What bounds the MFU: the kernels' shares of the device time, and how much of the step the device idled.
@@ -281,6 +299,10 @@ def main() -> None:
     parser.add_argument("--profile-prompt-length", type=int, default=None,
                         help="Also profile one step of ours (GRM, k = 1) at this prompt length: where the time goes.")
     parser.add_argument("--profile", action="store_true", help="With --attempt: profile its last step.")
+    parser.add_argument("--long-rows-prompt-lengths", type=int, nargs="*", default=[],
+                        help="Ours (GRM, k = 1) at these prompt lengths with the long-row settings (checkpoint offload "
+                             "and the tiled MLP) next to without: their memory saving and step cost.")
+    parser.add_argument("--long-rows", action="store_true", help="With --attempt: the long-row settings.")
     parser.add_argument("--num-hidden-layers", type=int, default=None,
                         help="Fewer layers than Qwen3-0.6B's 28 (a CPU rehearsal of --attempt).")
     parser.add_argument("--attempt", action="store_true", help="Internal: run one attempt and print its record.")
@@ -290,7 +312,7 @@ def main() -> None:
     if cli.attempt:
         shape = {**QWEN3_0_6B, **({"num_hidden_layers": cli.num_hidden_layers} if cli.num_hidden_layers else {})}
         record = attempt(cli.trainers[0], cli.impls[0], cli.start_prompt_length, cli.steps, cli.response_length,
-                         cli.shared_k, profile=cli.profile, shape=shape)
+                         cli.shared_k, profile=cli.profile, shape=shape, long_rows=cli.long_rows)
         print("RESULT " + json.dumps(record), flush=True)
         return
 
@@ -307,6 +329,7 @@ def main() -> None:
         "longest_row": [],
         "throughput": [],
         "profile": None,
+        "long_rows": [],
     }
     out = Path(cli.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -315,6 +338,7 @@ def main() -> None:
         report["throughput"] = [r for r in previous["throughput"] if r["status"] in ("ok", "oom")]
         report["longest_row"] = previous["longest_row"]
         report["profile"] = previous.get("profile")
+        report["long_rows"] = [r for r in previous.get("long_rows", []) if r["status"] in ("ok", "oom")]
     done = {(r["trainer"], r["impl"], r["prompt_length"], r.get("num_rejected", 1)) for r in report["throughput"]}
     searched = {(r["trainer"], r["impl"]) for r in report["longest_row"]}
 
@@ -335,6 +359,12 @@ def main() -> None:
         report["profile"] = run_attempt("grm", "ours", cli.profile_prompt_length, 2, cli, 1, profile=True)
         save()
         print(json.dumps(report["profile"].get("profile"), indent=1), flush=True)
+    for length in cli.long_rows_prompt_lengths:
+        for long_rows in (False, True):
+            if not any(r["prompt_length"] == length and bool(r.get("long_rows")) == long_rows
+                       for r in report["long_rows"]):  # fmt: skip
+                report["long_rows"].append(run_attempt("grm", "ours", length, cli.steps, cli, 1, long_rows=long_rows))
+                save()
     if not cli.skip_longest:
         for trainer in cli.trainers:
             for impl in cli.impls:

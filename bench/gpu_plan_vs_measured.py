@@ -21,15 +21,16 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import common  # noqa: E402
-from gpu_longest_row import QWEN3_0_6B  # noqa: E402
+from gpu_longest_row import LONG_ROWS, QWEN3_0_6B  # noqa: E402
 
 
 STAGES = {"grm": "simpo_grm", "disrm": "simpo_disrm"}
 
 
-def training_args(trainer: str, impl: str, max_length: int):
-    """The arguments `common.build_trainer` gives the run (bf16 on the GPU), as a config object the plan reads."""
-    args = common.base_args("/tmp/plan", 2, max_length=max_length, bf16=True)
+def training_args(trainer: str, impl: str, max_length: int, long_rows: bool = False):
+    """The arguments `common.build_trainer` gives the run (bf16 on the GPU; `long_rows`: checkpoint offload and the
+    tiled MLP), as a config object the plan reads."""
+    args = common.base_args("/tmp/plan", 2, max_length=max_length, bf16=True, **(LONG_ROWS if long_rows else {}))
     if impl == "ours":
         from trl_longrm import SimPODisRMConfig, SimPOGRMConfig
 
@@ -51,7 +52,7 @@ def plan_attempt(record: dict, response_length: int, model_config) -> dict:
 
     trainer, impl, k = record["trainer"], record["impl"], record.get("num_rejected", 1)
     shape = GroupShape(record["prompt_length"], response_length, k)
-    args = training_args(trainer, impl, record["prompt_length"] + response_length)
+    args = training_args(trainer, impl, record["prompt_length"] + response_length, bool(record.get("long_rows")))
     plan = plan_memory(STAGES[trainer], args, model_config, shape, dtype=torch.bfloat16, device="cuda",
                        stock=impl == "stock")  # fmt: skip
     tensors = plan.peak - sum(plan.extra.values())
@@ -71,15 +72,17 @@ def main() -> None:
     report = json.loads(Path(cli.report).read_text())
     device_bytes = int(report["gpu_memory_gib"] * 2**30)
     model_config = tiny_config(common.ARCH, build_chat_tokenizer(), **QWEN3_0_6B)
-    attempts = [*report["throughput"], *(a for row in report["longest_row"] for a in row["attempts"])]
+    attempts = [*report["throughput"], *(a for row in report["longest_row"] for a in row["attempts"]),
+                *report.get("long_rows", [])]
     seen, rows = set(), []
     for record in attempts:
-        key = (record["trainer"], record["impl"], record["prompt_length"], record.get("num_rejected", 1))
+        key = (record["trainer"], record["impl"], record["prompt_length"], record.get("num_rejected", 1),
+               bool(record.get("long_rows")))
         if key in seen or record["status"] not in ("ok", "oom"):
             continue
         seen.add(key)
         row = {"trainer": key[0], "impl": key[1], "prompt_length": key[2], "num_rejected": key[3],
-               "status": record["status"], "measured_bytes": record.get("peak_mem_bytes"),
+               "long_rows": key[4], "status": record["status"], "measured_bytes": record.get("peak_mem_bytes"),
                **plan_attempt(record, cli.response_length, model_config)}  # fmt: skip
         if record["status"] == "ok":
             row["rel_error"] = row["planned_bytes"] / row["measured_bytes"] - 1
