@@ -291,6 +291,9 @@ def main() -> None:
     parser.add_argument("--shared-k", type=int, default=4,
                         help="Rejected responses of ours' shared-prefix throughput runs (with --attempt: of this run).")
     parser.add_argument("--skip-longest", action="store_true", help="Throughput runs only.")
+    parser.add_argument("--ours-at-stock-multiple", type=float, default=None,
+                        help="Longest rows: stock searched first, then ours tried once at this multiple of stock's "
+                             "longest prompt (a lower bound of the ratio, in the time a long search would not fit).")
     parser.add_argument("--steps", type=int, default=3, help="Steps of the tokens/s runs (the first is not timed).")
     parser.add_argument("--response-length", type=int, default=256, help="Longest response (tokens).")
     parser.add_argument("--timeout", type=float, default=1800.0, help="Seconds before an attempt is given up.")
@@ -367,10 +370,19 @@ def main() -> None:
                 save()
     if not cli.skip_longest:
         for trainer in cli.trainers:
-            for impl in cli.impls:
-                if (trainer, impl) not in searched:
-                    report["longest_row"].append(longest_row(trainer, impl, cli, report["throughput"]))
-                    save()
+            for impl in sorted(cli.impls, key=lambda impl: impl != "stock"):  # stock first: ours may start from it
+                if (trainer, impl) in searched:
+                    continue
+                search = cli
+                stock = next((r for r in report["longest_row"] if (r["trainer"], r["impl"]) == (trainer, "stock")), None)
+                if impl == "ours" and cli.ours_at_stock_multiple and stock and stock["longest_prompt_length"]:
+                    # One attempt at the target itself (ours' longest >= multiple x stock's): a search up to ours'
+                    # own limit takes minutes per step at these lengths. The ratio is then a lower bound.
+                    target = int(cli.ours_at_stock_multiple * stock["longest_prompt_length"]) // 1024 * 1024
+                    search = argparse.Namespace(**{**vars(cli), "start_prompt_length": target,
+                                                   "max_prompt_length": target})  # fmt: skip
+                report["longest_row"].append(longest_row(trainer, impl, search, report["throughput"]))
+                save()
     for row in report["longest_row"]:
         print(f"longest row {row['trainer']:5s} {row['impl']:5s}: prompt {row['longest_prompt_length']} "
               f"({row['longest_row_tokens']} tokens per row); first failure at {row['first_failing_prompt_length']}")
