@@ -74,7 +74,7 @@ def stock_dataset(stage: str, shape, num_groups: int, vocab_size: int, eos_token
 
     # As in real preference data, the rejected response is not as long as the chosen one (here one token shorter), so
     # the pair is padded and stock's attention takes a mask: a CUDA run converts it to an additive `queries x keys`
-    # tensor (`cuda_sdpa`), a cost of stock's padded layout that equal lengths would hide.
+    # tensor (`cuda_paths`), a cost of stock's padded layout that equal lengths would hide.
     rows = []
     for g in range(num_groups):
         for _ in range(max(shape.num_rejected, 1)):
