@@ -17,7 +17,6 @@ the peaks an H100 measured (`bench/gpu_plan_vs_measured.py`).
 from __future__ import annotations
 
 import contextlib
-import importlib
 
 import torch
 import torch.nn.functional as F
@@ -89,7 +88,7 @@ def cuda_code_paths():
             attn_mask = cuda_additive_mask(attn_mask, query.dtype)
         return original_sdpa(query, key, value, attn_mask, *args, **kwargs)
 
-    trl_utils = importlib.import_module("trl.trainer.utils")
+    import trl.trainer.utils as trl_utils
     saved = {name: getattr(trl_utils, name, None)
              for name in ("is_triton_available", "_supports_trl_loss_kernel", "_fused_logprob_entropy")}  # fmt: skip
     F.scaled_dot_product_attention = sdpa
