@@ -95,3 +95,20 @@ def test_runnable_blocks_run(page, setup, code, tmp_path, monkeypatch):
             alone = tokenizer(text, add_special_tokens=False, return_tensors="pt")
             with torch.no_grad():
                 torch.testing.assert_close(model(**alone).logits[0, 0], score, rtol=1e-4, atol=1e-5)
+
+
+def test_demo_figures_are_the_generated_table():
+    """README's and docs/demo.md's `make demo` figures are the table `bench/demo_figures.py` renders from its record
+    (regenerate with `python bench/demo_figures.py --docs --from bench/results/demo_figures.json`)."""
+    import json
+    import sys
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    from demo_figures import DOC_FILES, MARKERS, render_table
+
+    record = json.loads((ROOT / "bench" / "results" / "demo_figures.json").read_text())
+    assert {run["profile"] for run in record["runs"]} == {"native", "avx2"}
+    for path in DOC_FILES:
+        text = path.read_text()
+        start, end = (text.index(marker) for marker in MARKERS)
+        assert text[start + len(MARKERS[0]) : end].strip() == render_table(record).strip(), path

@@ -26,11 +26,12 @@ python -m trl_longrm.demo --output-dir demo_outputs
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import logging
 import os
-import subprocess
+import signal
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -168,12 +169,14 @@ DEMO_DATA = dict(
 # 95.2% PairWise (AUC 0.85) where 7000 gave 89.9% (AUC 0.80). The DisRM stage is cheap enough on the CPU ring for it.
 DISRM_TRAIN_FACTOR = 1.5
 
-# The reduced demo of the test suite (`tests/test_demo.py`) and of `bench/demo_seeds.py`: the whole pipeline on 1800
-# examples per judge set instead of 7000 (DisRM 338 steps on 2700 groups on the ring of 2, SFT 450 steps, SimPO-GRM 50
-# steps), without the base models' evaluations: about 270 s of CPU time per seed, two thirds of the 2400 examples it had
-# before issue 43 (the suite's time). Smaller is not safe: at 1200 examples (DisRM 225 steps, SFT 300) seed 1's judge
-# after SFT reached 58.9% on AVX-512 (81.0% on AVX2).
-SMALL_DEMO = dict(num_train=1800, evaluate_base_models=False, train_overrides={"simpo_grm": ["--max_steps", "50"]})
+# The reduced demo of the test suite (`tests/test_demo.py`) and of `bench/demo_seeds.py`: the whole pipeline on 1400
+# examples per judge set instead of 7000 (DisRM 263 steps on 2100 groups on the ring of 2, SFT 350 steps, SimPO-GRM 50
+# steps), without the base models' evaluations: about 2.7 min per seed on a 2-core machine (issue 43: the suite's
+# time). Seeds 0 / 1 at this size (the test's): DisRM 94.6 / 95.8%, after SFT 82.7 / 95.2%, after SimPO 81.0 / 94.0%
+# on AVX-512; 95.8 / 98.8%, 83.9 / 89.9%, 81.0 / 89.3% with AVX2 kernels. With 30 SimPO steps stage II fell up to 4.1
+# points below stage I (50: 3.0). At 1200 examples (DisRM 225 steps, SFT 300) seed 1's judge after SFT once reached
+# only 58.9% on AVX-512 (81.0% on AVX2).
+SMALL_DEMO = dict(num_train=1400, evaluate_base_models=False, train_overrides={"simpo_grm": ["--max_steps", "50"]})
 
 # How the demo's generative judge is made, trained and evaluated. A LongRM judge starts from a pretrained LLM that
 # already reads documents, and sees both responses in one prompt (`pairwise`). A 2-layer judge from random
@@ -204,6 +207,21 @@ def demo_tokenizer(chat_template: str | None = None):
     from trl_longrm.testing_utils import CHAT_TEMPLATE, build_chat_tokenizer
 
     return build_chat_tokenizer(DEMO_VOCAB_SIZE, tokenizer_corpus(), chat_template=chat_template or CHAT_TEMPLATE)
+
+
+@contextlib.contextmanager
+def _environment(**variables: str):
+    """These environment variables set for the block (the processes it starts), the previous values restored."""
+    previous = {name: os.environ.get(name) for name in variables}
+    os.environ.update(variables)
+    try:
+        yield
+    finally:
+        for name, value in previous.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def _has_model(path: Path) -> bool:
@@ -291,10 +309,7 @@ class Demo:
             logger.info("Stage %s already trained in %s.", stage, output_dir)
             return
         dataset = {"sft": suite.sft, "grm": suite.grm, "disrm": suite.disrm}[data]
-        command = [
-            sys.executable,
-            "-m",
-            "trl_longrm.cli",
+        argv = [
             "train",
             str(RECIPES / recipe),
             "--model_name_or_path",
@@ -308,11 +323,18 @@ class Demo:
             "last",
             *self.config.train_overrides.get(stage, []),
         ]
-        env = {**os.environ, "TRL_EXPERIMENTAL_SILENCE": "1", "HF_HUB_OFFLINE": "1"}
-        logger.info("Training stage %s: %s", stage, " ".join(command))
-        result = subprocess.run(command, env=env)
-        if result.returncode:
-            raise RuntimeError(f"Stage {stage} failed (exit code {result.returncode}); see its output above.")
+        logger.info("Training stage %s: trl-longrm %s", stage, " ".join(argv))
+        # `trl-longrm train` in this process: it checks the recipe and launches it (`accelerate launch`, the recipe's
+        # processes), as from a shell, without a third interpreter to start and import torch and TRL again (~7 s per
+        # stage). The variables are those of the launched processes (the launch copies this environment).
+        from trl_longrm.cli import main as trl_longrm
+
+        with _environment(TRL_EXPERIMENTAL_SILENCE="1", HF_HUB_OFFLINE="1"):
+            code = trl_longrm(argv)
+        if code == 128 + signal.SIGINT:  # Ctrl-C: the stage said how to resume; so does running the demo again
+            raise KeyboardInterrupt
+        if code:
+            raise RuntimeError(f"Stage {stage} failed (exit code {code}); see its output above.")
         (output_dir / "training_complete").write_text("ok\n", encoding="utf-8")
 
     def evaluate(self, name: str, is_disrm: bool, suite) -> dict:

@@ -219,11 +219,19 @@ class _TokenCounter:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         self.cache: dict[str, int] = {}
+        # A fast tokenizer's own encoder gives the same ids without transformers' per-call Python (~8x faster: the
+        # suite's documents are measured sentence by sentence, ~70K calls for the demo's data).
+        backend = getattr(tokenizer, "backend_tokenizer", None) if getattr(tokenizer, "is_fast", False) else None
+        self.encode = (
+            (lambda text: backend.encode(text, add_special_tokens=False).ids)
+            if backend is not None
+            else (lambda text: tokenizer(text, add_special_tokens=False)["input_ids"])
+        )
 
     def __call__(self, text: str) -> int:
         if text in self.cache:
             return self.cache[text]
-        count = len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        count = len(self.encode(text))
         if len(text) < 300:  # sentences repeat, whole documents do not
             self.cache[text] = count
         return count
