@@ -82,13 +82,14 @@ def test_cli_overrides_recipe_and_rejects_unknown_keys(tmp_path):
         parse_args([str(no_stage)])
 
 
-def test_stage_help_lists_every_option():
-    out = subprocess.run(
-        [sys.executable, "-m", "trl_longrm", str(RECIPES / "simpo_grm.yaml"), "--help"],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-    ).stdout
+def test_stage_help_lists_every_option(capsys):
+    # `python -m trl_longrm RECIPE --help` (the entry point accelerate launches), in this process.
+    from trl_longrm.cli import main
+
+    with pytest.raises(SystemExit) as stopped:
+        main([str(RECIPES / "simpo_grm.yaml"), "--help"])
+    assert stopped.value.code == 0
+    out = capsys.readouterr().out
     for option in ("--nll_loss_weight", "--sequence_parallel_size", "--ring_head_stride", "--lora_r", "--dry_run"):
         assert option in out
     assert "Weight of the token-mean NLL" in out
@@ -273,7 +274,9 @@ def uninterrupted_run(tiny_assets, tmp_path_factory):
         ("SIGINT", 6),  # after the last checkpoint, before the final model: resuming must not train a 7th step
     ],
 )
-def test_killed_run_resumes_with_the_same_command(tiny_assets, uninterrupted_run, tmp_path, signal_name, kill_step):
+def test_killed_run_resumes_with_the_same_command(
+    tiny_assets, uninterrupted_run, tmp_path, capsys, signal_name, kill_step
+):
     killed = tmp_path / "killed"
     args = [
         "--output_dir", str(killed), "--model_name_or_path", tiny_assets["lm"], "--dataset_name", tiny_assets["sft"],
@@ -315,11 +318,14 @@ def test_killed_run_resumes_with_the_same_command(tiny_assets, uninterrupted_run
     assert json.loads((killed / "trainer_state.json").read_text())["global_step"] == 6
 
     # Once more, without `--resume_from_checkpoint` (after the SIGKILL) and with `--resume_from_checkpoint last`
-    # (after the SIGINT): a finished run is not trained again. (One launch per case: each is a process start.)
+    # (after the SIGINT): a finished run is not trained again. The training process's own entry point in this process
+    # (what `accelerate launch -m trl_longrm` runs; its check needs no launcher, and a launch is a ~15 s process start).
+    from trl_longrm.train import main
+
     mtime = (killed / "model.safetensors").stat().st_mtime_ns
     extra = [] if signal_name == "SIGKILL" else ["--resume_from_checkpoint", "last"]
-    again = launch("cpu_single.yaml", "sft.yaml", *args, *extra)
-    assert f"{killed} already holds the final model of a finished run (step 6 of 6)" in again.stdout
+    assert main([str(RECIPES / "tiny" / "sft.yaml"), *args, *extra]) == 0
+    assert f"{killed} already holds the final model of a finished run (step 6 of 6)" in capsys.readouterr().out
     assert (killed / "model.safetensors").stat().st_mtime_ns == mtime
 
 
