@@ -28,8 +28,8 @@ def weights(directory: Path) -> dict[str, torch.Tensor]:
 # CPU kernel profiles (native AVX-512 and forced AVX2, whose rounding differs: `bench/demo_seeds.py`,
 # `bench/results/demo_seeds.json`): DisRM 81.0% (seed 3), judge after SFT 76.2% (seed 3, both profiles), stage II at
 # most 3.0 points below stage I (seed 3, native). At 1400 examples (issue 43: the suite's time), seeds 0 / 1, the ones
-# run here: DisRM 94.6 / 95.8 native, 95.8 / 98.8 AVX2; after SFT 82.7 / 95.2 native, 83.9 / 89.9 AVX2; stage II 1.8 /
-# 1.2 points below stage I native, 3.0 / 0.6 AVX2 (seeds 2-4 not re-run at this size). Before the tiny DisRM recipe
+# run here: DisRM 94.6 / 95.8 native, 95.8 / 98.8 AVX2; after SFT 82.7 / 95.2 native, 83.9 / 89.9 AVX2; stage II 2.4 /
+# 1.8 points below stage I native, 3.0 / 1.2 AVX2 (seeds 2-4 not re-run at this size). Before the tiny DisRM recipe
 # took `pairwise` rejection and reward centering, the lowest DisRM of seeds 0-4 was 59.5% on this machine, and seed 1
 # fell from 86.9% to 75.6% (here) or 57.1% (another machine) with the machine's rounding.
 DISRM_MIN = 0.70

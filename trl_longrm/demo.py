@@ -174,8 +174,8 @@ DISRM_TRAIN_FACTOR = 1.5
 # The reduced demo of the test suite (`tests/test_demo.py`) and of `bench/demo_seeds.py`: the whole pipeline on 1400
 # examples per judge set instead of 2400 (DisRM 263 steps on 2100 groups on the ring of 2, SFT 350 steps, SimPO-GRM 50
 # steps), without the base models' evaluations: about 2.7 min per seed on a 2-core machine (issue 43: the suite's
-# time). Seeds 0 / 1 at this size (the test's): DisRM 94.6 / 95.8%, after SFT 82.7 / 95.2%, after SimPO 81.0 / 94.0%
-# on AVX-512; 95.8 / 98.8%, 83.9 / 89.9%, 81.0 / 89.3% with AVX2 kernels. With 30 SimPO steps stage II fell up to 4.1
+# time). Seeds 0 / 1 at this size (the test's): DisRM 94.6 / 95.8%, after SFT 82.7 / 95.2%, after SimPO 80.4 / 93.5%
+# on AVX-512; 95.8 / 98.8%, 83.9 / 89.9%, 81.0 / 88.7% with AVX2 kernels. With 30 SimPO steps stage II fell up to 4.1
 # points below stage I (50: 3.0). At 1200 examples (DisRM 225 steps, SFT 300) seed 1's judge after SFT once reached
 # only 58.9% on AVX-512 (81.0% on AVX2).
 SMALL_DEMO = dict(num_train=1400, evaluate_base_models=False, train_overrides={"simpo_grm": ["--max_steps", "50"]})
