@@ -6,7 +6,7 @@ in a fresh interpreter: `native` is whatever this machine picks, `avx2` forces t
 AVX-512 uses (`bench/demo_seeds.py` says why the figures differ). The demo's targets (issue 43): DisRM >= 90% PairWise,
 judge >= 85% after SFT, stage II >= stage I, in <= 15 minutes on a 2-core AVX2 machine.
 
-    .venv/bin/python bench/demo_figures.py --out bench/results/demo_figures.json --docs   # both profiles, ~25 min
+    .venv/bin/python bench/demo_figures.py --out bench/results/demo_figures.json --docs   # both profiles, ~9 min
     .venv/bin/python bench/demo_figures.py --docs --from bench/results/demo_figures.json  # tables only
 """
 
