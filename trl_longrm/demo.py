@@ -26,7 +26,6 @@ python -m trl_longrm.demo --output-dir demo_outputs
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import logging
@@ -211,21 +210,6 @@ def demo_tokenizer(chat_template: str | None = None):
     return build_chat_tokenizer(DEMO_VOCAB_SIZE, tokenizer_corpus(), chat_template=chat_template or CHAT_TEMPLATE)
 
 
-@contextlib.contextmanager
-def _environment(**variables: str):
-    """These environment variables set for the block (the processes it starts), the previous values restored."""
-    previous = {name: os.environ.get(name) for name in variables}
-    os.environ.update(variables)
-    try:
-        yield
-    finally:
-        for name, value in previous.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-
-
 def _has_model(path: Path) -> bool:
     return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
 
@@ -329,9 +313,11 @@ class Demo:
         # `trl-longrm train` in this process: it checks the recipe and launches it (`accelerate launch`, the recipe's
         # processes), as from a shell, without a third interpreter to start and import torch and TRL again (~7 s per
         # stage). The variables are those of the launched processes (the launch copies this environment).
+        from unittest import mock
+
         from trl_longrm.cli import main as trl_longrm
 
-        with _environment(TRL_EXPERIMENTAL_SILENCE="1", HF_HUB_OFFLINE="1"):
+        with mock.patch.dict(os.environ, {"TRL_EXPERIMENTAL_SILENCE": "1", "HF_HUB_OFFLINE": "1"}):
             code = trl_longrm(argv)
         if code == 128 + signal.SIGINT:  # Ctrl-C: the stage said how to resume; so does running the demo again
             raise KeyboardInterrupt

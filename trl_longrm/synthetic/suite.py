@@ -217,7 +217,6 @@ class _TokenCounter:
     """Token counts of sentences with the suite's tokenizer, cached (filler sentences repeat)."""
 
     def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
         self.cache: dict[str, int] = {}
         # A fast tokenizer's own encoder gives the same ids without transformers' per-call Python (~8x faster: the
         # suite's documents are measured sentence by sentence, ~70K calls for the demo's data).
