@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file
 from trainer_helpers import write_longrm_jsonl
 
+from trl_longrm.cli import run_train_in_this_process
 from trl_longrm.testing_utils import save_tiny_model
 from trl_longrm.train import parse_args, training_plan
 
@@ -188,30 +189,14 @@ def test_tiny_recipes_multi_process(tiny_assets, tmp_path, accelerate_config, re
 def test_tiny_qlora_recipes(tiny_assets, tmp_path, recipe):
     model = tiny_assets["cls"] if "disrm" in recipe else tiny_assets["lm"]
     out = tmp_path / "qlora"
-    launch(
-        "cpu_single.yaml",
-        recipe,
-        "--model_name_or_path",
-        model,
-        "--dataset_name",
-        tiny_assets["pref"],
-        "--output_dir",
-        str(out),
-        "--max_steps",
-        "2",
-        "--sequence_parallel_size",
-        "1",
-        "--load_in_4bit",
-        "true",
-        "--use_peft",
-        "true",
-        "--lora_target_modules",
-        "all-linear",
-        "--bf16",
-        "true",
-        "--save_merged_model",
-        "true",
-    )
+    # One process (cpu_single.yaml), run in this one as `accelerate launch` runs it: the launch is other tests' subject.
+    code = run_train_in_this_process(str(RECIPES / "tiny" / recipe), [
+        "--accelerate_config", "cpu_single.yaml", "--num_processes", "1", "--model_name_or_path", model,
+        "--dataset_name", tiny_assets["pref"], "--output_dir", str(out), "--max_steps", "2",
+        "--sequence_parallel_size", "1", "--load_in_4bit", "true", "--use_peft", "true", "--lora_target_modules",
+        "all-linear", "--bf16", "true", "--save_merged_model", "true",
+    ])  # fmt: skip
+    assert code == 0
     adapter = weights(out)
     assert any("lora_" in name for name in adapter)
     if "disrm" in recipe:
@@ -260,23 +245,20 @@ RESUME_RUN = [
 
 @pytest.fixture(scope="module")
 def uninterrupted_run(tiny_assets, tmp_path_factory):
+    """The reference of the resumed runs, trained in this process as `accelerate launch` would run its one process
+    (the tests below launch theirs: a resumed launch equal to it also shows the two routes agree)."""
     out = tmp_path_factory.mktemp("full")
     data = ["--model_name_or_path", tiny_assets["lm"], "--dataset_name", tiny_assets["sft"]]
-    launch("cpu_single.yaml", "sft.yaml", "--output_dir", str(out), *data, *RESUME_RUN)
+    assert run_train_in_this_process(str(RECIPES / "tiny" / "sft.yaml"), ["--output_dir", str(out), *data,
+                                                                          *RESUME_RUN]) == 0  # fmt: skip
     return weights(out)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "signal_name,kill_step",
-    [
-        ("SIGKILL", 4),  # mid-run, no clean-up at all; the newest checkpoint is then damaged
-        ("SIGINT", 6),  # after the last checkpoint, before the final model: resuming must not train a 7th step
-    ],
-)
-def test_killed_run_resumes_with_the_same_command(
-    tiny_assets, uninterrupted_run, tmp_path, capsys, signal_name, kill_step
-):
+def test_killed_run_resumes_with_the_same_command(tiny_assets, uninterrupted_run, tmp_path, capfd, caplog):
+    """SIGKILL mid-run (no clean-up at all), just after checkpoint-4 was written, whose weights are then damaged: the
+    same command resumes from checkpoint-2 and ends where an uninterrupted run ends. (A stop after the last checkpoint,
+    before the final model, is the Ctrl-C test's.)"""
     killed = tmp_path / "killed"
     args = [
         "--output_dir", str(killed), "--model_name_or_path", tiny_assets["lm"], "--dataset_name", tiny_assets["sft"],
@@ -287,45 +269,40 @@ def test_killed_run_resumes_with_the_same_command(
         "save = transformers.Trainer._save_checkpoint\n"
         "def save_then_die(self, model, trial):\n"
         "    save(self, model, trial)\n"
-        f"    if self.state.global_step == {kill_step}:\n"
-        f"        os.kill(os.getpid(), signal.{signal_name})\n"
+        "    if self.state.global_step == 4:\n"
+        "        os.kill(os.getpid(), signal.SIGKILL)\n"
         "transformers.Trainer._save_checkpoint = save_then_die\n"
         "from trl_longrm.train import main\n"
         "sys.exit(main(sys.argv[1:]))\n"
     )
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     command = [sys.executable, "-c", kill_after_save, str(RECIPES / "tiny" / "sft.yaml"), *args]
-    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,
-                            preexec_fn=interruptible)
-    assert result.returncode != 0, result.stderr[-3000:]
-    assert (killed / f"checkpoint-{kill_step}").is_dir() and not (killed / "trainer_state.json").exists()
-    newest = killed / f"checkpoint-{kill_step}"
-    if signal_name == "SIGKILL":
-        data = (newest / "model.safetensors").read_bytes()
-        (newest / "model.safetensors").write_bytes(data[: len(data) // 2])
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
+    assert result.returncode == -9, result.stderr[-3000:]
+    newest = killed / "checkpoint-4"
+    assert newest.is_dir() and not (killed / "trainer_state.json").exists()
+    data = (newest / "model.safetensors").read_bytes()
+    (newest / "model.safetensors").write_bytes(data[: len(data) // 2])
 
-    # The same command again: it resumes from the newest complete checkpoint and says so.
-    resumed = launch("cpu_single.yaml", "sft.yaml", *args)
-    if signal_name == "SIGKILL":
-        assert f"Skipping damaged checkpoint {newest}: model.safetensors is unreadable" in resumed.stderr
-        assert f"Resuming from {killed / 'checkpoint-2'} at step 2." in resumed.stdout
-    else:
-        assert f"Resuming from {newest} at step 6." in resumed.stdout
+    # The same command again (its one process in this one; the Ctrl-C tests resume through the launch): it resumes
+    # from the newest complete checkpoint and says so.
+    recipe = str(RECIPES / "tiny" / "sft.yaml")
+    assert run_train_in_this_process(recipe, args) == 0
+    out = capfd.readouterr().out
+    assert f"Skipping damaged checkpoint {newest}: model.safetensors is unreadable" in caplog.text  # a warning
+    assert f"Resuming from {killed / 'checkpoint-2'} at step 2." in out
     final = weights(killed)
     assert final.keys() == uninterrupted_run.keys()
     for name in final:
         torch.testing.assert_close(final[name], uninterrupted_run[name], atol=1e-5, rtol=0, msg=name)
     assert json.loads((killed / "trainer_state.json").read_text())["global_step"] == 6
 
-    # Once more, without `--resume_from_checkpoint` (after the SIGKILL) and with `--resume_from_checkpoint last`
-    # (after the SIGINT): a finished run is not trained again. The training process's own entry point in this process
-    # (what `accelerate launch -m trl_longrm` runs; its check needs no launcher, and a launch is a ~15 s process start).
+    # Once more, without `--resume_from_checkpoint`: a finished run is not trained again.
     from trl_longrm.train import main
 
     mtime = (killed / "model.safetensors").stat().st_mtime_ns
-    extra = [] if signal_name == "SIGKILL" else ["--resume_from_checkpoint", "last"]
-    assert main([str(RECIPES / "tiny" / "sft.yaml"), *args, *extra]) == 0
-    assert f"{killed} already holds the final model of a finished run (step 6 of 6)" in capsys.readouterr().out
+    assert main([recipe, *args]) == 0
+    assert f"{killed} already holds the final model of a finished run (step 6 of 6)" in capfd.readouterr().out
     assert (killed / "model.safetensors").stat().st_mtime_ns == mtime
 
 
@@ -346,8 +323,8 @@ def trl_longrm_train(recipe, *args, env=None, **popen):
     )
 
 
-# Imported by every Python process of a launch (PYTHONPATH): the training process pauses after its checkpoint-2, so
-# that a signal sent then lands mid-run whatever the machine's speed.
+# Imported by every Python process of a launch (PYTHONPATH): the training process pauses after the checkpoint of step
+# PAUSE_AFTER_CHECKPOINT, so that a signal sent then lands there whatever the machine's speed.
 PAUSE_AFTER_CHECKPOINT = """
 import os, time
 if os.environ.get("PAUSE_AFTER_CHECKPOINT"):
@@ -361,19 +338,20 @@ if os.environ.get("PAUSE_AFTER_CHECKPOINT"):
 """
 
 
-def ctrl_c_after_checkpoint_2(recipe, args, out_dir, tmp_path):
-    """Start `trl-longrm train` paused after its checkpoint-2, then send the SIGINT a terminal's Ctrl-C sends."""
+def ctrl_c_after_checkpoint(step, recipe, args, out_dir, tmp_path):
+    """Start `trl-longrm train` paused after its checkpoint of `step`, then send the SIGINT a terminal's Ctrl-C
+    sends."""
     import signal
     import time
 
     hook = tmp_path / "hook"
     hook.mkdir()
     (hook / "sitecustomize.py").write_text(PAUSE_AFTER_CHECKPOINT)
-    env = {"PYTHONPATH": os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")]), "PAUSE_AFTER_CHECKPOINT": "2"}
+    env = {"PYTHONPATH": os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")]), "PAUSE_AFTER_CHECKPOINT": str(step)}
     # Its own process group, as a terminal's foreground job: the SIGINT reaches it as a Ctrl-C does.
     process = trl_longrm_train(recipe, *args, env=env, start_new_session=True, preexec_fn=interruptible)
     deadline = time.monotonic() + 300
-    while not (out_dir / "checkpoint-2" / "trainer_state.json").exists():
+    while not (out_dir / f"checkpoint-{step}" / "trainer_state.json").exists():
         assert process.poll() is None and time.monotonic() < deadline, process.communicate()[1][-3000:]
         time.sleep(0.2)
     os.killpg(process.pid, signal.SIGINT)
@@ -408,8 +386,10 @@ def test_a_bad_row_on_two_processes_is_one_message(tiny_assets, tmp_path):
 
 
 @pytest.mark.slow
-def test_ctrl_c_stops_without_a_traceback_and_the_same_command_resumes(tiny_assets, uninterrupted_run, tmp_path):
-
+def test_ctrl_c_stops_without_a_traceback_and_the_same_command_resumes(tiny_assets, uninterrupted_run, tmp_path,
+                                                                       capsys):  # fmt: skip
+    """Ctrl-C after the last checkpoint (step 6 of 6), before the final model: one line, no traceback, and the same
+    command resumes there without training a 7th step."""
     out_dir = tmp_path / "run"
     args = [
         "--output_dir",
@@ -420,7 +400,7 @@ def test_ctrl_c_stops_without_a_traceback_and_the_same_command_resumes(tiny_asse
         tiny_assets["sft"],
     ]
     args += RESUME_RUN
-    process, out, err = ctrl_c_after_checkpoint_2("sft.yaml", args, out_dir, tmp_path)
+    process, out, err = ctrl_c_after_checkpoint(6, "sft.yaml", args, out_dir, tmp_path)
     assert process.returncode == 130, err[-3000:]
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
     assert f"Interrupted. The same command resumes from the newest complete checkpoint in {out_dir}." in out
@@ -431,12 +411,22 @@ def test_ctrl_c_stops_without_a_traceback_and_the_same_command_resumes(tiny_asse
     resumed = trl_longrm_train("sft.yaml", *args)
     out, err = resumed.communicate(timeout=600)
     assert resumed.returncode == 0, err[-3000:]
-    assert "Resuming from" in out
+    assert f"Resuming from {out_dir / 'checkpoint-6'} at step 6." in out
     assert "accelerate" in out and "cpu_single.yaml" in out
-    assert (out_dir / "trainer_state.json").exists()
+    assert json.loads((out_dir / "trainer_state.json").read_text())["global_step"] == 6
     final = weights(out_dir)
+    assert final.keys() == uninterrupted_run.keys()
     for name in final:
         torch.testing.assert_close(final[name], uninterrupted_run[name], atol=1e-5, rtol=0, msg=name)
+
+    # Once more with `--resume_from_checkpoint last`: a finished run is not trained again. The training process's own
+    # entry point in this process (what `accelerate launch -m trl_longrm` runs; its check needs no launcher).
+    from trl_longrm.train import main
+
+    mtime = (out_dir / "model.safetensors").stat().st_mtime_ns
+    assert main([str(RECIPES / "tiny" / "sft.yaml"), *args, "--resume_from_checkpoint", "last"]) == 0
+    assert f"{out_dir} already holds the final model of a finished run (step 6 of 6)" in capsys.readouterr().out
+    assert (out_dir / "model.safetensors").stat().st_mtime_ns == mtime
 
 
 @pytest.mark.slow
@@ -446,7 +436,7 @@ def test_ctrl_c_on_two_processes_is_one_line_and_the_same_command_resumes(tiny_a
     args = ["--output_dir", str(out_dir), "--model_name_or_path", tiny_assets["cls"], "--dataset_name"]
     args += [tiny_assets["pref"], "--max_steps", "4", "--save_strategy", "steps", "--save_steps", "2"]
     # cpu_ddp.yaml: 2 processes, one ring of 2.
-    process, out, err = ctrl_c_after_checkpoint_2("simpo_disrm.yaml", args, out_dir, tmp_path)
+    process, out, err = ctrl_c_after_checkpoint(2, "simpo_disrm.yaml", args, out_dir, tmp_path)
     assert process.returncode == 130, err[-3000:]
     assert "Traceback" not in err and "ChildFailedError" not in err, err[-3000:]
     assert out.count("Interrupted. The same command resumes") == 1, out[-3000:]

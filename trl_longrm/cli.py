@@ -77,15 +77,77 @@ def run_train(args: argparse.Namespace, overrides: list[str]) -> int:
     code = preflight([args.recipe, *overrides])
     if code is not None:
         return code
-    command = launch_command(args.recipe, overrides)
+    return launch(args.recipe, overrides)
+
+
+def launch(recipe: str, overrides: list[str]) -> int:
+    """Launch a checked recipe: `accelerate launch` with the recipe's settings, threads divided among its processes."""
+    command = launch_command(recipe, overrides)
     # Processes x threads must not exceed the cores this process may use (`trl_longrm.cpu_threads`).
-    local = local_processes(args.recipe, overrides)
+    local = local_processes(recipe, overrides)
     env = launch_env(local)
     warning = oversubscription(env, local)
     if warning:
         print(f"trl-longrm: warning: {warning}", file=sys.stderr, flush=True)
     print(f"Launching (OMP_NUM_THREADS={env['OMP_NUM_THREADS']}):", " ".join(command), flush=True)
     return run_launch(command, env)
+
+
+def plain_process_launch(command: list[str]) -> tuple[list[str], dict[str, str]] | None:
+    """What the `accelerate launch` command line `command` (from `launch_command`) starts when that is one plain
+    process (accelerate's simple launcher: no torchrun, DeepSpeed, FSDP or MPI): its command line and its variables,
+    from accelerate's own code. None where it starts anything else."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_simple_launcher_cmd_env
+
+    args, defaults, _ = _validate_launch_command(launch_command_parser().parse_args(command[3:]))
+    # The launchers `accelerate launch` picks before its simple one (`accelerate.commands.launch.launch_command`).
+    other = any(getattr(args, name, False) for name in ("use_deepspeed", "use_fsdp", "use_megatron_lm", "multi_gpu", "tpu"))
+    sagemaker = defaults is not None and str(getattr(defaults, "compute_environment", "")).endswith("SAGEMAKER")
+    if (other and not args.cpu) or sagemaker or (args.num_processes or 1) != 1 or args.num_machines != 1:
+        return None
+    if args.mpirun_hostfile is not None:
+        return None
+    return prepare_simple_launcher_cmd_env(args)
+
+
+def run_train_in_this_process(recipe: str, overrides: list[str]) -> int:
+    """`trl-longrm train RECIPE OVERRIDES` without starting a process where the recipe's launch is one plain process:
+    the same checks, then the training process's entry point here, under the variables `accelerate launch` gives that
+    process (and its thread count). It saves the two interpreters of a launch (~15 s on a small CPU machine: imports
+    and teardown), which is most of a short run. Any other launch is started as `trl-longrm train` starts it.
+
+    Example:
+    ```python
+    >>> from trl_longrm.cli import run_train_in_this_process
+    >>> code = run_train_in_this_process("recipes/tiny/sft.yaml", ["--output_dir", "/tmp/sft", "--max_steps", "2"])
+    ```
+    """
+    from unittest import mock
+
+    import torch
+
+    from trl_longrm.train import main as train_main
+    from trl_longrm.train import preflight
+
+    code = preflight([recipe, *overrides])
+    if code is not None:
+        return code
+    command = launch_command(recipe, overrides)
+    launched = plain_process_launch(command) if local_processes(recipe, overrides) == 1 else None
+    if launched is None:
+        return launch(recipe, overrides)
+    process_command, process_env = launched
+    argv = process_command[process_command.index("trl_longrm") + 1 :]  # `python -m trl_longrm RECIPE ...`
+    env = launch_env(1, process_env)
+    print(f"Running in this process (OMP_NUM_THREADS={env['OMP_NUM_THREADS']}), as", " ".join(command), flush=True)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
+    try:
+        with mock.patch.dict(os.environ, env, clear=True):
+            return train_main(argv)
+    finally:
+        torch.set_num_threads(threads)
 
 
 # What `trl_longrm.train.main` prints (rank 0 only) for a user's mistake.

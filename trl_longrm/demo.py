@@ -8,7 +8,7 @@ From nothing, in order:
    (ring of 2 over 2 CPU processes), and evaluate it;
 4. make the judge's base model from the trained DisRM's backbone with a new LM head (the tiny stand-in for the
    pretrained LLM a LongRM judge starts from: see `DEMO_JUDGE_PROTOCOL`), evaluate it, then train and evaluate stage I
-   SFT -> stage II SimPO-GRM (one process each);
+   SFT -> stage II SimPO-GRM (one process each, this one: see `Demo.train`);
 5. print the before/after table and write it (`summary.md`, `summary.json`) with a plot of pairwise accuracy against
    context length (`length_accuracy.png`).
 
@@ -310,15 +310,15 @@ class Demo:
             *self.config.train_overrides.get(stage, []),
         ]
         logger.info("Training stage %s: trl-longrm %s", stage, " ".join(argv))
-        # `trl-longrm train` in this process: it checks the recipe and launches it (`accelerate launch`, the recipe's
-        # processes), as from a shell, without a third interpreter to start and import torch and TRL again (~7 s per
-        # stage). The variables are those of the launched processes (the launch copies this environment).
+        # `trl-longrm train`'s checks, then the recipe's launch: the DisRM's ring of 2 processes through
+        # `accelerate launch`, as from a shell; a one-process stage (SFT, SimPO-GRM) in this process, under the
+        # variables accelerate gives that process, without the two interpreters a launch starts (~15 s a stage).
         from unittest import mock
 
-        from trl_longrm.cli import main as trl_longrm
+        from trl_longrm.cli import run_train_in_this_process
 
         with mock.patch.dict(os.environ, {"TRL_EXPERIMENTAL_SILENCE": "1", "HF_HUB_OFFLINE": "1"}):
-            code = trl_longrm(argv)
+            code = run_train_in_this_process(argv[1], argv[2:])
         if code == 128 + signal.SIGINT:  # Ctrl-C: the stage said how to resume; so does running the demo again
             raise KeyboardInterrupt
         if code:
