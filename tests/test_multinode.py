@@ -11,10 +11,12 @@ import pytest
 import torch
 
 from trl_longrm.sequence_parallel import check_rings_within_nodes
+from trl_longrm.sequence_parallel.launch import run_on_gloo_ranks
 
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).with_name("multinode_worker.py")
+PRELOAD = ("trl_longrm.testing_utils",)  # the fork server is shared with the other gloo tests: same list
 
 
 def free_port():
@@ -67,6 +69,15 @@ def torchrun(out_dir, nnodes, nproc_per_node, fails=False, layout="ring2"):
     return {r["rank"]: r for r in (json.loads(p.read_text()) for p in out_dir.glob("rank*.json"))}
 
 
+def one_node(out_dir, processes, layout="ring2"):
+    """The reference: one node of `processes` gloo ranks (forked, as the other multi-process tests' ranks are)."""
+    import multinode_worker
+
+    out_dir.mkdir()
+    run_on_gloo_ranks(multinode_worker.one_node_rank, processes, str(out_dir), layout, timeout=600, preload=PRELOAD)
+    return {r["rank"]: r for r in (json.loads(p.read_text()) for p in out_dir.glob("rank*.json"))}
+
+
 def test_a_ring_larger_than_a_node_or_straddling_two_is_refused():
     check_rings_within_nodes(8, 8)
     check_rings_within_nodes(2, 8)
@@ -80,15 +91,15 @@ def test_a_ring_larger_than_a_node_or_straddling_two_is_refused():
 @pytest.mark.slow
 def test_two_nodes_keep_each_ring_on_one_node_and_match_one_node(tmp_path):
     two_nodes = torchrun(tmp_path / "two", nnodes=2, nproc_per_node=2)
-    one_node = torchrun(tmp_path / "one", nnodes=1, nproc_per_node=4)
-    assert sorted(two_nodes) == sorted(one_node) == [0, 1, 2, 3]
+    one = one_node(tmp_path / "one", 4)
+    assert sorted(two_nodes) == sorted(one) == [0, 1, 2, 3]
     for rank, record in two_nodes.items():
         # Ranks are numbered node by node: ring [0, 1] on node 0, ring [2, 3] on node 1.
         assert record["node"] == rank // 2 and record["ring_ranks"] == ([0, 1] if rank < 2 else [2, 3])
         assert {two_nodes[r]["node"] for r in record["ring_ranks"]} == {record["node"]}
         # The same row on the same ranks gives the same log-probs as on one node of 4 processes.
-        assert record["ring_ranks"] == one_node[rank]["ring_ranks"]
-        torch.testing.assert_close(torch.tensor(record["logps"]), torch.tensor(one_node[rank]["logps"]))
+        assert record["ring_ranks"] == one[rank]["ring_ranks"]
+        torch.testing.assert_close(torch.tensor(record["logps"]), torch.tensor(one[rank]["logps"]))
     # Both ranks of a ring hold the whole row's log-probs; the two rings hold different rows.
     assert two_nodes[0]["logps"] == two_nodes[1]["logps"] and two_nodes[0]["logps"] != two_nodes[2]["logps"]
 
@@ -97,7 +108,7 @@ def test_two_nodes_keep_each_ring_on_one_node_and_match_one_node(tmp_path):
 def test_hybrid_keeps_ulysses_pairs_on_a_node_and_rings_across_nodes(tmp_path):
     """The hybrid's point: the all-to-all inside a machine, the ring across machines (allowed in this mode)."""
     hybrid = torchrun(tmp_path / "hybrid", nnodes=2, nproc_per_node=2, layout="hybrid4")
-    ring = torchrun(tmp_path / "ring", nnodes=1, nproc_per_node=4, layout="ring4")
+    ring = one_node(tmp_path / "ring", 4, layout="ring4")
     for rank, record in hybrid.items():
         assert record["ulysses_ranks"] == ([0, 1] if rank < 2 else [2, 3])
         assert {hybrid[r]["node"] for r in record["ulysses_ranks"]} == {record["node"]}
