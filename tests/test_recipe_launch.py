@@ -158,11 +158,16 @@ def test_accelerate_launch_recipe_on_one_and_two_processes(installed, tiny, tmp_
         installed["python"], "--cpu", "--num_processes", "1", "recipes/tiny/sft.yaml",
         *args, "--output_dir", str(tmp_path / "one"),
     )  # fmt: skip
-    # The reference: the same run as `trl-longrm train` launches it (`accelerate launch -m trl_longrm RECIPE`).
-    accelerate_launch(
-        installed["python"], "--cpu", "--num_processes", "1", "-m", "trl_longrm", "recipes/tiny/sft.yaml",
-        *args, "--output_dir", str(tmp_path / "reference"),
-    )  # fmt: skip
+    # The reference: the same run as `trl-longrm train` launches it (`accelerate launch -m trl_longrm RECIPE`), its one
+    # process run in this one under the variables accelerate gives it, with the launches' one thread.
+    from unittest import mock
+
+    from trl_longrm.cli import run_train_in_this_process
+
+    with mock.patch.dict(os.environ, {"OMP_NUM_THREADS": "1", "TRL_EXPERIMENTAL_SILENCE": "1", "HF_HUB_OFFLINE": "1"}):
+        code = run_train_in_this_process(str(ROOT / "recipes/tiny/sft.yaml"), [*args, "--output_dir",
+                                                                                str(tmp_path / "reference")])
+    assert code == 0
     for name, tensor in weights(tmp_path / "reference").items():
         torch.testing.assert_close(weights(tmp_path / "one")[name], tensor, rtol=0, atol=0, msg=name)
     assert json.loads((tmp_path / "one" / "trainer_state.json").read_text())["global_step"] == 2
