@@ -299,16 +299,15 @@ def test_longrm_task_rows_use_the_files_names_whatever_the_case_typed(tmp_path):
     assert typed["counts"]["tasks"] == exact["counts"]["tasks"] and typed["counts"]["tasks"]["LongQA"] > 0
 
 
-def test_missing_task_files_are_one_line_without_a_traceback(tmp_path):
-    import subprocess
-    import sys
+def test_missing_task_files_are_one_line_without_a_traceback(tmp_path, capsys):
+    # `trl-longrm eval` in this process (`tests/test_eval_cli_errors.py` runs the installed command as a process).
+    from cli_helpers import run_cli
 
     bench = _write(tmp_path / "bench")  # LongQA and Math only; the default --tasks asks for all seven
-    run = subprocess.run([sys.executable, "-m", "trl_longrm", "eval", "--model-path", str(tmp_path / "m"),
-                          "--data-path", str(bench), "--save-path", str(tmp_path / "out")],
-                         capture_output=True, text=True)  # fmt: skip
-    assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr[-2000:]
-    [line] = [line for line in run.stderr.splitlines() if "trl-longrm: error:" in line]
+    code, stderr = run_cli(capsys, "eval", "--model-path", str(tmp_path / "m"), "--data-path", str(bench),
+                           "--save-path", str(tmp_path / "out"))  # fmt: skip
+    assert code == 1 and "Traceback" not in stderr, stderr[-2000:]
+    [line] = [line for line in stderr.splitlines() if "trl-longrm: error:" in line]
     assert "the directory has the tasks ['LongQA', 'Math']" in line
 
 

@@ -238,11 +238,11 @@ def test_flag_and_model_mistakes_are_one_error_line(models, tmp_path, capsys, mi
     assert not (tmp_path / "out.jsonl").exists()
 
 
-def test_bytes_that_are_not_utf8_are_named_by_file_and_line(tmp_path):
+def test_bytes_that_are_not_utf8_are_named_by_file_and_line(tmp_path, capsys):
     bad = tmp_path / "bad.jsonl"
     line = b'{"prompt": "caf\xe9", "completions": ["a"]}\n'  # Latin-1, not UTF-8
     bad.write_bytes(b'{"prompt": "x", "completions": ["a"]}\n' + line)
-    run = subprocess.run([sys.executable, "-m", "trl_longrm", "score", "--model-path", str(tmp_path / "no_model"),
-                          "--data-path", str(bad), "--output", str(tmp_path / "o.jsonl")],
-                         capture_output=True, text=True, cwd=ROOT)  # fmt: skip
-    assert_one_error(run.returncode, run.stderr, f"{bad}, line 2: not UTF-8 text (byte 0xe9 at byte {line.index(0xE9) + 1} of")
+    # The command in this process (`python -m trl_longrm score` is run as a process in the test of bad rows above).
+    code, stderr = run_score_cli(capsys, "--model-path", str(tmp_path / "no_model"), "--data-path", str(bad),
+                                 "--output", str(tmp_path / "o.jsonl"))  # fmt: skip
+    assert_one_error(code, stderr, f"{bad}, line 2: not UTF-8 text (byte 0xe9 at byte {line.index(0xE9) + 1} of")
