@@ -70,9 +70,10 @@ def _expected(kind, groups, beta):
     }
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("kind", ["grm", "disrm"])
-def test_two_replicas_log_every_group_once(tmp_path, kind):
+@pytest.fixture(scope="module")
+def two_replicas(tmp_path_factory):
+    """Both kinds trained by one launch of two data-parallel replicas; the folder holding `grm.json`, `disrm.json`."""
+    out_dir = tmp_path_factory.mktemp("two_replicas")
     command = [
         sys.executable,
         "-m",
@@ -85,14 +86,21 @@ def test_two_replicas_log_every_group_once(tmp_path, kind):
         "0",
         str(ROOT / "tests" / "dp_metrics_worker.py"),
         "--out_dir",
-        str(tmp_path),
+        str(out_dir),
         "--kind",
-        kind,
+        "grm",
+        "disrm",
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TRL_EXPERIMENTAL_SILENCE": "1"}
     result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=env, timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
-    out = json.loads((tmp_path / f"{kind}.json").read_text())
+    return out_dir
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["grm", "disrm"])
+def test_two_replicas_log_every_group_once(two_replicas, tmp_path, kind):
+    out = json.loads((two_replicas / f"{kind}.json").read_text())
     packs = out["packs"]
     assert out["num_processes"] == 2 and len(packs) % 2 == 1
     assert {len(g) for p in packs for g in p["rejected_completion_ids"]} == {1, 2, 3, 4}
