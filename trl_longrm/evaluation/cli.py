@@ -138,7 +138,7 @@ def run_eval(args: argparse.Namespace) -> int:
 
 def add_score_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """One `--kebab-case` flag per `ScoreConfig` field, and `--num-processes`."""
-    from trl_longrm.evaluation.score import ScoreConfig
+    from trl_longrm.evaluation.config import ScoreConfig
 
     hints = typing.get_type_hints(ScoreConfig)
     for field in dataclasses.fields(ScoreConfig):

@@ -201,3 +201,39 @@ class EvalConfig:
             )
         if self.save_path is None:
             self.save_path = os.path.join("eval_results", os.path.basename(os.path.normpath(self.model_path)))
+
+
+@dataclass
+class ScoreConfig:
+    """Settings of `score` (and of `trl-longrm score`).
+
+    Example:
+    ```python
+    >>> rows = score(ScoreConfig(model_path="./my_disrm", data_path="in.jsonl", output="out.jsonl"))
+    >>> rows[0]["scores"]
+    ```
+    """
+
+    model_path: str = field(metadata={"help": "The reward model: a DisRM (sequence classifier) or a generative judge."})
+    data_path: str = field(metadata={"help": "JSONL file of rows with `prompt` and `completions`."})
+    output: str = field(metadata={"help": "JSONL file to write: the rows with `scores` (and `judgments`)."})
+    is_disrm: bool | None = field(
+        default=None,
+        metadata={"help": "Whether the model is a DisRM; None reads it from the checkpoint's architecture."},
+    )
+    batch_size: int = field(default=4, metadata={"help": "Rows scored per call of the model."})
+    max_length: int = field(
+        default=131072, metadata={"help": "Longer inputs keep their head and tail (as `trl-longrm eval`)."}
+    )
+    max_new_tokens: int = field(default=1024, metadata={"help": "Generative judge: tokens of each judgment."})
+    device: str | None = field(default=None, metadata={"help": "Device; default: the process's accelerator."})
+    dtype: str = field(default="auto", metadata={"help": "Weights dtype ('auto': as saved)."})
+    shared_prefix: bool = field(
+        default=True, metadata={"help": "DisRM: encode each prompt once for all of its completions."}
+    )
+    prompt_template: str | None = field(
+        default=None, metadata={"help": "Generative judge: YAML prompt template (default: the built-in one)."}
+    )
+
+    def __post_init__(self):
+        check_judging_settings(self)
