@@ -104,9 +104,8 @@ def plain_process_launch(command: list[str]) -> tuple[list[str], dict[str, str]]
     # The launchers `accelerate launch` picks before its simple one (`accelerate.commands.launch.launch_command`).
     other = any(getattr(args, name, False) for name in ("use_deepspeed", "use_fsdp", "use_megatron_lm", "multi_gpu", "tpu"))
     sagemaker = defaults is not None and str(getattr(defaults, "compute_environment", "")).endswith("SAGEMAKER")
-    if (other and not args.cpu) or sagemaker or (args.num_processes or 1) != 1 or args.num_machines != 1:
-        return None
-    if args.mpirun_hostfile is not None:
+    several = (args.num_processes or 1) != 1 or args.num_machines != 1 or args.mpirun_hostfile is not None
+    if (other and not args.cpu) or sagemaker or several:
         return None
     return prepare_simple_launcher_cmd_env(args)
 
@@ -114,7 +113,7 @@ def plain_process_launch(command: list[str]) -> tuple[list[str], dict[str, str]]
 def run_train_in_this_process(recipe: str, overrides: list[str]) -> int:
     """`trl-longrm train RECIPE OVERRIDES` without starting a process where the recipe's launch is one plain process:
     the same checks, then the training process's entry point here, under the variables `accelerate launch` gives that
-    process (and its thread count). It saves the two interpreters of a launch (~15 s on a small CPU machine: imports
+    process (and its thread count). It saves the two interpreters of a launch (~10 s on a small CPU machine: imports
     and teardown), which is most of a short run. Any other launch is started as `trl-longrm train` starts it.
 
     Example:
@@ -134,7 +133,7 @@ def run_train_in_this_process(recipe: str, overrides: list[str]) -> int:
     if code is not None:
         return code
     command = launch_command(recipe, overrides)
-    launched = plain_process_launch(command) if local_processes(recipe, overrides) == 1 else None
+    launched = plain_process_launch(command)
     if launched is None:
         return launch(recipe, overrides)
     process_command, process_env = launched

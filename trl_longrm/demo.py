@@ -312,7 +312,7 @@ class Demo:
         logger.info("Training stage %s: trl-longrm %s", stage, " ".join(argv))
         # `trl-longrm train`'s checks, then the recipe's launch: the DisRM's ring of 2 processes through
         # `accelerate launch`, as from a shell; a one-process stage (SFT, SimPO-GRM) in this process, under the
-        # variables accelerate gives that process, without the two interpreters a launch starts (~15 s a stage).
+        # variables accelerate gives that process, without the two interpreters a launch starts (~10 s a stage).
         from unittest import mock
 
         from trl_longrm.cli import run_train_in_this_process
