@@ -2,9 +2,6 @@
 (errors naming the file and line, an empty result explained), each reported once, as one message, without traceback."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -142,17 +139,18 @@ def test_empty_file_is_reported_by_the_dry_run(tmp_path, model_without_weights, 
     assert f"  - dataset_name='{empty}': the file is empty" in capsys.readouterr().err
 
 
-def test_launcher_checks_paths_once_before_launching(tmp_path):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    command = [str(Path(sys.executable).parent / "trl-longrm"), "train", TINY_SFT]
-    command += ["--dataset_name", "./nope.jsonl", "--output_dir", str(tmp_path / "out")]
-    result = subprocess.run(command, capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
-    assert result.returncode == 1
-    assert "Launching" not in result.stdout and "Traceback" not in result.stderr
-    assert errors_of(result.stderr) == ["trl-longrm: error: the run cannot start:"]
-    assert f"  - dataset_name='./nope.jsonl': no such file or folder (resolved against {tmp_path})" in result.stderr
+def test_launcher_checks_paths_once_before_launching(tmp_path, monkeypatch, capsys):
+    # `trl-longrm train` through its `main` in this process (an exception escaping it would be the traceback).
+    from trl_longrm.cli import main as trl_longrm
+
+    monkeypatch.chdir(tmp_path)
+    code = trl_longrm(["train", TINY_SFT, "--dataset_name", "./nope.jsonl", "--output_dir", str(tmp_path / "out")])
+    out, err = capsys.readouterr()
+    assert code == 1 and "Launching" not in out
+    assert errors_of(err) == ["trl-longrm: error: the run cannot start:"]
+    assert f"  - dataset_name='./nope.jsonl': no such file or folder (resolved against {tmp_path})" in err
     # The tiny recipe's model is relative (demo_outputs/...) and absent here: reported as a missing path too.
-    assert "  - model_name_or_path='demo_outputs/models/judge-from-disrm': no such file or folder" in result.stderr
+    assert "  - model_name_or_path='demo_outputs/models/judge-from-disrm': no such file or folder" in err
 
 
 @pytest.mark.parametrize("where", ["flag", "recipe"])
