@@ -66,6 +66,11 @@ def torchrun(out_dir, nnodes, nproc_per_node, fails=False, layout="ring2"):
         errors += err
     if fails:
         return errors
+    return records(out_dir)
+
+
+def records(out_dir):
+    """Each rank's record written by the worker, by rank."""
     return {r["rank"]: r for r in (json.loads(p.read_text()) for p in out_dir.glob("rank*.json"))}
 
 
@@ -75,7 +80,7 @@ def one_node(out_dir, processes, layout="ring2"):
 
     out_dir.mkdir()
     run_on_gloo_ranks(multinode_worker.one_node_rank, processes, str(out_dir), layout, timeout=600, preload=PRELOAD)
-    return {r["rank"]: r for r in (json.loads(p.read_text()) for p in out_dir.glob("rank*.json"))}
+    return records(out_dir)
 
 
 def test_a_ring_larger_than_a_node_or_straddling_two_is_refused():

@@ -2,6 +2,7 @@
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -161,13 +162,12 @@ def weights(directory):
     ],
 )
 def test_tiny_recipes_multi_process(tiny_assets, tmp_path, accelerate_config, recipe, extra):
-    model = tiny_assets["cls"] if "disrm" in recipe else tiny_assets["lm"]
     out = tmp_path / "run"
     launch(
         accelerate_config,
         recipe,
         "--model_name_or_path",
-        model,
+        tiny_assets["lm"],
         "--dataset_name",
         tiny_assets["pref"],
         "--output_dir",
@@ -274,7 +274,7 @@ def test_killed_run_resumes_with_the_same_command(tiny_assets, uninterrupted_run
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     command = [sys.executable, "-c", kill_after_save, str(RECIPES / "tiny" / "sft.yaml"), *args]
     result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
-    assert result.returncode == -9, result.stderr[-3000:]
+    assert result.returncode == -signal.SIGKILL, result.stderr[-3000:]
     newest = killed / "checkpoint-4"
     assert newest.is_dir() and not (killed / "trainer_state.json").exists()
     data = (newest / "model.safetensors").read_bytes()
@@ -306,8 +306,6 @@ def interruptible():
     """`preexec_fn` of a child that a test interrupts: SIGINT at its default, as in a terminal's foreground job. A
     shell starts background jobs (`cmd &` without job control, as a CI runner may run the suite) with SIGINT ignored,
     which their children inherit; Python then installs no KeyboardInterrupt handler, and the signal does nothing."""
-    import signal
-
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
@@ -337,7 +335,6 @@ if os.environ.get("PAUSE_AFTER_CHECKPOINT"):
 def ctrl_c_after_checkpoint(step, recipe, args, out_dir, tmp_path):
     """Start `trl-longrm train` paused after its checkpoint of `step`, then send the SIGINT a terminal's Ctrl-C
     sends."""
-    import signal
     import time
 
     hook = tmp_path / "hook"
