@@ -216,12 +216,13 @@ def test_kernels_on_emulated_ring_match_reference(kernel, group_size, num_heads,
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("backend", ["torch", "auto", "flash_attn"])
+@pytest.mark.parametrize("backend", ["torch", "auto", "flash_attn", "cudnn"])
 @pytest.mark.parametrize("group_size", [1, 4])
 def test_cuda_kernels_on_emulated_ring(backend, group_size):
-    """The CUDA kernels (torch varlen_attn / flash-attn in bf16) with the same ring geometry, against the fp32
-    reference. Runs only where a GPU is present."""
+    """The CUDA kernels (torch varlen_attn / cuDNN / flash-attn in bf16) with the same ring geometry, against the fp32
+    reference (cuDNN given every sequence of 32+ queries). Runs only where a GPU is present."""
     from trl_longrm.sequence_parallel import is_flash_attn_available
+    from trl_longrm.sequence_parallel.kernels import TorchCudnnOps, TorchVarlenOps, varlen_function_of
 
     if backend == "flash_attn" and not is_flash_attn_available():
         pytest.skip("flash-attn is not installed")
@@ -232,6 +233,9 @@ def test_cuda_kernels_on_emulated_ring(backend, group_size):
     expected = reference_with_grads(q, k, v, grad_out, doc_lengths, scaling)
     expected = (expected[0], *(grad.transpose(0, 1) for grad in expected[1:]))
     kernel = resolve_kernel(backend, torch.device("cuda"), torch.bfloat16)
+    if backend == "cudnn":
+        ops = TorchCudnnOps(TorchVarlenOps.load(), min_tokens=32)
+        kernel = VarlenKernel(ops.name, varlen_function_of(ops), ops)
     cuda = [t.cuda().bfloat16() for t in (q, k, v, grad_out)]
     got = emulated_ring(kernel, *cuda, doc_lengths, group_size, chunk=64, scaling=scaling)
     for name, g, e in zip(["out", "dq", "dk", "dv"], got, expected):
@@ -298,7 +302,9 @@ def _check_ring_attention(rank, world_size, sequence_parallel_size):
             dout[real] = grad_out[index[real]]
             out, _ = ring_attention_forward(MODULE, ql, kl, vl, None, scaling=scaling, ring_attn_meta=meta)
             out.backward(dout[None])
-            label = f"rank {rank}/{world_size} sp={sequence_parallel_size} case {case_index} stride {stride} {placement}"
+            label = (
+                f"rank {rank}/{world_size} sp={sequence_parallel_size} case {case_index} stride {stride} {placement}"
+            )
             mine = index[real]
             checks = [
                 ("out", out[0, real].detach(), ref_out[mine]),
@@ -379,8 +385,12 @@ def _schedule_worker(rank, world_size, result_path):
         out.backward(dout[None])
     ref_out, ref_dq, ref_dk, ref_dv = reference_with_grads(q, k, v, grad_out, doc_lengths, scaling)
     mine = index[real]
-    for got, expected in [(out[0, real].detach(), ref_out[mine]), (leaves[0].grad[0][:, real], ref_dq[:, mine]),
-                          (leaves[1].grad[0][:, real], ref_dk[:, mine]), (leaves[2].grad[0][:, real], ref_dv[:, mine])]:
+    for got, expected in [
+        (out[0, real].detach(), ref_out[mine]),
+        (leaves[0].grad[0][:, real], ref_dq[:, mine]),
+        (leaves[1].grad[0][:, real], ref_dk[:, mine]),
+        (leaves[2].grad[0][:, real], ref_dv[:, mine]),
+    ]:
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)  # fmt: skip
     if rank == 0:
         with open(result_path, "w") as handle:
@@ -491,3 +501,98 @@ def test_masked_gqa_blocks_repeat_key_value_heads_off_cpu(monkeypatch):
         TorchBlockKernel._block(torch.empty(9, 8, 16, device=device), k, v, True, 0.25)  # is_causal, no mask
     # (key/value heads passed, enable_gqa, masked)
     assert calls == [(8, False, True), (2, True, False), (2, True, True), (2, True, False)]
+
+
+@pytest.mark.parametrize("group_size", [1, 2, 4])
+@pytest.mark.parametrize("min_tokens", [1, 10])
+def test_cudnn_ops_on_emulated_ring_match_reference(group_size, min_tokens):
+    """cuDNN's fused attention as the kernels use it (`TorchCudnnOps`, on CPU with a stand-in of its aten ops and
+    their conventions): a call per sequence it serves, the rest (short ones, and pieces entering a rank from the
+    previous one, which need a bottom-right mask) as varlen runs of the fallback. Ring geometry and plain autograd on
+    one process (the differentiable function built from the two entry points) both match the reference."""
+    from cudnn_stand_in import stand_in_cudnn_ops
+
+    from trl_longrm.sequence_parallel.kernels import varlen_function_of
+
+    num_heads, num_kv_heads, doc_lengths, scaling = 4, 2, [23, 3, 11, 40, 1], 0.25
+    q, k, v, grad_out = random_problem(num_heads, num_kv_heads, sum(doc_lengths), seed=11)
+    expected = reference_with_grads(q, k, v, grad_out, doc_lengths, scaling)
+    expected = (expected[0], *(grad.transpose(0, 1) for grad in expected[1:]))
+    ops, cudnn = stand_in_cudnn_ops(min_tokens)
+    kernel = VarlenKernel(ops.name, varlen_function_of(ops), ops)
+    if group_size == 1:  # one process: the kernel's function under autograd, as `_attend` calls it
+        leaves = [t.transpose(0, 1).clone().requires_grad_() for t in (q, k, v)]
+        meta = packed_row_metadata(positions(doc_lengths), SequenceParallelConfig())
+        out = kernel.forward(*leaves, meta, scaling)
+        out.backward(grad_out)
+        got = (out.detach(), *(t.grad for t in leaves))
+    else:
+        got = emulated_ring(kernel, q, k, v, grad_out, doc_lengths, group_size, chunk=1024, scaling=scaling)
+    for name, g, e in zip(["out", "dq", "dk", "dv"], got, expected):
+        torch.testing.assert_close(g, e, atol=1e-5, rtol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
+    assert cudnn.calls["forward"] > 0 and cudnn.calls["backward"] > 0  # cuDNN did serve some sequences
+
+
+def test_cudnn_ops_route_sequences_by_length_and_alignment():
+    """Which sequences cuDNN takes: causal square ones of at least `min_tokens` queries, each its own call; the others
+    go to the fallback as one varlen call per run of consecutive ones, boundaries rebased to the run."""
+    from cudnn_stand_in import stand_in_cudnn_ops
+
+    ops, _ = stand_in_cudnn_ops(min_tokens=100)
+    # Queries/keys per sequence: 300/300, 5/5, 7/7, 200/250 (a piece entering from the previous rank), 150/150.
+    cu_q, cu_k = torch.tensor([0, 300, 305, 312, 512, 662]), torch.tensor([0, 300, 305, 312, 562, 712])
+    runs = list(ops._runs(cu_q, cu_k, causal=True))
+    assert [run[:5] for run in runs] == [
+        (True, 0, 300, 0, 300), (False, 300, 512, 300, 562), (True, 512, 662, 562, 712)
+    ]  # fmt: skip
+    assert runs[1][5:] == ([0, 5, 12, 212], [0, 5, 12, 262], 200, 250)
+    # Without the causal mask a non-square sequence is cuDNN's too.
+    assert [run[0] for run in ops._runs(cu_q, cu_k, causal=False)] == [True, False, True, True]
+
+
+def test_cudnn_backend_resolution():
+    """'cudnn' names the kernel on CUDA half-precision tensors and is refused elsewhere; 'auto' picks it on CUDA where
+    flash-attn is absent (resolution only: nothing runs)."""
+    from trl_longrm.sequence_parallel import kernels
+
+    cuda = torch.device("cuda")
+    assert resolve_kernel("cudnn", cuda, torch.bfloat16).name == "torch_cudnn"
+    with pytest.raises(ValueError, match="cudnn"):
+        resolve_kernel("cudnn", torch.device("cpu"), torch.bfloat16)
+    with mock.patch.object(kernels, "is_flash_attn_available", lambda: False):
+        assert resolve_kernel("auto", cuda, torch.bfloat16).name == "torch_cudnn"
+        assert resolve_kernel("auto", cuda, torch.float32).name == "torch"
+    assert SequenceParallelConfig(ring_attn_backend="cudnn").ring_attn_backend == "cudnn"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("causal", [True, False])
+def test_cuda_cudnn_ops_match_torch_varlen_at_model_shapes(causal):
+    """cuDNN's ops as `TorchCudnnOps` calls them against torch's `varlen_attn` ops on the same bf16 inputs at
+    Qwen3-0.6B's heads (16 query, 8 key/value, dim 128) and odd lengths (sequences of 3001, 2053 and 77 queries; with
+    `causal=False`, queries against longer keys as a shared prompt's responses): out, lse and the gradients from the
+    same (out, lse). Runs only where a GPU is present."""
+    from trl_longrm.sequence_parallel.kernels import TorchCudnnOps, TorchVarlenOps
+
+    varlen = TorchVarlenOps.load()
+    cudnn = TorchCudnnOps(varlen, min_tokens=1024)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    lengths_q = [3001, 2053, 77]
+    lengths_k = lengths_q if causal else [4099, 2500, 300]
+    cu_q = torch.tensor([0, *torch.tensor(lengths_q).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([0, *torch.tensor(lengths_k).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    q = torch.randn(sum(lengths_q), 16, 128, device="cuda", generator=gen).bfloat16()
+    k, v = (torch.randn(sum(lengths_k), 8, 128, device="cuda", generator=gen).bfloat16() for _ in range(2))
+    grad_out = torch.randn_like(q)
+    args = (cu_q, cu_k, max(lengths_q), max(lengths_k), 128**-0.5, causal)
+    out, lse = cudnn.forward(q, k, v, *args)
+    want_out, want_lse = varlen.forward(q, k, v, *args)
+    torch.testing.assert_close(out.float(), want_out.float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(lse, want_lse, atol=1e-3, rtol=1e-3)
+    got = cudnn.backward(grad_out, q, k, v, want_out, want_lse, *args)
+    want = varlen.backward(grad_out, q, k, v, want_out, want_lse, *args)
+    for name, g, w in zip(["dq", "dk", "dv"], got, want):
+        scale = w.float().abs().max()
+        torch.testing.assert_close(
+            g.float() / scale, w.float() / scale, atol=2e-2, rtol=0, msg=lambda m, n=name: f"{n}: {m}"
+        )

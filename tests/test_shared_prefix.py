@@ -474,11 +474,14 @@ def test_shared_row_varlen_merge_single_process(row, monkeypatch):
 
 @pytest.mark.parametrize("row", ROWS, ids=["three_groups", "with_unshared_document"])
 @pytest.mark.parametrize("group_size", [2, 3, 4])
-@pytest.mark.parametrize("ops", ["reference", "cpu_flash_chunk_2", "cpu_flash"])
+@pytest.mark.parametrize("ops", ["reference", "cpu_flash_chunk_2", "cpu_flash", "cudnn_stand_in"])
 def test_shared_row_varlen_merge_on_emulated_ring(row, group_size, ops):
     """The same merge slice by slice as ring ranks run it (kernel forward, and the recomputing backward the ring
     uses): responses whose prompt lies on another rank, pieces starting inside their document. With the stand-in
-    of flash-attn's contract and with PyTorch's fused CPU attention (what CPU runs use), in query blocks of 2."""
+    of flash-attn's contract, with PyTorch's fused CPU attention (what CPU runs use), in query blocks of 2, and with
+    cuDNN's ops as `TorchCudnnOps` calls them (a CPU stand-in, sequences of 3+ queries its own)."""
+    from cudnn_stand_in import stand_in_cudnn_ops
+
     from trl_longrm.sequence_parallel.kernels import SharedPrefixVarlenKernel, TorchCpuFlashOps
 
     lengths, parents, _ = shared_layout(row)
@@ -489,6 +492,7 @@ def test_shared_row_varlen_merge_on_emulated_ring(row, group_size, ops):
         "reference": ReferenceVarlenOps(),
         "cpu_flash_chunk_2": TorchCpuFlashOps(query_chunk_size=2),
         "cpu_flash": TorchCpuFlashOps(),
+        "cudnn_stand_in": stand_in_cudnn_ops(min_tokens=3)[0],
     }[ops]
     kernel = SharedPrefixVarlenKernel(ops)
     got, kv_starts = emulated_shared_ring(q, k, v, grad_out, lengths, parents, group_size, 1024, scaling, kernel)
@@ -512,6 +516,7 @@ def test_shared_row_half_precision_dq_is_the_float32_one_cast(row):
                                  query_chunk_size=1024, segment_parents=tuple(parents))  # fmt: skip
     layout = _SharedPrefixLayout.of(meta, q.device)
     assert layout.has_b
+
     class KernelDtypeOps(TorchCpuFlashOps):
         """Gradients in the inputs' dtype, as flash-attn and torch's CUDA varlen kernels return them."""
 
@@ -530,7 +535,7 @@ def test_shared_row_half_precision_dq_is_the_float32_one_cast(row):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("backend", ["torch", "flash_attn"])
+@pytest.mark.parametrize("backend", ["torch", "flash_attn", "cudnn"])
 @pytest.mark.parametrize("group_size", [1, 4])
 def test_shared_row_cuda_varlen_kernels(backend, group_size):
     """The CUDA libraries (torch varlen_attn / flash-attn, bf16) through the shared-prefix merge, against the fp32
@@ -546,7 +551,10 @@ def test_shared_row_cuda_varlen_kernels(backend, group_size):
     expected = reference(q, k, v, grad_out, row, 0.125)
     kernel = resolve_kernel(backend, torch.device("cuda"), torch.bfloat16)
     assert kernel.ops is not None, f"{kernel.name}: no forward-with-lse / backward-from-lse entry points found"
-    shared = SharedPrefixVarlenKernel(kernel.ops)
+    ops = kernel.ops
+    if backend == "cudnn":  # cuDNN given every sequence of 32+ queries (2048+ by default)
+        ops = type(ops)(ops.fallback, min_tokens=32)
+    shared = SharedPrefixVarlenKernel(ops)
     cuda = [t.cuda().bfloat16() for t in (q, k, v, grad_out)]
     got, _ = emulated_shared_ring(*cuda, lengths, parents, group_size, 1024, 0.125, shared)
     for name, g, e in zip(["out", "dq", "dk", "dv"], got, expected):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
-RING_ATTENTION_BACKENDS = ("auto", "torch", "flash_attn")
+RING_ATTENTION_BACKENDS = ("auto", "torch", "cudnn", "flash_attn")
 RING_PLACEMENTS = ("balanced", "zigzag", "contiguous")
 SEQUENCE_PARALLEL_MODES = ("ring", "ulysses", "hybrid")
 
@@ -68,8 +68,10 @@ class SequenceParallelConfig:
         default="auto",
         metadata={
             "help": "Attention kernel: 'torch' (pure PyTorch, any device; varlen flash kernels of torch on CUDA when "
-            "available), 'flash_attn' (flash-attn varlen kernels, CUDA, needs the flash-attn package) or 'auto' "
-            "(flash_attn when importable and the tensors are on CUDA, else torch). Default: 'auto'."
+            "available), 'cudnn' (CUDA: cuDNN's fused attention through torch for sequences of 2048+ queries, torch's "
+            "varlen kernels for the rest), 'flash_attn' (flash-attn varlen kernels, CUDA, needs the flash-attn "
+            "package) or 'auto' (on CUDA half-precision tensors flash_attn when importable, else cudnn, else torch; "
+            "torch elsewhere). Default: 'auto'."
         },
     )
     ring_query_chunk_size: int = field(

@@ -323,6 +323,158 @@ class TorchVarlenOps(VarlenOps):
         )  # fmt: skip
 
 
+class TorchCudnnOps(VarlenOps):
+    """cuDNN's fused attention (the kernels SDPA's `CUDNN_ATTENTION` backend calls:
+    `aten._scaled_dot_product_cudnn_attention` and its backward, as torch's own context parallelism calls them), one
+    call per sequence. On an H100 it runs a long causal sequence at ~1.75x the TFLOP/s of torch's `varlen_attn`
+    (`bench/gpu_attention_kernels.py`: 570 vs 323 forward+backward at 32K-64K tokens, Qwen3-0.6B heads).
+
+    The sequences it does not serve go to `fallback` (torch's varlen ops), as one varlen call per run of consecutive
+    such sequences: causal ones with fewer queries than keys (a document entering this ring rank from the previous
+    one, which needs a bottom-right mask: cuDNN's causal mask is top-left aligned), and those under `min_tokens`
+    queries, where a kernel launch per sequence costs more than the faster kernel saves. Grouped-query heads are
+    repeated for cuDNN (its GQA support differs by version); their gradients are summed back in float32.
+    """
+
+    name = "torch_cudnn"
+
+    def __init__(self, fallback: VarlenOps, min_tokens: int = 2048, forward_op=None, backward_op=None):
+        self.fallback = fallback
+        self.min_tokens = min_tokens
+        # The aten ops (a test passes stand-ins with their schema to run this on CPU).
+        self.forward_op = forward_op or torch.ops.aten._scaled_dot_product_cudnn_attention
+        self.backward_op = backward_op or torch.ops.aten._scaled_dot_product_cudnn_attention_backward
+
+    @classmethod
+    def load(cls, min_tokens: int = 2048) -> TorchCudnnOps | None:
+        aten = torch.ops.aten
+        if not hasattr(aten, "_scaled_dot_product_cudnn_attention") or not hasattr(
+            aten, "_scaled_dot_product_cudnn_attention_backward"
+        ):
+            return None
+        fallback = TorchVarlenOps.load()
+        return None if fallback is None else cls(fallback, min_tokens)
+
+    def _runs(self, cu_q, cu_k, causal):
+        """`(use_cudnn, qa, qb, ka, kb, cu_q, cu_k, max_q, max_k)` per call: one per sequence cuDNN serves, one varlen
+        call per run of consecutive sequences it leaves to the fallback (boundaries rebased to the run's start)."""
+        cu_q, cu_k = cu_q.tolist(), cu_k.tolist()
+        pending: list[int] = []
+
+        def flush():
+            first, last = pending[0], pending[-1] + 1
+            run_q = [c - cu_q[first] for c in cu_q[first : last + 1]]
+            run_k = [c - cu_k[first] for c in cu_k[first : last + 1]]
+            max_q = max(b - a for a, b in zip(run_q, run_q[1:]))
+            max_k = max(b - a for a, b in zip(run_k, run_k[1:]))
+            pending.clear()
+            return (False, cu_q[first], cu_q[last], cu_k[first], cu_k[last], run_q, run_k, max_q, max_k)
+
+        for i in range(len(cu_q) - 1):
+            nq, nk = cu_q[i + 1] - cu_q[i], cu_k[i + 1] - cu_k[i]
+            if nq >= self.min_tokens and (not causal or nq == nk):
+                if pending:
+                    yield flush()
+                yield (True, cu_q[i], cu_q[i + 1], cu_k[i], cu_k[i + 1], None, None, nq, nk)
+            elif nq:
+                pending.append(i)
+        if pending:
+            yield flush()
+
+    @staticmethod
+    def _heads_first(t, heads):
+        """`[T, Hkv, D]` -> `[1, heads, T, D]` (a view of the token-major tensor; key/value heads repeated)."""
+        if t.shape[1] != heads:
+            t = t.repeat_interleave(heads // t.shape[1], dim=1)
+        return t.transpose(0, 1).unsqueeze(0)
+
+    @staticmethod
+    def serves(q) -> bool:
+        """Whether cuDNN takes these heads: head dims that are multiples of 8 up to 128 (what every cuDNN 9 build
+        SDPA dispatches to takes), and no deterministic backward asked for (torch calls cuDNN's backward
+        nondeterministic)."""
+        return q.shape[-1] % 8 == 0 and q.shape[-1] <= 128 and not _deterministic()
+
+    def forward(self, q, k, v, cu_q, cu_k, max_q, max_k, scale, causal):
+        if not self.serves(q):
+            return self.fallback.forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal)
+        heads = q.shape[1]
+        out = q.new_empty(q.shape[0], heads, v.shape[2])
+        lse = torch.empty(heads, q.shape[0], dtype=torch.float32, device=q.device)
+        for cudnn, qa, qb, ka, kb, run_q, run_k, mq, mk in self._runs(cu_q, cu_k, causal):
+            if not cudnn:
+                as_int32 = lambda c: torch.tensor(c, dtype=torch.int32, device=q.device)  # noqa: E731
+                out[qa:qb], lse[:, qa:qb] = self.fallback.forward(
+                    q[qa:qb], k[ka:kb], v[ka:kb], as_int32(run_q), as_int32(run_k), mq, mk, scale, causal
+                )
+                continue
+            block_out, block_lse = self.forward_op(
+                self._heads_first(q[qa:qb], heads), self._heads_first(k[ka:kb], heads),
+                self._heads_first(v[ka:kb], heads), None, True, 0.0, causal, False, scale=scale,
+            )[:2]  # fmt: skip
+            out[qa:qb] = block_out[0].transpose(0, 1)
+            lse[:, qa:qb] = block_lse.reshape(heads, qb - qa)
+        return out, lse
+
+    def backward(self, grad_out, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, causal):
+        if not self.serves(q):
+            return self.fallback.backward(grad_out, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, causal)
+        heads, kv_heads = q.shape[1], k.shape[1]
+        # Each query and each key belongs to one sequence here: the gradients are written, not summed, in the
+        # inputs' dtype (no float32 copy of a long row's dq).
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        for cudnn, qa, qb, ka, kb, run_q, run_k, mq, mk in self._runs(cu_q, cu_k, causal):
+            if not cudnn:
+                as_int32 = lambda c: torch.tensor(c, dtype=torch.int32, device=q.device)  # noqa: E731
+                dq[qa:qb], dk[ka:kb], dv[ka:kb] = self.fallback.backward(
+                    grad_out[qa:qb], q[qa:qb], k[ka:kb], v[ka:kb], out[qa:qb], lse[:, qa:qb].contiguous(),
+                    as_int32(run_q), as_int32(run_k), mq, mk, scale, causal,
+                )  # fmt: skip
+                continue
+            no_rng = torch.zeros((), dtype=torch.long, device=q.device)
+            dq_b, dk_b, dv_b = self.backward_op(
+                self._heads_first(grad_out[qa:qb], heads), self._heads_first(q[qa:qb], heads),
+                self._heads_first(k[ka:kb], heads), self._heads_first(v[ka:kb], heads),
+                self._heads_first(out[qa:qb], heads), lse[:, qa:qb].reshape(1, heads, qb - qa, 1).contiguous(),
+                no_rng, no_rng, None, None, None, qb - qa, kb - ka, 0.0, causal, scale=scale,
+            )  # fmt: skip
+            dq[qa:qb] = dq_b[0].transpose(0, 1)
+            for grad, into in ((dk_b, dk), (dv_b, dv)):
+                grad = grad[0].transpose(0, 1)  # [n, heads, D]
+                if kv_heads != heads:
+                    grad = grad.unflatten(1, (kv_heads, heads // kv_heads)).sum(2, dtype=torch.float32)
+                into[ka:kb] = grad
+        return dq, dk, dv
+
+
+class _VarlenOpsFunction(torch.autograd.Function):
+    """A differentiable causal varlen attention from a library's two entry points (forward with lse, backward from
+    out and lse), for libraries without their own autograd (cuDNN's fused ops)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_q, cu_k, max_q, max_k, scale, ops):
+        out, lse = ops.forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, True)
+        ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
+        ctx.max_q, ctx.max_k, ctx.scale, ctx.ops = max_q, max_k, scale, ops
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
+        grads = ctx.ops.backward(grad_out.contiguous(), q, k, v, out, lse, cu_q, cu_k, ctx.max_q, ctx.max_k,
+                                 ctx.scale, True)  # fmt: skip
+        return (*(g.to(t.dtype) for g, t in zip(grads, (q, k, v))), None, None, None, None, None, None)
+
+
+def varlen_function_of(ops: VarlenOps) -> VarlenFunction:
+    """The causal varlen attention function (`VarlenKernel.fn`) of `ops`, differentiable through its entry points."""
+
+    def fn(q, k, v, cu_q, cu_k, max_q, max_k, scale):
+        return _VarlenOpsFunction.apply(q, k, v, cu_q, cu_k, max_q, max_k, scale, ops)
+
+    return fn
+
+
 class TorchCpuFlashOps(VarlenOps):
     """The same contract on CPU from PyTorch's fused CPU attention (`aten::_scaled_dot_product_flash_attention_for_cpu`
     and its backward, the ops SDPA itself dispatches to), one call per sequence. Shared-prefix rows on CPU use it: a
@@ -661,7 +813,10 @@ _HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 
 def resolve_kernel(backend: str, device: torch.device, dtype: torch.dtype):
-    """The kernel for `backend` ('auto', 'torch', 'flash_attn') on tensors of this device and dtype.
+    """The kernel for `backend` ('auto', 'torch', 'cudnn', 'flash_attn') on tensors of this device and dtype.
+
+    'auto' on CUDA half-precision tensors: flash-attn where importable, else cuDNN's fused attention for long
+    sequences with torch's `varlen_attn` for the rest (`TorchCudnnOps`), else torch's `varlen_attn` alone.
 
     Example:
     ```python
@@ -684,9 +839,24 @@ def resolve_kernel(backend: str, device: torch.device, dtype: torch.dtype):
         if dtype not in _HALF_DTYPES:
             raise ValueError(f"ring_attn_backend='flash_attn' needs float16 or bfloat16 tensors, got {dtype}.")
         return VarlenKernel("flash_attn", _flash_attn_varlen, FlashAttnVarlenOps.load())
+    if backend == "cudnn":
+        if device.type != "cuda" or dtype not in _HALF_DTYPES:
+            raise ValueError(
+                f"ring_attn_backend='cudnn' runs on CUDA float16/bfloat16 tensors only, got {dtype} on {device}."
+            )
+        ops = TorchCudnnOps.load()
+        if ops is None:
+            raise ImportError(
+                "ring_attn_backend='cudnn' needs torch's cuDNN attention ops and its varlen_attn (torch >= 2.10); "
+                "this torch lacks them. Use ring_attn_backend='torch'."
+            )
+        return VarlenKernel(ops.name, varlen_function_of(ops), ops)
     if backend == "auto":
-        if device.type == "cuda" and dtype in _HALF_DTYPES and is_flash_attn_available():
-            return VarlenKernel("flash_attn", _flash_attn_varlen, FlashAttnVarlenOps.load())
+        if device.type == "cuda" and dtype in _HALF_DTYPES:
+            if is_flash_attn_available():
+                return VarlenKernel("flash_attn", _flash_attn_varlen, FlashAttnVarlenOps.load())
+            if TorchCudnnOps.load() is not None:
+                return resolve_kernel("cudnn", device, dtype)
         return resolve_kernel("torch", device, dtype)
     if backend == "torch":
         if device.type == "cuda" and dtype in _HALF_DTYPES:
