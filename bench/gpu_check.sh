@@ -15,7 +15,7 @@ cd "$(dirname "$0")/.."
 
 OUT=""
 MODE=gpu
-STAGES="env,cuda_tests,defaults,profile,throughput,longest_grm,reward_function,long_rows,longest_disrm"
+STAGES="env,cuda_tests,defaults,attention_kernels,profile,throughput,longest_grm,reward_function,long_rows,longest_disrm"
 SEED=""
 while [ $# -gt 0 ]; do
     case "$1" in
@@ -92,6 +92,7 @@ if [ "$MODE" = rehearse ]; then
     # Every stage's command line is exercised on CPU at a tiny size: a typo fails here, not in the GPU call.
     stage cuda_tests 120 $PY -m pytest -q --collect-only tests/test_shared_prefix.py tests/test_sequence_parallel_attention.py
     stage defaults 300 $PY bench/gpu_defaults.py --use-cpu --prompt-length 1100 --out "$OUT/defaults.json"
+    stage attention_kernels 60 $PY bench/gpu_attention_kernels.py --device cpu --lengths 128 --repeats 1 --out "$OUT/attention_kernels.json"
     stage profile 120 $PY bench/gpu_longest_row.py --attempt --trainers grm --impls ours --start-prompt-length 256 \
         --steps 2 --profile --num-hidden-layers 2 --out -
     stage throughput 60 $PY bench/gpu_longest_row.py --help
@@ -105,6 +106,9 @@ else
     stage cuda_tests 90 $PY -m pytest -q -rs -p no:cacheprovider --junitxml="$OUT/cuda_tests.xml" \
         tests/test_shared_prefix.py tests/test_sequence_parallel_attention.py -k cuda
     stage defaults 60 $PY bench/gpu_defaults.py --out "$OUT/defaults.json"
+    # The attention kernels alone (torch's varlen_attn, SDPA's flash / cuDNN / memory-efficient) at 8K-64K: what
+    # bounds the MFU below.
+    stage attention_kernels 60 $PY bench/gpu_attention_kernels.py --out "$OUT/attention_kernels.json"
     # (2) Ours vs stock TRL on one GPU (Qwen3-0.6B shape). Each call of gpu_longest_row.py adds to OUT/gpu.json
     # (--resume): where one 32K step of ours spends its time (the MFU's bound), tokens/s and peak memory at 8K and
     # 32K, then the longest rows. Every attempt is a fresh process of ~20 s (model init on the GPU) plus its steps.
