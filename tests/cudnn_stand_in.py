@@ -12,6 +12,7 @@ import torch
 class StandInCudnn:
     def __init__(self):
         self.calls = {"forward": 0, "backward": 0}
+        self.heads = set()  # query heads per call
 
     def forward(self, q, k, v, attn_bias, compute_log_sumexp, dropout_p=0.0, is_causal=False, return_debug_mask=False,
                 *, scale=None):  # fmt: skip
@@ -19,6 +20,7 @@ class StandInCudnn:
         assert attn_bias is None and compute_log_sumexp and dropout_p == 0.0 and not return_debug_mask
         assert not (is_causal and q.shape[2] != k.shape[2]), "a top-left causal mask on a non-square block"
         self.calls["forward"] += 1
+        self.heads.add(q.shape[1])
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal, scale=scale)
         seed = offset = torch.zeros((), dtype=torch.long)
         return out, lse.unsqueeze(-1), None, None, q.shape[2], k.shape[2], seed, offset, None
@@ -35,10 +37,12 @@ class StandInCudnn:
         )
 
 
-def stand_in_cudnn_ops(min_tokens: int):
+def stand_in_cudnn_ops(min_tokens: int, repeat_elements: int = 2**28):
     """`TorchCudnnOps` on CPU: the stand-in for cuDNN, PyTorch's fused CPU attention as the varlen fallback."""
     from trl_longrm.sequence_parallel.kernels import TorchCpuFlashOps, TorchCudnnOps
 
     cudnn = StandInCudnn()
-    ops = TorchCudnnOps(TorchCpuFlashOps(), min_tokens, forward_op=cudnn.forward, backward_op=cudnn.backward)
+    ops = TorchCudnnOps(
+        TorchCpuFlashOps(), min_tokens, repeat_elements, forward_op=cudnn.forward, backward_op=cudnn.backward
+    )
     return ops, cudnn

@@ -504,10 +504,11 @@ def test_masked_gqa_blocks_repeat_key_value_heads_off_cpu(monkeypatch):
 
 
 @pytest.mark.parametrize("group_size", [1, 2, 4])
-@pytest.mark.parametrize("min_tokens", [1, 10])
-def test_cudnn_ops_on_emulated_ring_match_reference(group_size, min_tokens):
+@pytest.mark.parametrize("min_tokens,repeat_elements", [(1, 2**28), (10, 2**28), (1, 1)])
+def test_cudnn_ops_on_emulated_ring_match_reference(group_size, min_tokens, repeat_elements):
     """cuDNN's fused attention as the kernels use it (`TorchCudnnOps`, on CPU with a stand-in of its aten ops and
-    their conventions): a call per sequence it serves, the rest (short ones, and pieces entering a rank from the
+    their conventions): a call per sequence it serves (all heads at once, or one key/value head's group per call
+    where the repeated keys would pass `repeat_elements`), the rest (short ones, and pieces entering a rank from the
     previous one, which need a bottom-right mask) as varlen runs of the fallback. Ring geometry and plain autograd on
     one process (the differentiable function built from the two entry points) both match the reference."""
     from cudnn_stand_in import stand_in_cudnn_ops
@@ -518,7 +519,7 @@ def test_cudnn_ops_on_emulated_ring_match_reference(group_size, min_tokens):
     q, k, v, grad_out = random_problem(num_heads, num_kv_heads, sum(doc_lengths), seed=11)
     expected = reference_with_grads(q, k, v, grad_out, doc_lengths, scaling)
     expected = (expected[0], *(grad.transpose(0, 1) for grad in expected[1:]))
-    ops, cudnn = stand_in_cudnn_ops(min_tokens)
+    ops, cudnn = stand_in_cudnn_ops(min_tokens, repeat_elements)
     kernel = VarlenKernel(ops.name, varlen_function_of(ops), ops)
     if group_size == 1:  # one process: the kernel's function under autograd, as `_attend` calls it
         leaves = [t.transpose(0, 1).clone().requires_grad_() for t in (q, k, v)]
@@ -531,6 +532,7 @@ def test_cudnn_ops_on_emulated_ring_match_reference(group_size, min_tokens):
     for name, g, e in zip(["out", "dq", "dk", "dv"], got, expected):
         torch.testing.assert_close(g, e, atol=1e-5, rtol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
     assert cudnn.calls["forward"] > 0 and cudnn.calls["backward"] > 0  # cuDNN did serve some sequences
+    assert cudnn.heads == {num_heads if repeat_elements > 1 else num_heads // num_kv_heads}
 
 
 def test_cudnn_ops_route_sequences_by_length_and_alignment():

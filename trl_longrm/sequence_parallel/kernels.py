@@ -333,14 +333,19 @@ class TorchCudnnOps(VarlenOps):
     such sequences: causal ones with fewer queries than keys (a document entering this ring rank from the previous
     one, which needs a bottom-right mask: cuDNN's causal mask is top-left aligned), and those under `min_tokens`
     queries, where a kernel launch per sequence costs more than the faster kernel saves. Grouped-query heads are
-    repeated for cuDNN (its GQA support differs by version); their gradients are summed back in float32.
+    repeated for cuDNN (its GQA support differs by version), in head chunks whose repeated keys stay under
+    `repeat_elements` elements (0.5 GiB in bf16); their gradients are summed back in float32.
     """
 
     name = "torch_cudnn"
 
-    def __init__(self, fallback: VarlenOps, min_tokens: int = 2048, forward_op=None, backward_op=None):
+    def __init__(
+        self, fallback: VarlenOps, min_tokens: int = 2048, repeat_elements: int = 2**28, forward_op=None,
+        backward_op=None,
+    ):  # fmt: skip
         self.fallback = fallback
         self.min_tokens = min_tokens
+        self.repeat_elements = repeat_elements
         # The aten ops (a test passes stand-ins with their schema to run this on CPU).
         self.forward_op = forward_op or torch.ops.aten._scaled_dot_product_cudnn_attention
         self.backward_op = backward_op or torch.ops.aten._scaled_dot_product_cudnn_attention_backward
@@ -381,9 +386,27 @@ class TorchCudnnOps(VarlenOps):
         if pending:
             yield flush()
 
+    def _head_chunks(self, q, k, num_keys):
+        """`(query heads, key/value heads)` slices per cuDNN call of a sequence with `num_keys` keys: all heads at
+        once, unless its keys repeated to the query heads would pass `repeat_elements`, then as few key/value heads
+        per call as keep them under it (at least one). cuDNN is given one key/value head per query head, so grouped
+        heads are repeated; bounded so, a 512K-token sequence of Llama-3.1-8B's heads repeats 0.5 GiB per call
+        instead of 4 GiB."""
+        heads, kv_heads, head_dim = q.shape[1], k.shape[1], q.shape[2]
+        group = heads // kv_heads
+        per_call = max(1, min(kv_heads, self.repeat_elements // max(1, num_keys * group * head_dim)))
+        if kv_heads == heads or per_call == kv_heads:
+            per_call = kv_heads
+        for h in range(0, kv_heads, per_call):
+            hi = min(h + per_call, kv_heads)
+            yield slice(h * group, hi * group), slice(h, hi)
+
     @staticmethod
     def _heads_first(t, heads):
-        """`[T, Hkv, D]` -> `[1, heads, T, D]` (a view of the token-major tensor; key/value heads repeated)."""
+        """`[T, Hkv, D]` -> `[1, heads, T, D]`, key/value heads repeated; a slice of some heads is copied first, so
+        that cuDNN always gets the layout of a whole token-major tensor."""
+        if not t.is_contiguous():
+            t = t.contiguous()
         if t.shape[1] != heads:
             t = t.repeat_interleave(heads // t.shape[1], dim=1)
         return t.transpose(0, 1).unsqueeze(0)
@@ -398,9 +421,8 @@ class TorchCudnnOps(VarlenOps):
     def forward(self, q, k, v, cu_q, cu_k, max_q, max_k, scale, causal):
         if not self.serves(q):
             return self.fallback.forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal)
-        heads = q.shape[1]
-        out = q.new_empty(q.shape[0], heads, v.shape[2])
-        lse = torch.empty(heads, q.shape[0], dtype=torch.float32, device=q.device)
+        out = q.new_empty(q.shape[0], q.shape[1], v.shape[2])
+        lse = torch.empty(q.shape[1], q.shape[0], dtype=torch.float32, device=q.device)
         for cudnn, qa, qb, ka, kb, run_q, run_k, mq, mk in self._runs(cu_q, cu_k, causal):
             if not cudnn:
                 as_int32 = lambda c: torch.tensor(c, dtype=torch.int32, device=q.device)  # noqa: E731
@@ -408,21 +430,23 @@ class TorchCudnnOps(VarlenOps):
                     q[qa:qb], k[ka:kb], v[ka:kb], as_int32(run_q), as_int32(run_k), mq, mk, scale, causal
                 )
                 continue
-            block_out, block_lse = self.forward_op(
-                self._heads_first(q[qa:qb], heads), self._heads_first(k[ka:kb], heads),
-                self._heads_first(v[ka:kb], heads), None, True, 0.0, causal, False, scale=scale,
-            )[:2]  # fmt: skip
-            out[qa:qb] = block_out[0].transpose(0, 1)
-            lse[:, qa:qb] = block_lse.reshape(heads, qb - qa)
+            for hq, hk in self._head_chunks(q, k, kb - ka):
+                n = hq.stop - hq.start
+                block_out, block_lse = self.forward_op(
+                    self._heads_first(q[qa:qb, hq], n), self._heads_first(k[ka:kb, hk], n),
+                    self._heads_first(v[ka:kb, hk], n), None, True, 0.0, causal, False, scale=scale,
+                )[:2]  # fmt: skip
+                out[qa:qb, hq] = block_out[0].transpose(0, 1)
+                lse[hq, qa:qb] = block_lse.reshape(n, qb - qa)
         return out, lse
 
     def backward(self, grad_out, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, causal):
         if not self.serves(q):
             return self.fallback.backward(grad_out, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, causal)
-        heads, kv_heads = q.shape[1], k.shape[1]
         # Each query and each key belongs to one sequence here: the gradients are written, not summed, in the
         # inputs' dtype (no float32 copy of a long row's dq).
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        no_rng = torch.zeros((), dtype=torch.long, device=q.device)
         for cudnn, qa, qb, ka, kb, run_q, run_k, mq, mk in self._runs(cu_q, cu_k, causal):
             if not cudnn:
                 as_int32 = lambda c: torch.tensor(c, dtype=torch.int32, device=q.device)  # noqa: E731
@@ -431,19 +455,20 @@ class TorchCudnnOps(VarlenOps):
                     as_int32(run_q), as_int32(run_k), mq, mk, scale, causal,
                 )  # fmt: skip
                 continue
-            no_rng = torch.zeros((), dtype=torch.long, device=q.device)
-            dq_b, dk_b, dv_b = self.backward_op(
-                self._heads_first(grad_out[qa:qb], heads), self._heads_first(q[qa:qb], heads),
-                self._heads_first(k[ka:kb], heads), self._heads_first(v[ka:kb], heads),
-                self._heads_first(out[qa:qb], heads), lse[:, qa:qb].reshape(1, heads, qb - qa, 1).contiguous(),
-                no_rng, no_rng, None, None, None, qb - qa, kb - ka, 0.0, causal, scale=scale,
-            )  # fmt: skip
-            dq[qa:qb] = dq_b[0].transpose(0, 1)
-            for grad, into in ((dk_b, dk), (dv_b, dv)):
-                grad = grad[0].transpose(0, 1)  # [n, heads, D]
-                if kv_heads != heads:
-                    grad = grad.unflatten(1, (kv_heads, heads // kv_heads)).sum(2, dtype=torch.float32)
-                into[ka:kb] = grad
+            for hq, hk in self._head_chunks(q, k, kb - ka):
+                n, n_kv = hq.stop - hq.start, hk.stop - hk.start
+                dq_b, dk_b, dv_b = self.backward_op(
+                    self._heads_first(grad_out[qa:qb, hq], n), self._heads_first(q[qa:qb, hq], n),
+                    self._heads_first(k[ka:kb, hk], n), self._heads_first(v[ka:kb, hk], n),
+                    self._heads_first(out[qa:qb, hq], n), lse[hq, qa:qb].reshape(1, n, qb - qa, 1).contiguous(),
+                    no_rng, no_rng, None, None, None, qb - qa, kb - ka, 0.0, causal, scale=scale,
+                )  # fmt: skip
+                dq[qa:qb, hq] = dq_b[0].transpose(0, 1)
+                for grad, into in ((dk_b, dk), (dv_b, dv)):
+                    grad = grad[0].transpose(0, 1)  # [keys, n, D]
+                    if n_kv != n:
+                        grad = grad.unflatten(1, (n_kv, n // n_kv)).sum(2, dtype=torch.float32)
+                    into[ka:kb, hk] = grad
         return dq, dk, dv
 
 
