@@ -569,15 +569,17 @@ def test_cudnn_backend_resolution():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("causal", [True, False])
-def test_cuda_cudnn_ops_match_torch_varlen_at_model_shapes(causal):
+@pytest.mark.parametrize("repeat_elements", [2**28, 1], ids=["all_heads", "head_group_per_call"])
+def test_cuda_cudnn_ops_match_torch_varlen_at_model_shapes(causal, repeat_elements):
     """cuDNN's ops as `TorchCudnnOps` calls them against torch's `varlen_attn` ops on the same bf16 inputs at
     Qwen3-0.6B's heads (16 query, 8 key/value, dim 128) and odd lengths (sequences of 3001, 2053 and 77 queries; with
     `causal=False`, queries against longer keys as a shared prompt's responses): out, lse and the gradients from the
-    same (out, lse). Runs only where a GPU is present."""
+    same (out, lse); all heads in one call, and one key/value head's group per call (how sequences long enough to
+    pass `repeat_elements` go). Runs only where a GPU is present."""
     from trl_longrm.sequence_parallel.kernels import TorchCudnnOps, TorchVarlenOps
 
     varlen = TorchVarlenOps.load()
-    cudnn = TorchCudnnOps(varlen, min_tokens=1024)
+    cudnn = TorchCudnnOps(varlen, min_tokens=1024, repeat_elements=repeat_elements)
     gen = torch.Generator(device="cuda").manual_seed(0)
     lengths_q = [3001, 2053, 77]
     lengths_k = lengths_q if causal else [4099, 2500, 300]
