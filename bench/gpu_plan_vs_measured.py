@@ -7,6 +7,7 @@ allocator fragmentation) are not in `max_memory_allocated` and are left out. An 
 checked the other way: the plan must say it does not fit (its full peak over the device's memory).
 
     python bench/gpu_plan_vs_measured.py --report bench/results/gpu/gpu.json --out bench/results/gpu/plan_vs_measured.json
+    python bench/gpu_plan_vs_measured.py --longest --out bench/results/gpu/plan_longest_long_rows.json
 """
 
 from __future__ import annotations
@@ -60,11 +61,37 @@ def plan_attempt(record: dict, response_length: int, model_config) -> dict:
             "plan_seconds": plan.trace_seconds}  # fmt: skip
 
 
+def plan_longest(trainer: str, long_rows: bool, response_length: int, model_config, device_bytes: int,
+                 start: int = 65536, granularity: int = 8192) -> dict:
+    """The longest prompt (a multiple of `granularity`) of ours at k = 1 whose planned peak fits `device_bytes`:
+    doubling from `start`, then bisection; every plan tried is listed."""
+    tried = []
+
+    def fits(length):
+        record = {"trainer": trainer, "impl": "ours", "prompt_length": length, "long_rows": long_rows}
+        plan = plan_attempt(record, response_length, model_config)
+        tried.append({"prompt_length": length, "planned_total_bytes": plan["planned_total_bytes"]})
+        print(json.dumps({**record, **tried[-1]}), flush=True)
+        return plan["planned_total_bytes"] <= device_bytes
+
+    lo, hi = 0, start
+    while fits(hi):
+        lo, hi = hi, hi * 2
+    while hi - lo > granularity:
+        mid = (lo + hi) // 2 // granularity * granularity
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return {"trainer": trainer, "long_rows": long_rows, "longest_prompt_length": lo, "first_failing": hi,
+            "plans": tried}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--report", default=str(HERE / "results" / "gpu" / "gpu.json"))
     parser.add_argument("--response-length", type=int, default=256, help="The report's longest response.")
     parser.add_argument("--out", default=str(HERE / "results" / "gpu" / "plan_vs_measured.json"))
+    parser.add_argument("--longest", action="store_true",
+                        help="Instead: the longest prompt the plan fits on the report's GPU for ours' GRM (k = 1) "
+                             "without and with the long-row settings (checkpoint offload, tiled MLP).")
     cli = parser.parse_args()
 
     from trl_longrm.testing_utils import build_chat_tokenizer, tiny_config
@@ -72,6 +99,14 @@ def main() -> None:
     report = json.loads(Path(cli.report).read_text())
     device_bytes = int(report["gpu_memory_gib"] * 2**30)
     model_config = tiny_config(common.ARCH, build_chat_tokenizer(), **QWEN3_0_6B)
+    if cli.longest:
+        rows = [plan_longest("grm", long_rows, cli.response_length, model_config, device_bytes)
+                for long_rows in (False, True)]  # fmt: skip
+        result = {"command": " ".join(["python", *sys.argv]), "gpu": report["gpu"], "device_bytes": device_bytes,
+                  "longest": rows}  # fmt: skip
+        Path(cli.out).write_text(json.dumps(result, indent=1) + "\n")
+        print(json.dumps([{k: v for k, v in r.items() if k != "plans"} for r in rows]))
+        return
     attempts = [*report["throughput"], *(a for row in report["longest_row"] for a in row["attempts"]),
                 *report.get("long_rows", [])]
     seen, rows = set(), []
