@@ -399,11 +399,14 @@ def test_ctrl_c_stops_without_a_traceback_and_the_same_command_resumes(tiny_asse
     assert f"Interrupted. The same command resumes from the newest complete checkpoint in {out_dir}." in out
     assert not (out_dir / "trainer_state.json").exists()
 
-    # The same command, `trl-longrm train`, resumes: it launches the recipe's one process through accelerate with the
-    # recipe's cpu_single.yaml (this run also stands for a plain `trl-longrm train` of a tiny recipe).
-    resumed = trl_longrm_train("sft.yaml", *args)
-    out, err = resumed.communicate(timeout=600)
-    assert resumed.returncode == 0, err[-3000:]
+    # The same command resumes: `trl-longrm train`'s checks and the process accelerate would start with the recipe's
+    # cpu_single.yaml, here in this process (`run_train_in_this_process`: the interrupted run above is the real
+    # launch; the two-process test below resumes through the literal command).
+    from trl_longrm.cli import run_train_in_this_process
+
+    capsys.readouterr()
+    assert run_train_in_this_process(str(RECIPES / "tiny" / "sft.yaml"), args) == 0
+    out = capsys.readouterr().out
     assert f"Resuming from {out_dir / 'checkpoint-6'} at step 6." in out
     assert "accelerate" in out and "cpu_single.yaml" in out
     assert json.loads((out_dir / "trainer_state.json").read_text())["global_step"] == 6
