@@ -395,7 +395,7 @@ class TorchCudnnOps(VarlenOps):
         heads, kv_heads, head_dim = q.shape[1], k.shape[1], q.shape[2]
         group = heads // kv_heads
         per_call = max(1, min(kv_heads, self.repeat_elements // max(1, num_keys * group * head_dim)))
-        if kv_heads == heads or per_call == kv_heads:
+        if kv_heads == heads:  # nothing is repeated
             per_call = kv_heads
         for h in range(0, kv_heads, per_call):
             hi = min(h + per_call, kv_heads)
@@ -425,9 +425,8 @@ class TorchCudnnOps(VarlenOps):
         lse = torch.empty(q.shape[1], q.shape[0], dtype=torch.float32, device=q.device)
         for cudnn, qa, qb, ka, kb, run_q, run_k, mq, mk in self._runs(cu_q, cu_k, causal):
             if not cudnn:
-                as_int32 = lambda c: torch.tensor(c, dtype=torch.int32, device=q.device)  # noqa: E731
                 out[qa:qb], lse[:, qa:qb] = self.fallback.forward(
-                    q[qa:qb], k[ka:kb], v[ka:kb], as_int32(run_q), as_int32(run_k), mq, mk, scale, causal
+                    q[qa:qb], k[ka:kb], v[ka:kb], *_int32(q.device, run_q, run_k), mq, mk, scale, causal
                 )
                 continue
             for hq, hk in self._head_chunks(q, k, kb - ka):
@@ -449,10 +448,9 @@ class TorchCudnnOps(VarlenOps):
         no_rng = torch.zeros((), dtype=torch.long, device=q.device)
         for cudnn, qa, qb, ka, kb, run_q, run_k, mq, mk in self._runs(cu_q, cu_k, causal):
             if not cudnn:
-                as_int32 = lambda c: torch.tensor(c, dtype=torch.int32, device=q.device)  # noqa: E731
                 dq[qa:qb], dk[ka:kb], dv[ka:kb] = self.fallback.backward(
                     grad_out[qa:qb], q[qa:qb], k[ka:kb], v[ka:kb], out[qa:qb], lse[:, qa:qb].contiguous(),
-                    as_int32(run_q), as_int32(run_k), mq, mk, scale, causal,
+                    *_int32(q.device, run_q, run_k), mq, mk, scale, causal,
                 )  # fmt: skip
                 continue
             for hq, hk in self._head_chunks(q, k, kb - ka):
@@ -470,6 +468,11 @@ class TorchCudnnOps(VarlenOps):
                         grad = grad.unflatten(1, (n_kv, n // n_kv)).sum(2, dtype=torch.float32)
                     into[ka:kb, hk] = grad
         return dq, dk, dv
+
+
+def _int32(device, *boundaries):
+    """Sequence boundaries (lists) as the int32 tensors varlen kernels take."""
+    return tuple(torch.tensor(b, dtype=torch.int32, device=device) for b in boundaries)
 
 
 class _VarlenOpsFunction(torch.autograd.Function):
@@ -880,8 +883,9 @@ def resolve_kernel(backend: str, device: torch.device, dtype: torch.dtype):
         if device.type == "cuda" and dtype in _HALF_DTYPES:
             if is_flash_attn_available():
                 return VarlenKernel("flash_attn", _flash_attn_varlen, FlashAttnVarlenOps.load())
-            if TorchCudnnOps.load() is not None:
-                return resolve_kernel("cudnn", device, dtype)
+            ops = TorchCudnnOps.load()
+            if ops is not None:
+                return VarlenKernel(ops.name, varlen_function_of(ops), ops)
         return resolve_kernel("torch", device, dtype)
     if backend == "torch":
         if device.type == "cuda" and dtype in _HALF_DTYPES:
