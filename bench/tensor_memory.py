@@ -35,7 +35,8 @@ from transformers import TrainerCallback
 
 
 MARK = 1_000_003
-"""Step boundaries are uint8 tensors of `MARK + 2 * step` bytes (begin) and `MARK + 2 * step + 1` (end)."""
+"""Step boundaries are uint8 tensors of `MARK + 2 * step` bytes (begin) and `MARK + 2 * step + 1` (end), freed as soon
+as they are allocated: their allocation event is the boundary, and they are never counted as live."""
 
 
 def allocator_events(profiler, callers: int = 5):
@@ -75,16 +76,24 @@ def step_report(events, steps: int, top: int = 30, big_bytes: int = 64 * 2**20):
     are the backend's, as NCCL's buffers are, which `torch.cuda.max_memory_allocated` does not count either."""
     training = next((e[4] for e in events if e[2] > 0 and MARK <= e[2] < MARK + 2 * steps), None)
     events = [e for e in events if e[4] == training] if training is not None else events
-    marks = {}
-    for i, (_, _, size, _, _) in enumerate(events):
+    marks, mark_events = {}, set()
+    for i, (_, ptr, size, _, _) in enumerate(events):
         if size > 0 and MARK <= size < MARK + 2 * steps:
             marks[size - MARK] = i
+            mark_events.add(i)
+            # Its free (the next event at its address) is not a tensor of the run either.
+            free = next((j for j in range(i + 1, len(events)) if events[j][1] == ptr), None)
+            if free is not None and events[free][2] < 0:
+                mark_events.add(free)
+    events = [(e[0], None, 0, "", e[4]) if i in mark_events else e for i, e in enumerate(events)]
     report, live, cursor = [], {}, 0
     for step in range(steps):
         if 2 * step + 1 not in marks:
             break
         begin, end = marks[2 * step], marks[2 * step + 1]
         for _, ptr, size, owner, _ in events[cursor:begin]:
+            if size == 0:
+                continue
             if size > 0:
                 live[ptr] = (size, owner, step - 1)
             else:
@@ -92,6 +101,8 @@ def step_report(events, steps: int, top: int = 30, big_bytes: int = 64 * 2**20):
         current = start = sum(s for s, _, _ in live.values())
         peak, peak_live, big = start, dict(live), []
         for time_ns, ptr, size, owner, _ in events[begin:end]:
+            if size == 0:
+                continue
             if size > 0:
                 stale = live.get(ptr)  # an address handed out again: its earlier block was freed where not seen
                 live[ptr] = (size, owner, step)
@@ -297,7 +308,6 @@ class TensorMemoryRecorder(TrainerCallback):
 
         self.profiler = profile(activities=[ProfilerActivity.CPU], profile_memory=True, with_stack=True)
         self.callers = callers
-        self._marks = []
         self._released_here = collectives_released_here()
 
     def start(self):
@@ -305,10 +315,10 @@ class TensorMemoryRecorder(TrainerCallback):
         self.profiler.start()
 
     def on_step_begin(self, args, state, control, **kwargs):
-        self._marks.append(torch.empty(MARK + 2 * state.global_step, dtype=torch.uint8))
+        torch.empty(MARK + 2 * state.global_step, dtype=torch.uint8)  # allocated and freed: the event is the mark
 
     def on_step_end(self, args, state, control, **kwargs):
-        self._marks.append(torch.empty(MARK + 2 * (state.global_step - 1) + 1, dtype=torch.uint8))
+        torch.empty(MARK + 2 * (state.global_step - 1) + 1, dtype=torch.uint8)
 
     def finish(self, steps: int):
         self.profiler.stop()

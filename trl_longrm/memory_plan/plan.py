@@ -149,7 +149,8 @@ def _combine(traced: TracedStep, distributed: str, world_size: int, device: str)
                 parts["temporaries"] = parts["temporaries"] // world_size
         elif distributed == "ddp":
             # DDP's gradient buckets (our trainers set gradient_as_bucket_view: the gradients are views of them) are
-            # allocated when the model is wrapped and live through every step: what the trace did not see live.
+            # allocated when the model is wrapped and live through every step; the trace counts a bucket as gradients
+            # from its first write in backward on (`trace._memory_tracker`), this term the buckets not written by then.
             terms["ddp_gradient_buckets"] = max(traced.gradient_bytes - parts["gradients"], 0)
         if device == "cuda":
             terms["cuda_context"] = CUDA_CONTEXT_BYTES

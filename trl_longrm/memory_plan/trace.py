@@ -164,14 +164,77 @@ def fake_world(rank: int, world_size: int):
                 os.environ[key] = value
 
 
-def _memory_tracker():
+class _WorkHoldingTensors:
+    """A fake collective's work, holding the tensors a real backend's work holds until it is dropped."""
+
+    def __init__(self, work, tensors):
+        self._work, self._tensors = work, tensors
+
+    def __getattr__(self, name):
+        return getattr(self._work, name)
+
+
+# The methods of a process group that issue the collectives our trainers and DDP use.
+_COLLECTIVES = ("allreduce", "broadcast", "allgather", "all_gather_single", "_allgather_base", "reduce_scatter_single",
+                "_reduce_scatter_base", "alltoall_base", "all_to_all_single")  # fmt: skip
+_REDUCE_SCATTERS = ("reduce_scatter_single", "_reduce_scatter_base")
+
+
+@contextlib.contextmanager
+def collectives_hold_their_tensors(gloo: bool):
+    """Within it, a collective on the fake process group returns a work that holds its tensors until it is dropped,
+    as gloo's and NCCL's works do (a ring's reduce-scatter input lives until the ring waits for it, not until the
+    call returns). With `gloo` (a CPU plan, which stands for a gloo run), a reduce-scatter also holds a copy of its
+    input, as gloo's does (`ProcessGroupGloo::reduce_scatter_tensor_coalesced` all-reduces a clone of the input):
+    memory of the calling thread there; NCCL makes none."""
+    from torch._C._distributed_c10d import ProcessGroup
+
+    saved = {name: ProcessGroup.__dict__[name] for name in _COLLECTIVES if name in ProcessGroup.__dict__}
+
+    def holding(name, original):
+        def method(self, *args, **kwargs):
+            work = original(self, *args, **kwargs)
+            if work is None or torch.distributed.get_backend(self) != "fake":
+                return work
+            held = [args, kwargs]
+            if gloo and name in _REDUCE_SCATTERS:
+                held.append(args[1].clone())  # (output, input, ...)
+            return _WorkHoldingTensors(work, held)
+
+        return method
+
+    try:
+        for name, method in saved.items():
+            setattr(ProcessGroup, name, holding(name, method))
+        yield
+    finally:
+        for name, method in saved.items():
+            setattr(ProcessGroup, name, method)
+
+
+def _memory_tracker(gradient_buckets: bool = False):
     """torch's `MemTracker`, except that (1) gradient hooks go on trainable parameters only: it registers one on every
     parameter a module uses, which raises for frozen ones (LoRA's base weights); (2) only the whole step's peak is
     kept, not every module's: its per-module update visits every module at every op, quadratic in the layers (a
-    36-layer trace ran for over 10 minutes)."""
-    from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker
+    36-layer trace ran for over 10 minutes); (3) with `gradient_buckets` (a DDP-wrapped model whose gradients are
+    views of its buckets), a storage the tracker first meets as the target of an in-place write is one of DDP's
+    gradient buckets, counted as gradients: they were allocated when the model was wrapped, before the tracker, and
+    it would otherwise count the first one written (in backward) as a temporary, beside the plan's term for buckets
+    the trace did not see (`ddp_gradient_buckets`)."""
+    from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType
 
     class _Tracker(MemTracker):
+        _writing = False
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self._writing = gradient_buckets and func._schema.is_mutable
+            return super().__torch_dispatch__(func, types, args, kwargs)
+
+        def _track(self, reftype, t):
+            if self._writing and any(st not in self._WINFO for st in _untyped_storages(t)):
+                reftype = _MemRefType.GRAD
+            return super()._track(reftype, t)
+
         def _update_peak_stats(self, peak_state):
             for dev, dev_snap in self._curr_mem_snap.items():
                 if self._peak_mem.get(dev, 0) < dev_snap[_TOTAL_KEY]:
@@ -197,6 +260,12 @@ def _memory_tracker():
     tracker = _Tracker()
     tracker._mod_tracker = _forward_mod_tracker()
     return tracker
+
+
+def _untyped_storages(t: torch.Tensor):
+    from torch.distributed._tools.mem_tracker import get_untyped_storages
+
+    return get_untyped_storages(t)
 
 
 def _forward_mod_tracker():
@@ -268,7 +337,8 @@ class _TraceStep(TrainerCallback):
             warnings.simplefilter("ignore")  # "optimizer.step() before lr_scheduler.step()": the priming step
             inner.step()
         inner.zero_grad(set_to_none=True)
-        self.tracker = _memory_tracker()
+        buckets = isinstance(wrapped, DistributedDataParallel) and wrapped.gradient_as_bucket_view
+        self.tracker = _memory_tracker(gradient_buckets=buckets)
         self.tracker.track_external(model, inner)
         self.tracker.__enter__()
         self.at_start = _by_kind(self.tracker.get_tracker_snapshot("current"))
@@ -493,7 +563,9 @@ def _trace_step(stage: str, training_args, model_config, shape: GroupShape, *, p
             try:
                 # Where a CUDA run's code path differs from a CPU one's (masked SDPA, TRL's fused log-probs).
                 cuda_paths = cuda_code_paths() if kernels == "cuda" else contextlib.nullcontext()
-                with use_host_store(CountingHostStore()) as host, planned_kernels(kernels), cuda_paths:
+                # (A CPU plan of several ranks stands for a gloo run, the one it is checked against.)
+                works = collectives_hold_their_tensors(gloo=kernels == "cpu")
+                with use_host_store(CountingHostStore()) as host, planned_kernels(kernels), cuda_paths, works:
                     trainer.train()
             finally:
                 callback.close()
