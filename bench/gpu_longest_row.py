@@ -262,14 +262,21 @@ def summary(report: dict) -> dict:
         out["mfu_32k"] = out["mfu_32k_grm"]
     pairs = {}
     for r in report.get("long_rows", []):
-        if r["status"] == "ok":
-            pairs.setdefault(r["prompt_length"], {})[bool(r.get("long_rows"))] = r
+        pairs.setdefault(r["prompt_length"], {})[bool(r.get("long_rows"))] = r
     for length, pair in sorted(pairs.items()):
-        if len(pair) == 2:
+        if len(pair) < 2:
+            continue
+        if all(r["status"] == "ok" for r in pair.values()):
             # The long-row settings' memory saving and their step cost (median step after the first), ours GRM.
-            steps = {k: sorted(v["step_seconds"][1:])[len(v["step_seconds"][1:]) // 2] for k, v in pair.items()}
             out[f"long_rows_peak_ratio_{length}"] = pair[True]["peak_mem_bytes"] / pair[False]["peak_mem_bytes"]
-            out[f"long_rows_step_ratio_{length}"] = steps[True] / steps[False]
+            if all(len(r["step_seconds"]) > 1 for r in pair.values()):
+                steps = {k: sorted(v["step_seconds"][1:])[len(v["step_seconds"][1:]) // 2] for k, v in pair.items()}
+                out[f"long_rows_step_ratio_{length}"] = steps[True] / steps[False]
+        else:
+            # A length past what trains without the long-row settings: how each attempt ended.
+            out[f"long_rows_status_{length}"] = {("with" if k else "without"): r["status"] for k, r in pair.items()}
+            if pair[True]["status"] == "ok":
+                out[f"long_rows_peak_gib_{length}"] = round(pair[True]["peak_mem_bytes"] / 2**30, 2)
     profiled = (report.get("profile") or {}).get("profile")
     if profiled:
         # What bounds the MFU: the kernels' shares of the device time, and how much of the step the device idled.

@@ -195,6 +195,7 @@ def validate() -> dict:
     if not cases:
         raise RuntimeError(f"the validation tests recorded nothing:\n{result.stdout[-3000:]}")
     return {
+        "commit": _commit(),
         "command": " ".join(["pytest", *command[command.index("tests/test_memory_plan.py"):]]),
         "tests_passed": result.returncode == 0,
         "pytest_summary": result.stdout.strip().splitlines()[-1],
@@ -247,19 +248,38 @@ def table(results: dict) -> str:
     return "\n".join(lines)
 
 
+def validation_table(validation: dict) -> str:
+    """The Markdown table of the validation run: predicted and measured peak of each case, and the error."""
+    lines = [f"On commit {validation.get('commit', '?')} (`{validation['command']}`: {validation['pytest_summary']}):",
+             "", "| case | predicted (MiB) | measured (MiB) | error |", "|---|---:|---:|---:|"]  # fmt: skip
+    for case in validation["cases"]:
+        lines.append(f"| {case['case']} | {case['predicted_bytes'] / 2**20:.2f} | {case['measured_bytes'] / 2**20:.2f} | "
+                     f"{case['rel_error']:+.2%} |")  # fmt: skip
+    return "\n".join(lines)
+
+
 DOCS = ROOT / "docs" / "memory_plan.md"
 MARKERS = ("<!-- memory-plan-table -->", "<!-- /memory-plan-table -->")
+VALIDATION_MARKERS = ("<!-- memory-plan-validation -->", "<!-- /memory-plan-validation -->")
+
+
+def _between(text: str, markers: tuple[str, str], block: str) -> str:
+    start, end = text.index(markers[0]) + len(markers[0]), text.index(markers[1])
+    return text[:start] + block + text[end:]
 
 
 def write_docs(data: dict, path: Path = DOCS) -> None:
-    """The table and summary of `data` between the markers of docs/memory_plan.md (generated, never typed)."""
+    """The table and summary of `data`, and its validation, between the markers of docs/memory_plan.md (generated,
+    never typed)."""
     text = path.read_text()
-    start, end = text.index(MARKERS[0]) + len(MARKERS[0]), text.index(MARKERS[1])
     summary = ", ".join(f"`{k}`: {v}" for k, v in data.get("summary", {}).items())
     commits = sorted({case.get("commit", "?") for case in data["cases"].values()})
     block = (f"\nPlanned on commit(s) {', '.join(commits)} ({data.get('date', '?')}); summary: {summary}.\n\n"
              f"{table(data['cases'])}\n")  # fmt: skip
-    path.write_text(text[:start] + block + text[end:])
+    text = _between(text, MARKERS, block)
+    if data.get("validation"):
+        text = _between(text, VALIDATION_MARKERS, f"\n{validation_table(data['validation'])}\n")
+    path.write_text(text)
 
 
 def main() -> None:
