@@ -221,7 +221,7 @@ def _memory_tracker(gradient_buckets: bool = False):
     gradient buckets, counted as gradients: they were allocated when the model was wrapped, before the tracker, and
     it would otherwise count the first one written (in backward) as a temporary, beside the plan's term for buckets
     the trace did not see (`ddp_gradient_buckets`)."""
-    from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType
+    from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType, get_untyped_storages
 
     class _Tracker(MemTracker):
         _writing = False
@@ -231,7 +231,7 @@ def _memory_tracker(gradient_buckets: bool = False):
             return super().__torch_dispatch__(func, types, args, kwargs)
 
         def _track(self, reftype, t):
-            if self._writing and any(st not in self._WINFO for st in _untyped_storages(t)):
+            if self._writing and any(st not in self._WINFO for st in get_untyped_storages(t)):
                 reftype = _MemRefType.GRAD
             return super()._track(reftype, t)
 
@@ -260,12 +260,6 @@ def _memory_tracker(gradient_buckets: bool = False):
     tracker = _Tracker()
     tracker._mod_tracker = _forward_mod_tracker()
     return tracker
-
-
-def _untyped_storages(t: torch.Tensor):
-    from torch.distributed._tools.mem_tracker import get_untyped_storages
-
-    return get_untyped_storages(t)
 
 
 def _forward_mod_tracker():
