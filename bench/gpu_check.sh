@@ -16,7 +16,7 @@ cd "$(dirname "$0")/.."
 OUT=""
 MODE=gpu
 STAGES="env,cuda_tests,defaults,attention_kernels,profile,throughput,longest_grm,reward_function,long_rows,longest_disrm"
-# Not in the default list (minutes of one call on its own): long_rows_beyond
+# Not in the default list (minutes of one call on its own): long_rows_capped, long_rows_beyond
 SEED=""
 while [ $# -gt 0 ]; do
     case "$1" in
@@ -103,6 +103,8 @@ if [ "$MODE" = rehearse ]; then
         --steps 2 --long-rows --num-hidden-layers 2 --out -
     stage longest_disrm 60 $PY bench/gpu_longest_row.py --help
     stage long_rows_beyond 60 $PY bench/gpu_longest_row.py --help
+    stage long_rows_capped 300 $PY bench/gpu_longest_row.py --attempt --trainers grm --impls ours \
+        --start-prompt-length 256 --steps 1 --long-rows --memory-cap-gib 16 --num-hidden-layers 2 --out -
 else
     # (1) The CUDA-only tests, then each trainer with TRL's defaults on a Qwen3-shaped model (kernels recorded).
     stage cuda_tests 90 $PY -m pytest -q -rs -p no:cacheprovider --junitxml="$OUT/cuda_tests.xml" \
@@ -138,6 +140,16 @@ else
     # length); the longest with them is not measurable in a call (a step at 1.2M tokens is over 10 minutes).
     stage long_rows_beyond 560 $LONGEST --throughput-prompt-lengths --skip-longest --long-rows-prompt-lengths 557056 \
         --steps 1 --timeout 270
+    # (Issue 41) The same question where a step is seconds, not minutes: the GPU's caching allocator capped at 16 GiB
+    # (a 16 GB GPU emulated). The plan (bench/results/gpu/plan_longest_long_rows_16gib.json) fits prompts up to
+    # 81,920 without the long-row settings and 180,224 with them; each run below is on one side of a boundary, the
+    # most telling first: 98,304 without (plan: out of memory) and with (fits), then with at 163,840 (fits) and
+    # 212,992 (out of memory), then without at 73,728 (fits). Each attempt is a fresh process (~20 s) and one step.
+    CAPPED="$PY bench/gpu_longest_row.py --resume --out $OUT/long_rows_16gib.json --timeout 120 --memory-cap-gib 16 \
+        --throughput-prompt-lengths --skip-longest --steps 1"
+    stage long_rows_capped 330 bash -c "$CAPPED --long-rows-settings without --long-rows-prompt-lengths 98304; \
+        $CAPPED --long-rows-settings with --long-rows-prompt-lengths 98304 163840 212992; \
+        $CAPPED --long-rows-settings without --long-rows-prompt-lengths 73728"
 fi
 echo "=== done in $(( $(date +%s) - START ))s; stages:"
 cat "$OUT/stages.jsonl"

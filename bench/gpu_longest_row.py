@@ -85,10 +85,12 @@ def model_flops(groups: list[dict], shared: bool, trainer: str, shape: dict = QW
 
 
 def attempt(trainer: str, impl: str, prompt_length: int, steps: int, response_length: int,
-            num_rejected: int = 1, profile: bool = False, shape: dict = QWEN3_0_6B, long_rows: bool = False) -> dict:
+            num_rejected: int = 1, profile: bool = False, shape: dict = QWEN3_0_6B, long_rows: bool = False,
+            memory_cap_gib: float | None = None) -> dict:
     """One training run in this process; returns its record (status 'oom' on CUDA out-of-memory). With `profile`, the
     last step runs under `torch.profiler` and the record's `profile` says where its time went (`step_profile.py`).
-    Without CUDA (a rehearsal) it runs on CPU, without memory or FLOPs figures."""
+    Without CUDA (a rehearsal) it runs on CPU, without memory or FLOPs figures. `memory_cap_gib`: the caching
+    allocator may hold no more than this (`torch.cuda.set_per_process_memory_fraction`), a smaller GPU emulated."""
     import warnings
 
     import torch
@@ -104,6 +106,8 @@ def attempt(trainer: str, impl: str, prompt_length: int, steps: int, response_le
                                   warmup_prompt_length=None, num_rejected=num_rejected)
     task = "causal-lm" if trainer == "grm" else "seq-cls"
     cuda = torch.cuda.is_available()
+    if cuda and memory_cap_gib is not None:
+        torch.cuda.set_per_process_memory_fraction(memory_cap_gib * 2**30 / torch.cuda.get_device_properties(0).total_memory)
     with torch.device("cuda" if cuda else "cpu"):  # initialised on the GPU: seconds instead of a minute of CPU init
         model = build_tiny_model(common.ARCH, task, tokenizer, seed=0, dtype=torch.bfloat16, **shape)
     if cuda:
@@ -117,7 +121,8 @@ def attempt(trainer: str, impl: str, prompt_length: int, steps: int, response_le
 
         callbacks.append(ProfileLastStep(steps))
     record = {"trainer": trainer, "impl": impl, "prompt_length": prompt_length, "num_rejected": num_rejected,
-              **({"long_rows": True} if long_rows else {})}  # fmt: skip
+              **({"long_rows": True} if long_rows else {}),
+              **({"memory_cap_gib": memory_cap_gib} if memory_cap_gib is not None else {})}  # fmt: skip
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
@@ -183,7 +188,8 @@ def run_attempt(trainer: str, impl: str, prompt_length: int, steps: int, cli, nu
                f"--start-prompt-length={prompt_length}", f"--steps={steps}",
                f"--response-length={cli.response_length}", f"--shared-k={num_rejected}", "--out=-",
                *(["--profile"] if profile else []), *(["--long-rows"] if long_rows else []),
-               *([f"--num-hidden-layers={cli.num_hidden_layers}"] if cli.num_hidden_layers else [])]
+               *([f"--num-hidden-layers={cli.num_hidden_layers}"] if cli.num_hidden_layers else []),
+               *([f"--memory-cap-gib={cli.memory_cap_gib}"] if cli.memory_cap_gib is not None else [])]
     started = time.monotonic()
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=cli.timeout)
@@ -277,6 +283,18 @@ def summary(report: dict) -> dict:
             out[f"long_rows_status_{length}"] = {("with" if k else "without"): r["status"] for k, r in pair.items()}
             if pair[True]["status"] == "ok":
                 out[f"long_rows_peak_gib_{length}"] = round(pair[True]["peak_mem_bytes"] / 2**30, 2)
+    for long_rows, name in ((False, "without"), (True, "with")):
+        # Bracket of the longest row that trains with / without the long-row settings (under the report's cap, if
+        # any): the longest attempt that trained, and the shortest that ran out of memory.
+        ended = [r for r in report.get("long_rows", []) if bool(r.get("long_rows")) == long_rows]
+        trained = [r["prompt_length"] for r in ended if r["status"] == "ok"]
+        failed = [r["prompt_length"] for r in ended if r["status"] == "oom"]
+        if trained:
+            out[f"long_rows_longest_ok_{name}"] = max(trained)
+        if failed:
+            out[f"long_rows_first_oom_{name}"] = min(failed)
+    if report.get("memory_cap_gib") is not None:
+        out["memory_cap_gib"] = report["memory_cap_gib"]
     profiled = (report.get("profile") or {}).get("profile")
     if profiled:
         # What bounds the MFU: the kernels' shares of the device time, and how much of the step the device idled.
@@ -312,7 +330,12 @@ def main() -> None:
     parser.add_argument("--long-rows-prompt-lengths", type=int, nargs="*", default=[],
                         help="Ours (GRM, k = 1) at these prompt lengths with the long-row settings (checkpoint offload "
                              "and the tiled MLP) next to without: their memory saving and step cost.")
+    parser.add_argument("--long-rows-settings", choices=("both", "without", "with"), default="both",
+                        help="Which of the pair --long-rows-prompt-lengths runs at each length.")
     parser.add_argument("--long-rows", action="store_true", help="With --attempt: the long-row settings.")
+    parser.add_argument("--memory-cap-gib", type=float, default=None,
+                        help="Cap the caching allocator of every attempt at this many GiB: a smaller GPU emulated "
+                             "(a report holds runs of one cap only; `gpu_plan_vs_measured.py` plans for it).")
     parser.add_argument("--num-hidden-layers", type=int, default=None,
                         help="Fewer layers than Qwen3-0.6B's 28 (a CPU rehearsal of --attempt).")
     parser.add_argument("--attempt", action="store_true", help="Internal: run one attempt and print its record.")
@@ -322,7 +345,8 @@ def main() -> None:
     if cli.attempt:
         shape = {**QWEN3_0_6B, **({"num_hidden_layers": cli.num_hidden_layers} if cli.num_hidden_layers else {})}
         record = attempt(cli.trainers[0], cli.impls[0], cli.start_prompt_length, cli.steps, cli.response_length,
-                         cli.shared_k, profile=cli.profile, shape=shape, long_rows=cli.long_rows)
+                         cli.shared_k, profile=cli.profile, shape=shape, long_rows=cli.long_rows,
+                         memory_cap_gib=cli.memory_cap_gib)
         print("RESULT " + json.dumps(record), flush=True)
         return
 
@@ -340,11 +364,15 @@ def main() -> None:
         "throughput": [],
         "profile": None,
         "long_rows": [],
+        **({"memory_cap_gib": cli.memory_cap_gib} if cli.memory_cap_gib is not None else {}),
     }
     out = Path(cli.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     if cli.resume and out.exists():
         previous = json.loads(out.read_text())
+        if previous.get("memory_cap_gib") != cli.memory_cap_gib:
+            raise SystemExit(f"{out} holds runs under memory_cap_gib={previous.get('memory_cap_gib')}, not "
+                             f"{cli.memory_cap_gib}: resume it with the same cap, or write another report.")
         report["throughput"] = [r for r in previous["throughput"] if r["status"] in ("ok", "oom")]
         report["longest_row"] = previous["longest_row"]
         report["profile"] = previous.get("profile")
@@ -354,7 +382,9 @@ def main() -> None:
 
     def save():
         out.write_text(json.dumps(report, indent=1))
-        (out.parent / "summary.json").write_text(json.dumps(summary(report), indent=1))
+        # gpu.json's summary is summary.json; another report's is named after it.
+        name = "summary.json" if out.name == "gpu.json" else f"{out.stem}_summary.json"
+        (out.parent / name).write_text(json.dumps(summary(report), indent=1))
 
     print(json.dumps({k: report[k] for k in ("versions", "gpu", "gpu_memory_gib")}), flush=True)
     for length in cli.throughput_prompt_lengths:
@@ -369,8 +399,9 @@ def main() -> None:
         report["profile"] = run_attempt("grm", "ours", cli.profile_prompt_length, 2, cli, 1, profile=True)
         save()
         print(json.dumps(report["profile"].get("profile"), indent=1), flush=True)
+    settings = {"both": (False, True), "without": (False,), "with": (True,)}[cli.long_rows_settings]
     for length in cli.long_rows_prompt_lengths:
-        for long_rows in (False, True):
+        for long_rows in settings:
             if not any(r["prompt_length"] == length and bool(r.get("long_rows")) == long_rows
                        for r in report["long_rows"]):  # fmt: skip
                 report["long_rows"].append(run_attempt("grm", "ours", length, cli.steps, cli, 1, long_rows=long_rows))

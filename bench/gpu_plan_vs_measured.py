@@ -8,6 +8,10 @@ checked the other way: the plan must say it does not fit (its full peak over the
 
     python bench/gpu_plan_vs_measured.py --report bench/results/gpu/gpu.json --out bench/results/gpu/plan_vs_measured.json
     python bench/gpu_plan_vs_measured.py --longest --out bench/results/gpu/plan_longest_long_rows.json
+    python bench/gpu_plan_vs_measured.py --longest --memory-cap-gib 16 --out bench/results/gpu/plan_longest_long_rows_16gib.json
+
+A report whose GPU was capped (`gpu_longest_row.py --memory-cap-gib`: the caching allocator may hold no more) is
+planned for that cap: a run fits when the plan's peak less the CUDA context (outside the allocator) is within it.
 """
 
 from __future__ import annotations
@@ -61,6 +65,17 @@ def plan_attempt(record: dict, response_length: int, model_config) -> dict:
             "plan_seconds": plan.trace_seconds}  # fmt: skip
 
 
+def device_bytes_of(report: dict, memory_cap_gib: float | None = None) -> int:
+    """What the plan's full peak is compared with: the GPU's memory, or under a cap on the caching allocator the cap
+    plus the CUDA context the plan counts (the context is not the allocator's)."""
+    from trl_longrm.memory_plan.plan import CUDA_CONTEXT_BYTES
+
+    cap = memory_cap_gib if memory_cap_gib is not None else report.get("memory_cap_gib")
+    if cap is None:
+        return int(report["gpu_memory_gib"] * 2**30)
+    return int(cap * 2**30) + CUDA_CONTEXT_BYTES
+
+
 def plan_longest(trainer: str, long_rows: bool, response_length: int, model_config, device_bytes: int,
                  start: int = 65536, granularity: int = 8192) -> dict:
     """The longest prompt (a multiple of `granularity`) of ours at k = 1 whose planned peak fits `device_bytes`:
@@ -92,17 +107,22 @@ def main() -> None:
     parser.add_argument("--longest", action="store_true",
                         help="Instead: the longest prompt the plan fits on the report's GPU for ours' GRM (k = 1) "
                              "without and with the long-row settings (checkpoint offload, tiled MLP).")
+    parser.add_argument("--memory-cap-gib", type=float, default=None,
+                        help="With --longest: plan for the report's GPU with its caching allocator capped at this "
+                             "(as `gpu_longest_row.py --memory-cap-gib` runs it).")
+    parser.add_argument("--start", type=int, default=65536, help="With --longest: the first prompt length planned.")
     cli = parser.parse_args()
 
     from trl_longrm.testing_utils import build_chat_tokenizer, tiny_config
 
     report = json.loads(Path(cli.report).read_text())
-    device_bytes = int(report["gpu_memory_gib"] * 2**30)
+    device_bytes = device_bytes_of(report, cli.memory_cap_gib if cli.longest else None)
     model_config = tiny_config(common.ARCH, build_chat_tokenizer(), **QWEN3_0_6B)
     if cli.longest:
-        rows = [plan_longest("grm", long_rows, cli.response_length, model_config, device_bytes)
+        rows = [plan_longest("grm", long_rows, cli.response_length, model_config, device_bytes, start=cli.start)
                 for long_rows in (False, True)]  # fmt: skip
         result = {"command": " ".join(["python", *sys.argv]), "gpu": report["gpu"], "device_bytes": device_bytes,
+                  **({"memory_cap_gib": cli.memory_cap_gib} if cli.memory_cap_gib is not None else {}),
                   "longest": rows}  # fmt: skip
         Path(cli.out).write_text(json.dumps(result, indent=1) + "\n")
         print(json.dumps([{k: v for k, v in r.items() if k != "plans"} for r in rows]))
@@ -130,6 +150,7 @@ def main() -> None:
         "command": " ".join(["python", *sys.argv]),
         "report": cli.report,
         "gpu": report["gpu"],
+        **({"memory_cap_gib": report["memory_cap_gib"]} if report.get("memory_cap_gib") is not None else {}),
         "rows": rows,
         "max_abs_rel_error": max(errors) if errors else None,
         "ooms_predicted": sum(bool(r.get("plan_says_oom")) for r in rows),
