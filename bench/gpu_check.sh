@@ -135,19 +135,22 @@ else
     stage longest_disrm 420 $LONGEST --throughput-prompt-lengths --trainers disrm --start-prompt-length 32768 \
         --ours-at-stock-multiple 2 --timeout 240
     # (Issue 41) One prompt length past what the plan says fits without the long-row settings and well within what it
-    # says fits with them (Qwen3-0.6B shape on 80 GB, k = 1: 507,904 without, 1,212,416 with; at 557,056 it plans 85.4
-    # GiB without, 39.3 with): without must run out of memory, with must train. One step each (~2-3 min at this
-    # length); the longest with them is not measurable in a call (a step at 1.2M tokens is over 10 minutes).
-    stage long_rows_beyond 560 $LONGEST --throughput-prompt-lengths --skip-longest --long-rows-prompt-lengths 557056 \
-        --steps 1 --timeout 270
+    # says fits with them (Qwen3-0.6B shape on 80 GB, k = 1, cuDNN's attention: at 557,056 it plans 85.4 GiB without,
+    # 41.5 with; bench/results/gpu/plan_longest_long_rows_cudnn.json). Without ran out of memory on c20372c
+    # (bench/results/gpu/long_rows_557k.json: pass it as --seed-report and only with runs); one step with them is
+    # ~8 minutes (38 s at 163,840 tokens, attention growing with the square of the length): a call of its own.
+    stage long_rows_beyond 590 $LONGEST --throughput-prompt-lengths --skip-longest --long-rows-prompt-lengths 557056 \
+        --steps 1 --timeout 560
     # (Issue 41) The same question where a step is seconds, not minutes: the GPU's caching allocator capped at 16 GiB
-    # (a 16 GB GPU emulated). The plan (bench/results/gpu/plan_longest_long_rows_16gib.json) fits prompts up to
-    # 81,920 without the long-row settings and 180,224 with them; each run below is on one side of a boundary, the
-    # most telling first: 98,304 without (plan: out of memory) and with (fits), then with at 163,840 (fits) and
-    # 212,992 (out of memory), then without at 73,728 (fits). Each attempt is a fresh process (~20 s) and one step.
-    CAPPED="$PY bench/gpu_longest_row.py --resume --out $OUT/long_rows_16gib.json --timeout 120 --memory-cap-gib 16 \
-        --throughput-prompt-lengths --skip-longest --steps 1"
-    stage long_rows_capped 330 bash -c "$CAPPED --long-rows-settings without --long-rows-prompt-lengths 98304; \
+    # (a 16 GB GPU emulated). The plan (bench/results/gpu/plan_longest_long_rows_16gib.json, cuDNN's attention) fits
+    # prompts up to 81,920 without the long-row settings and 172,032 with them; each run below is on one side of a
+    # boundary, the most telling first: 98,304 without (plan: out of memory) and with (fits), then with at 163,840
+    # (fits) and 212,992 (out of memory), then without at 73,728 (fits). Each attempt is a fresh process (~20 s) and
+    # two steps (the optimizer's states exist from the second on: the steady step the plan is of; one-step runs of
+    # c20372c/bb3ed38 are in bench/results/gpu/long_rows_16gib.json).
+    CAPPED="$PY bench/gpu_longest_row.py --resume --out $OUT/long_rows_16gib.json --timeout 150 --memory-cap-gib 16 \
+        --throughput-prompt-lengths --skip-longest --steps 2"
+    stage long_rows_capped 450 bash -c "$CAPPED --long-rows-settings without --long-rows-prompt-lengths 98304; \
         $CAPPED --long-rows-settings with --long-rows-prompt-lengths 98304 163840 212992; \
         $CAPPED --long-rows-settings without --long-rows-prompt-lengths 73728"
 fi

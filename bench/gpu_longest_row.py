@@ -121,7 +121,7 @@ def attempt(trainer: str, impl: str, prompt_length: int, steps: int, response_le
 
         callbacks.append(ProfileLastStep(steps))
     record = {"trainer": trainer, "impl": impl, "prompt_length": prompt_length, "num_rejected": num_rejected,
-              **({"long_rows": True} if long_rows else {}),
+              "steps": steps, **({"long_rows": True} if long_rows else {}),
               **({"memory_cap_gib": memory_cap_gib} if memory_cap_gib is not None else {})}  # fmt: skip
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -132,7 +132,8 @@ def attempt(trainer: str, impl: str, prompt_length: int, steps: int, response_le
                 shared = bool(getattr(instance.args, "shared_prefix", False) and instance.args.padding_free)
                 instance.train()
         except torch.OutOfMemoryError:
-            record.update(status="oom", peak_mem_bytes=torch.cuda.max_memory_allocated() - base)
+            record.update(status="oom", peak_mem_bytes=torch.cuda.max_memory_allocated() - base,
+                          kernels=sorted(kernels))
             return record
     tokens = [common.group_tokens(g) for g in groups]
     flops = [model_flops([g], shared, trainer, shape) for g in groups]

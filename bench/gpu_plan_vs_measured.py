@@ -10,6 +10,11 @@ checked the other way: the plan must say it does not fit (its full peak over the
     python bench/gpu_plan_vs_measured.py --longest --out bench/results/gpu/plan_longest_long_rows.json
     python bench/gpu_plan_vs_measured.py --longest --memory-cap-gib 16 --out bench/results/gpu/plan_longest_long_rows_16gib.json
 
+Each run is planned with the attention kernels it recorded (flash-attn's allocations for torch's `varlen_attn`,
+cuDNN's fused attention where the run took it). A report of one-step runs is compared with the plan's first step:
+the optimizer's states do not exist before the first optimizer step, so its forward/backward peak is the plan's
+(a steady step's) less those states.
+
 A report whose GPU was capped (`gpu_longest_row.py --memory-cap-gib`: the caching allocator may hold no more) is
 planned for that cap: a run fits when the plan's peak less the CUDA context (outside the allocator) is within it.
 """
@@ -50,18 +55,49 @@ def training_args(trainer: str, impl: str, max_length: int, long_rows: bool = Fa
     return RewardConfig(**args)
 
 
-def plan_attempt(record: dict, response_length: int, model_config) -> dict:
+def attention_of(record: dict, report: dict | None = None) -> str:
+    """The attention kernels a run took (its record's `kernels`; a run that ran out of memory recorded none: those
+    of the report's other runs)."""
+    records = [record, *(report or {}).get("long_rows", []), *(report or {}).get("throughput", [])]
+    for r in records:
+        if r.get("kernels"):
+            return "cudnn" if any("torch_cudnn" in k for k in r["kernels"]) else "flash_attn"
+    return "flash_attn"
+
+
+def report_steps(report: dict) -> int:
+    """Steps per attempt of a report whose records do not say (`--steps` of its last command; the default 3)."""
+    words = report.get("command", "").split()
+    for i, word in enumerate(words):
+        if word.startswith("--steps="):
+            return int(word.split("=", 1)[1])
+        if word == "--steps" and i + 1 < len(words):
+            return int(words[i + 1])
+    return 3
+
+
+def plan_attempt(record: dict, response_length: int, model_config, attention: str = "flash_attn",
+                 first_step: bool = False) -> dict:
+    """The plan of a run: its tensors beyond the weights (`planned_bytes`, what `peak_mem_bytes` measures) and its
+    full peak (`planned_total_bytes`, what must fit the device). `first_step`: of a run's first step (no optimizer
+    states before its optimizer step: they, and the fragmentation allowance on them, are taken off a
+    forward/backward peak)."""
     import torch
 
     from trl_longrm.memory_plan import GroupShape, plan_memory
+    from trl_longrm.memory_plan.plan import CUDA_FRAGMENTATION_FRACTION
 
     trainer, impl, k = record["trainer"], record["impl"], record.get("num_rejected", 1)
     shape = GroupShape(record["prompt_length"], response_length, k)
     args = training_args(trainer, impl, record["prompt_length"] + response_length, bool(record.get("long_rows")))
     plan = plan_memory(STAGES[trainer], args, model_config, shape, dtype=torch.bfloat16, device="cuda",
-                       stock=impl == "stock")  # fmt: skip
+                       stock=impl == "stock", attention=attention)  # fmt: skip
     tensors = plan.peak - sum(plan.extra.values())
-    return {"planned_bytes": tensors - plan.weights, "planned_total_bytes": plan.peak,
+    states = plan.optimizer_states if first_step and plan.peak_phase == "forward/backward" else 0
+    return {"attention": attention, "peak_phase": plan.peak_phase,
+            **({"first_step": True, "optimizer_states_bytes": plan.optimizer_states} if first_step else {}),
+            "planned_bytes": tensors - plan.weights - states,
+            "planned_total_bytes": plan.peak - int(states * (1 + CUDA_FRAGMENTATION_FRACTION)),
             "plan_seconds": plan.trace_seconds}  # fmt: skip
 
 
@@ -77,14 +113,14 @@ def device_bytes_of(report: dict, memory_cap_gib: float | None = None) -> int:
 
 
 def plan_longest(trainer: str, long_rows: bool, response_length: int, model_config, device_bytes: int,
-                 start: int = 65536, granularity: int = 8192) -> dict:
+                 start: int = 65536, granularity: int = 8192, attention: str = "flash_attn") -> dict:
     """The longest prompt (a multiple of `granularity`) of ours at k = 1 whose planned peak fits `device_bytes`:
     doubling from `start`, then bisection; every plan tried is listed."""
     tried = []
 
     def fits(length):
         record = {"trainer": trainer, "impl": "ours", "prompt_length": length, "long_rows": long_rows}
-        plan = plan_attempt(record, response_length, model_config)
+        plan = plan_attempt(record, response_length, model_config, attention)
         tried.append({"prompt_length": length, "planned_total_bytes": plan["planned_total_bytes"]})
         print(json.dumps({**record, **tried[-1]}), flush=True)
         return plan["planned_total_bytes"] <= device_bytes
@@ -95,8 +131,8 @@ def plan_longest(trainer: str, long_rows: bool, response_length: int, model_conf
     while hi - lo > granularity:
         mid = (lo + hi) // 2 // granularity * granularity
         lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-    return {"trainer": trainer, "long_rows": long_rows, "longest_prompt_length": lo, "first_failing": hi,
-            "plans": tried}
+    return {"trainer": trainer, "long_rows": long_rows, "attention": attention, "longest_prompt_length": lo,
+            "first_failing": hi, "plans": tried}
 
 
 def main() -> None:
@@ -111,6 +147,8 @@ def main() -> None:
                         help="With --longest: plan for the report's GPU with its caching allocator capped at this "
                              "(as `gpu_longest_row.py --memory-cap-gib` runs it).")
     parser.add_argument("--start", type=int, default=65536, help="With --longest: the first prompt length planned.")
+    parser.add_argument("--attention", choices=("flash_attn", "cudnn"), default=None,
+                        help="The attention kernels planned (default: those the report's runs recorded).")
     cli = parser.parse_args()
 
     from trl_longrm.testing_utils import build_chat_tokenizer, tiny_config
@@ -119,8 +157,9 @@ def main() -> None:
     device_bytes = device_bytes_of(report, cli.memory_cap_gib if cli.longest else None)
     model_config = tiny_config(common.ARCH, build_chat_tokenizer(), **QWEN3_0_6B)
     if cli.longest:
-        rows = [plan_longest("grm", long_rows, cli.response_length, model_config, device_bytes, start=cli.start)
-                for long_rows in (False, True)]  # fmt: skip
+        attention = cli.attention or attention_of({}, report)
+        rows = [plan_longest("grm", long_rows, cli.response_length, model_config, device_bytes, start=cli.start,
+                             attention=attention) for long_rows in (False, True)]  # fmt: skip
         result = {"command": " ".join(["python", *sys.argv]), "gpu": report["gpu"], "device_bytes": device_bytes,
                   **({"memory_cap_gib": cli.memory_cap_gib} if cli.memory_cap_gib is not None else {}),
                   "longest": rows}  # fmt: skip
@@ -138,7 +177,8 @@ def main() -> None:
         seen.add(key)
         row = {"trainer": key[0], "impl": key[1], "prompt_length": key[2], "num_rejected": key[3],
                "long_rows": key[4], "status": record["status"], "measured_bytes": record.get("peak_mem_bytes"),
-               **plan_attempt(record, cli.response_length, model_config)}  # fmt: skip
+               **plan_attempt(record, cli.response_length, model_config, cli.attention or attention_of(record, report),
+                              first_step=record.get("steps", report_steps(report)) == 1)}  # fmt: skip
         if record["status"] == "ok":
             row["rel_error"] = row["planned_bytes"] / row["measured_bytes"] - 1
         else:

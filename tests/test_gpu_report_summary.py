@@ -46,3 +46,41 @@ def test_long_rows_pairs_are_summarised_by_how_they_ended(summary):
     assert out["long_rows_status_557056"] == {"without": "oom", "with": "ok"}
     assert out["long_rows_peak_gib_557056"] == 39.0
     assert not any(key.endswith("1048576") for key in out)
+
+
+def test_long_rows_brackets_and_the_cap_are_summarised(summary):
+    """Per setting, the longest prompt that trained and the shortest that ran out of memory (the bracket of the
+    longest row a GPU trains), and the allocator cap the report's runs had."""
+    report = {"gpu": "H100", "versions": {}, "throughput": [], "longest_row": [], "memory_cap_gib": 16.0,
+              "long_rows": [
+                  long_rows_attempt(98304, False, "oom"), long_rows_attempt(98304, True, "ok", 7.3, (18.0,)),
+                  long_rows_attempt(163840, True, "ok", 11.6, (38.0,)), long_rows_attempt(212992, True, "oom"),
+                  long_rows_attempt(73728, False, "ok", 10.6, (8.0,)), long_rows_attempt(262144, True, "oom"),
+                  long_rows_attempt(300000, True, "timeout"),
+              ]}  # fmt: skip
+    out = summary(report)
+    assert (out["long_rows_longest_ok_without"], out["long_rows_first_oom_without"]) == (73728, 98304)
+    assert (out["long_rows_longest_ok_with"], out["long_rows_first_oom_with"]) == (163840, 212992)
+    assert out["memory_cap_gib"] == 16.0
+    assert out["long_rows_status_98304"] == {"without": "oom", "with": "ok"}
+
+
+def test_plan_comparison_reads_each_runs_kernels_steps_and_cap():
+    """`gpu_plan_vs_measured.py` plans a run with the attention kernels it recorded (a run that ran out of memory
+    recorded none before this commit: the report's others), compares a one-step run with the plan's first step, and
+    a capped report's runs with the cap plus the CUDA context (which is not the allocator's)."""
+    from gpu_plan_vs_measured import attention_of, device_bytes_of, report_steps
+
+    from trl_longrm.memory_plan.plan import CUDA_CONTEXT_BYTES
+
+    cudnn = {"kernels": ["shared rows: torch_cudnn_shared_prefix", "torch_cudnn (ops: torch_cudnn)"]}
+    varlen = {"kernels": ["torch_varlen (ops: torch_varlen)"]}
+    assert attention_of(cudnn) == "cudnn" and attention_of(varlen) == "flash_attn"
+    assert attention_of({"status": "oom"}, {"long_rows": [{"status": "oom"}, cudnn]}) == "cudnn"
+    assert attention_of({"status": "oom"}) == "flash_attn"
+    assert report_steps({"command": "python3 bench/gpu_longest_row.py --steps 1 --timeout 120"}) == 1
+    assert report_steps({"command": "python3 bench/gpu_longest_row.py --steps=2"}) == 2
+    assert report_steps({"command": "python3 bench/gpu_longest_row.py --timeout 120"}) == 3
+    assert device_bytes_of({"gpu_memory_gib": 79.2}) == int(79.2 * 2**30)
+    assert device_bytes_of({"gpu_memory_gib": 79.2, "memory_cap_gib": 16.0}) == 16 * 2**30 + CUDA_CONTEXT_BYTES
+    assert device_bytes_of({"gpu_memory_gib": 79.2}, memory_cap_gib=8.0) == 8 * 2**30 + CUDA_CONTEXT_BYTES

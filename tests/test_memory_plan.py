@@ -200,6 +200,44 @@ def test_cuda_plans_trace_flash_attn_allocations(monkeypatch):
     assert "forward" in calls and "backward" in calls  # (a CPU plan's kernels: resolved outside the context, above)
 
 
+def test_cuda_plans_trace_cudnn_where_the_run_takes_it(monkeypatch):
+    """Without flash-attn a CUDA run's 'auto' takes cuDNN's fused attention (`TorchCudnnOps`), which repeats grouped
+    key/value heads per call: a plan of such a run (`ring_attn_backend='cudnn'`, or 'auto' resolved on a CUDA machine
+    without flash-attn) traces those ops, torch's cuDNN attention ops running their meta kernels on the fake tensors,
+    and so plans more than with flash-attn's kernels, which take grouped heads as they are."""
+    from trl_longrm.sequence_parallel import kernels
+
+    assert [kernels.planned_cuda_attention(b) for b in ("cudnn", "flash_attn", "torch")] == ["cudnn", "flash_attn",
+                                                                                               "flash_attn"]
+    if not torch.cuda.is_available():  # planned away from the GPUs: as with flash-attn installed
+        assert kernels.planned_cuda_attention("auto") == "flash_attn"
+    with kernels.planned_kernels("cuda", "cudnn"):
+        ops = kernels.resolve_kernel("auto", torch.device("cpu"), torch.bfloat16).ops
+        assert isinstance(ops, kernels.TorchCudnnOps) and isinstance(ops.fallback, kernels.PlannedFlashAttnOps)
+    with pytest.raises(ValueError, match="attention='sdpa'"):
+        with kernels.planned_kernels("cuda", "sdpa"):
+            pass
+
+    calls = []
+    for name in ("forward", "backward"):
+        original = getattr(kernels.TorchCudnnOps, name)
+        monkeypatch.setattr(kernels.TorchCudnnOps, name,
+                            lambda self, *a, _f=original, _n=name: calls.append(_n) or _f(self, *a))  # fmt: skip
+    # A 4,096-token prompt: a sequence cuDNN serves (2,048+ queries); 4 query heads over 2 key/value heads. With the
+    # long-row settings (checkpoints offloaded, MLP tiled) a layer's attention backward is the step's peak.
+    shape = GroupShape(4096, 128, 1)
+    plans = {}
+    for backend in ("cudnn", "torch"):  # ('torch': torch's varlen_attn, which allocates as flash-attn's kernels)
+        args = SimPOGRMConfig(output_dir="unused", use_cpu=True, report_to=[], per_device_train_batch_size=1,
+                              max_length=8192, bf16=True, gradient_checkpointing=True, ring_attn_backend=backend,
+                              gradient_checkpointing_kwargs={"use_reentrant": False, "offload": True},
+                              mlp_tile_tokens=1024)  # fmt: skip
+        plans[backend] = plan_memory("simpo_grm", args, model_config(), shape, dtype=torch.bfloat16, device="cuda")
+    assert "forward" in calls and "backward" in calls
+    assert any("cuDNN" in note for note in plans["cudnn"].notes)
+    assert plans["cudnn"].peak > plans["torch"].peak
+
+
 # The measured peak of a gloo case used to move from run to run (the SFT ring case's rank 1: within 10% of the 58.4 MiB
 # predicted in one clean-clone CI run of 2026-11-26, 69.9 MiB in the next, same code path). Causes, both in the
 # measurement, by thread timing: (1) the profiler records no allocator event on a gloo worker thread outside a

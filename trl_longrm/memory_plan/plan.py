@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from trl_longrm.memory_plan.trace import GroupShape, TracedStep, trace_step
+from trl_longrm.sequence_parallel.kernels import planned_cuda_attention
 
 
 GIB = 2**30
@@ -178,6 +179,7 @@ def plan_memory(
     device: str = "cpu",
     max_traced_layers: int | None = DEFAULT_MAX_TRACED_LAYERS,
     stock: bool = False,
+    attention: str | None = None,
 ) -> MemoryPlan:
     """The memory plan of rank `rank` of a `world_size`-process run of `stage` ('sft', 'simpo_grm', 'simpo_disrm') with
     `training_args` (the stage's config, as a recipe builds it) on a model of `model_config` (a transformers config, or
@@ -188,7 +190,10 @@ def plan_memory(
     `max_traced_layers`: deeper models are traced with this many layers and one less, and extrapolated per layer
     (`trace_step`); None traces every layer (an 8B model at 128K then takes minutes on two cores).
     `stock=True`: the plan of stock TRL's trainer of the stage on the same model, group and training arguments
-    (`trl_longrm.memory_plan.stock`: pairs of whole rows, no sequence parallelism).
+    (`trl_longrm.memory_plan.stock`: pairs of whole rows, no sequence parallelism). `attention` (device 'cuda'): the
+    attention kernels our trainers' run takes, 'flash_attn' or 'cudnn' (cuDNN's fused attention, its grouped-query
+    heads repeated per call); default: those `training_args.ring_attn_backend` resolves to
+    (`trl_longrm.sequence_parallel.kernels.planned_cuda_attention`).
 
     Example:
     ```python
@@ -205,10 +210,13 @@ def plan_memory(
     distributed = distributed or ("single" if world_size == 1 else "ddp")
     if distributed not in ("single", "ddp", "zero2", "zero3"):
         raise ValueError(f"distributed={distributed!r}: expected 'single', 'ddp', 'zero2' or 'zero3'.")
+    if attention is None:
+        attention = planned_cuda_attention(getattr(training_args, "ring_attn_backend", "auto") or "auto")
     started = time.perf_counter()
     traced = trace_step(stage, training_args, model_config, shape, peft_config=peft_config, dtype=dtype,
                         world_size=world_size, rank=rank, max_traced_layers=max_traced_layers,
-                        ddp=distributed not in ("zero2", "zero3"), stock=stock, kernels=device)  # fmt: skip
+                        ddp=distributed not in ("zero2", "zero3"), stock=stock, kernels=device,
+                        attention=attention)  # fmt: skip
     seconds = time.perf_counter() - started
     phase, (parts, terms, peak) = _combine(traced, distributed, world_size, device)
     sp = 1 if stock else getattr(training_args, "sequence_parallel_size", 1) or 1
@@ -237,7 +245,7 @@ def plan_memory(
         peak_phase=phase,
         traced_peak=traced.peak,
         trace_seconds=round(seconds, 2),
-        notes=[*traced.notes, *_kernel_notes(device)],
+        notes=[*traced.notes, *_kernel_notes(device, attention)],
     )
 
 
@@ -251,12 +259,16 @@ def _trainer_name(stage: str, stock: bool) -> str:
     return STAGES[stage][0]
 
 
-def _kernel_notes(device: str) -> list[str]:
+def _kernel_notes(device: str, attention: str) -> list[str]:
     if device != "cuda":
         return []
-    # The trace runs on CPU fake tensors; `planned_kernels("cuda")` gives our attention flash-attn's kernels as their
-    # allocations (`PlannedFlashAttnOps`). Stock trainers' attention is the model's own (SDPA), traced as on CPU.
-    return ["our attention traced with flash-attn's varlen kernels (their allocations); half precision only"]
+    # The trace runs on CPU fake tensors; `planned_kernels("cuda", attention)` gives our attention the kernels as
+    # their allocations. Stock trainers' attention is the model's own (SDPA), traced as on CPU.
+    if attention == "cudnn":
+        return ["our attention traced with cuDNN's fused attention (what 'auto' takes without flash-attn; torch's "
+                "varlen kernels for short sequences); half precision only"]
+    return ["our attention traced with flash-attn's varlen kernels (their allocations; 'auto' takes them with "
+            "flash-attn installed, cuDNN's without: `ring_attn_backend: cudnn` plans those); half precision only"]
 
 
 def load_model_config(path):

@@ -448,7 +448,7 @@ def _extrapolate(small: TracedStep, large: TracedStep, small_layers: int, large_
 def trace_step(stage: str, training_args, model_config, shape: GroupShape, *, peft_config=None,
                dtype: torch.dtype | None = None, world_size: int = 1, rank: int = 0,
                max_traced_layers: int | None = None, ddp: bool = True, stock: bool = False,
-               kernels: str = "cpu") -> TracedStep:  # fmt: skip
+               kernels: str = "cpu", attention: str = "flash_attn") -> TracedStep:  # fmt: skip
     """Trace one optimizer step of `stage`'s trainer on rank `rank` of `world_size` (see the module docstring).
 
     `max_traced_layers`: a model with more decoder layers is traced with `max_traced_layers - 1` and
@@ -457,7 +457,8 @@ def trace_step(stage: str, training_args, model_config, shape: GroupShape, *, pe
     ZeRO run: DeepSpeed, not DDP, holds its gradients; `plan.zero_terms` adds them). `stock=True` traces stock TRL's
     trainer of the stage instead, on the same model, group and training arguments (`trl_longrm.memory_plan.stock`).
     `kernels`: the device whose attention kernels are traced ('cuda': flash-attn's allocations,
-    `trl_longrm.sequence_parallel.kernels.planned_kernels`; 'cpu': the CPU kernels a CPU run uses)."""
+    `trl_longrm.sequence_parallel.kernels.planned_kernels`; 'cpu': the CPU kernels a CPU run uses). `attention`: on
+    'cuda', whose attention kernels: 'flash_attn' (what 'auto' takes with flash-attn installed) or 'cudnn' (without)."""
     layers = model_config.num_hidden_layers
     if max_traced_layers is not None and layers > max_traced_layers:
         if max_traced_layers < 2:
@@ -465,17 +466,18 @@ def trace_step(stage: str, training_args, model_config, shape: GroupShape, *, pe
         traces = [
             _trace_step(stage, training_args, with_layers(model_config, n), shape, peft_config=peft_config,
                         dtype=dtype, world_size=world_size, rank=rank, ddp=ddp, stock=stock,
-                        kernels=kernels)  # fmt: skip
+                        kernels=kernels, attention=attention)  # fmt: skip
             for n in (max_traced_layers - 1, max_traced_layers)
         ]
         return _extrapolate(*traces, max_traced_layers - 1, max_traced_layers, layers)
     return _trace_step(stage, training_args, model_config, shape, peft_config=peft_config, dtype=dtype,
-                       world_size=world_size, rank=rank, ddp=ddp, stock=stock, kernels=kernels)  # fmt: skip
+                       world_size=world_size, rank=rank, ddp=ddp, stock=stock, kernels=kernels,
+                       attention=attention)  # fmt: skip
 
 
 def _trace_step(stage: str, training_args, model_config, shape: GroupShape, *, peft_config=None,
                 dtype: torch.dtype | None = None, world_size: int = 1, rank: int = 0, ddp: bool = True,
-                stock: bool = False, kernels: str = "cpu") -> TracedStep:  # fmt: skip
+                stock: bool = False, kernels: str = "cpu", attention: str = "flash_attn") -> TracedStep:  # fmt: skip
     """One trace of `trace_step`: the trainer built on fake weights and `trainer.train()` for one optimizer step.
 
     The dataset holds the rows of that step for every data-parallel replica (the sampler gives this rank its
@@ -559,7 +561,7 @@ def _trace_step(stage: str, training_args, model_config, shape: GroupShape, *, p
                 cuda_paths = cuda_code_paths() if kernels == "cuda" else contextlib.nullcontext()
                 # (A CPU plan of several ranks stands for a gloo run, the one it is checked against.)
                 works = collectives_hold_their_tensors(gloo=kernels == "cpu")
-                with use_host_store(CountingHostStore()) as host, planned_kernels(kernels), cuda_paths, works:
+                with use_host_store(CountingHostStore()) as host, planned_kernels(kernels, attention), cuda_paths, works:
                     trainer.train()
             finally:
                 callback.close()

@@ -785,16 +785,37 @@ def _planned_flash_attn_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale):
     return _PlannedFlashAttnFunction.apply(q, k, v, cu_q, cu_k, max_q, max_k, scale)
 
 
-# The device whose kernels `resolve_kernel` gives while `planned_kernels` is active (innermost last).
-_planned_devices: list[str] = []
+# `(device, attention kernels)` whose kernels `resolve_kernel` gives while `planned_kernels` is active (innermost last).
+_planned_devices: list[tuple[str, str]] = []
+
+# The CUDA attention kernels a plan can trace: what `resolve_kernel('auto', cuda)` picks with flash-attn installed,
+# and without it.
+PLANNED_CUDA_ATTENTION = ("flash_attn", "cudnn")
+
+
+def planned_cuda_attention(backend: str) -> str:
+    """The attention kernels (`PLANNED_CUDA_ATTENTION`) a CUDA run with `ring_attn_backend=backend` takes, as
+    `resolve_kernel` resolves it on half-precision CUDA tensors: 'cudnn' for 'cudnn'; flash-attn's allocations for
+    'flash_attn' and 'torch' (torch's `varlen_attn` allocates as flash-attn's); for 'auto', flash-attn where it is
+    importable, else cuDNN where this machine has CUDA and torch's cuDNN ops. On a machine without CUDA (a plan made
+    away from the GPUs) 'auto' is planned as with flash-attn installed; `ring_attn_backend='cudnn'` plans the other."""
+    if backend == "cudnn":
+        return "cudnn"
+    if backend == "auto" and not is_flash_attn_available() and torch.cuda.is_available() and TorchCudnnOps.load():
+        return "cudnn"
+    return "flash_attn"
 
 
 @contextlib.contextmanager
-def planned_kernels(device_type: str):
+def planned_kernels(device_type: str, attention: str = "flash_attn"):
     """Within this context, attention kernels are resolved as on `device_type`: on 'cuda', half-precision attention
-    gets flash-attn's kernels as `PlannedFlashAttnOps` (allocations only), whatever device the (fake) tensors are on.
-    What a memory plan of a CUDA run uses to trace on CPU (`trl_longrm.memory_plan.trace`)."""
-    _planned_devices.append(device_type)
+    gets, whatever device the (fake) tensors are on, `attention`'s kernels: 'flash_attn' as `PlannedFlashAttnOps`
+    (allocations only), 'cudnn' as `TorchCudnnOps` over torch's cuDNN attention ops (their meta kernels run on fake
+    tensors) with `PlannedFlashAttnOps` for the sequences it leaves to torch's `varlen_attn` (which allocates as
+    flash-attn's). What a memory plan of a CUDA run uses to trace on CPU (`trl_longrm.memory_plan.trace`)."""
+    if attention not in PLANNED_CUDA_ATTENTION:
+        raise ValueError(f"attention={attention!r}: expected one of {PLANNED_CUDA_ATTENTION}.")
+    _planned_devices.append((device_type, attention))
     try:
         yield
     finally:
@@ -852,9 +873,12 @@ def resolve_kernel(backend: str, device: torch.device, dtype: torch.dtype):
     'torch'
     ```
     """
-    if _planned_devices and _planned_devices[-1] == "cuda" and dtype in _HALF_DTYPES:
-        # A memory plan of a CUDA run: flash-attn's kernels (what 'auto' picks there; torch's varlen kernels allocate
-        # the same out and lse), as allocations.
+    if _planned_devices and _planned_devices[-1][0] == "cuda" and dtype in _HALF_DTYPES:
+        # A memory plan of a CUDA run: the kernels 'auto' picks there (torch's varlen kernels allocate the same out
+        # and lse as flash-attn's), as allocations.
+        if _planned_devices[-1][1] == "cudnn":
+            ops = TorchCudnnOps(PlannedFlashAttnOps())
+            return VarlenKernel(ops.name, varlen_function_of(ops), ops)
         return VarlenKernel("flash_attn", _planned_flash_attn_varlen, PlannedFlashAttnOps())
     if backend == "flash_attn":
         if not is_flash_attn_available():
