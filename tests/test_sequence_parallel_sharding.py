@@ -104,6 +104,14 @@ def test_zigzag_placement_by_hand():
     gathered = torch.cat([p.input_ids[0] for p in parts])
     assert metas[0].to_global_order(gathered).tolist() == padded
     assert metas[0].to_rank_major_order(torch.tensor(padded)).tolist() == gathered.tolist()
+    # A rank's key span (rank 1's: 0..14) of per-token values written straight into the rank-major order: as the
+    # whole row, zero elsewhere, reordered (what the ring's key/value gradients are reduce-scattered as).
+    span = metas[1].key_span()
+    values = torch.arange(1.0, 1.0 + 2 * (span[1] - span[0])).reshape(-1, 2)
+    row = torch.zeros(16, 2)
+    row[span[0] : span[1]] = values
+    assert span == (0, 14)
+    assert torch.equal(metas[1].span_in_rank_major_order(values, span), metas[1].to_rank_major_order(row))
     shifted = metas[0].to_global_order(torch.cat([p.shift_labels[0] for p in parts]))
     assert shifted.tolist() == SHIFTED[:9] + [-100] * 7
 

@@ -100,12 +100,10 @@ class _Scatter:
         if meta.group is None:
             self.local, self.pending = (dk, dv), None
             return
-        start, end = meta.key_span()
         self.pending = []
         for grad in [torch.cat([dk, dv], dim=1)] if self.split is not None else [dk, dv]:
-            full = grad.new_zeros((meta.total_length, *grad.shape[1:]))
-            full[start:end] = grad
-            self.pending.append(start_reduce_scatter_dim0(meta.to_rank_major_order(full), meta.group))
+            full = meta.span_in_rank_major_order(grad, meta.key_span())
+            self.pending.append(start_reduce_scatter_dim0(full, meta.group))
 
     def result(self) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's `(dk, dv)` summed over the ring."""

@@ -417,16 +417,32 @@ class RingAttentionMetadata:
         start, end = span if span is not None else (0, self.total_length)
         if self.placement == "contiguous" or self.group_size == 1:
             return gathered.narrow(dim, start, end - start)
-        key = ("inverse", str(gathered.device))
+        return gathered.index_select(dim, self._rank_major_index(gathered.device)[start:end])
+
+    def _rank_major_index(self, device: torch.device | str) -> torch.Tensor:
+        """Position in the rank-major order of each global position (the inverse of `rank_major_order`)."""
+        key = ("inverse", str(device))
         if key not in self._cache:
-            self._cache[key] = torch.argsort(self.rank_major_order(gathered.device))
-        return gathered.index_select(dim, self._cache[key][start:end])
+            self._cache[key] = torch.argsort(self.rank_major_order(device))
+        return self._cache[key]
 
     def to_rank_major_order(self, row: torch.Tensor, dim: int = 0) -> torch.Tensor:
         """Per-token values of the whole row (along `dim`) in the order a reduce-scatter hands them to the ranks."""
         if self.placement == "contiguous" or self.group_size == 1:
             return row
         return row.index_select(dim, self.rank_major_order(row.device))
+
+    def span_in_rank_major_order(self, values: torch.Tensor, span: tuple[int, int]) -> torch.Tensor:
+        """`to_rank_major_order` of a whole row that is zero but for `values` (along dim 0) at the global positions
+        `[start, end)` of `span`, written straight into the rank-major order: one row-sized buffer, not a row in the
+        row's order and its reordered copy (each 2 GiB of float32 key/value gradients at 2M tokens)."""
+        start, end = span
+        out = values.new_zeros((self.total_length, *values.shape[1:]))
+        if self.placement == "contiguous" or self.group_size == 1:
+            out[start:end] = values
+        else:
+            out.index_copy_(0, self._rank_major_index(values.device)[start:end], values)
+        return out
 
     def local_documents(self) -> range:
         """Indices of the documents that have tokens on this rank."""
