@@ -533,7 +533,9 @@ def _trace_step(stage: str, training_args, model_config, shape: GroupShape, *, p
             else:
                 args = fresh_args(training_args, **overrides)
             dataset = synthetic_dataset(stage, shape, num_rows, model_config.vocab_size, tokenizer.eos_token_id)
-        with HybridFakeMode(), warnings.catch_warnings():
+        # (The trainer is built under the planned kernels too: a CUDA run's checks of its attention backend pass where
+        # the plan is made, flash-attn or not.)
+        with HybridFakeMode(), warnings.catch_warnings(), planned_kernels(kernels, attention):
             warnings.simplefilter("ignore")
             model = build_model(stage, model_config, dtype)
             if stock:

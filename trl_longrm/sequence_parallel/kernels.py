@@ -806,6 +806,12 @@ def planned_cuda_attention(backend: str) -> str:
     return "flash_attn"
 
 
+def planning_cuda() -> bool:
+    """Whether a memory plan of a CUDA run is being traced here (`planned_kernels('cuda')`): its kernels are
+    allocations only, so flash-attn need not be importable where the plan is made."""
+    return bool(_planned_devices) and _planned_devices[-1][0] == "cuda"
+
+
 @contextlib.contextmanager
 def planned_kernels(device_type: str, attention: str = "flash_attn"):
     """Within this context, attention kernels are resolved as on `device_type`: on 'cuda', half-precision attention

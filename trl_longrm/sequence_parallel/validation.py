@@ -70,18 +70,19 @@ def check_ulysses_heads(num_heads: int, num_kv_heads: int, ulysses_size: int, mo
 
 
 def check_ring_attention_backend(backend: str) -> None:
-    """Raise for an unknown backend, or for 'flash_attn' when flash-attn cannot be imported.
+    """Raise for an unknown backend, or for 'flash_attn' when flash-attn cannot be imported (unless a memory plan of a
+    CUDA run is being traced: it needs flash-attn's allocations, not the package).
 
     Example:
     ```python
     >>> check_ring_attention_backend("torch")  # fine
     ```
     """
-    from .kernels import is_flash_attn_available
+    from .kernels import is_flash_attn_available, planning_cuda
 
     if backend not in RING_ATTENTION_BACKENDS:
         raise ValueError(f"ring_attn_backend must be one of {RING_ATTENTION_BACKENDS}, got {backend!r}.")
-    if backend == "flash_attn" and not is_flash_attn_available():
+    if backend == "flash_attn" and not is_flash_attn_available() and not planning_cuda():
         raise ImportError(
             "ring_attn_backend='flash_attn' needs the flash-attn package, which is not importable here "
             "(`pip install flash-attn --no-build-isolation` on a CUDA machine), or use ring_attn_backend='torch'."
