@@ -8,7 +8,10 @@ checked the other way: the plan must say it does not fit (its full peak over the
 
     python bench/gpu_plan_vs_measured.py --report bench/results/gpu/gpu.json --out bench/results/gpu/plan_vs_measured.json
     python bench/gpu_plan_vs_measured.py --longest --out bench/results/gpu/plan_longest_long_rows.json
-    python bench/gpu_plan_vs_measured.py --longest --memory-cap-gib 16 --out bench/results/gpu/plan_longest_long_rows_16gib.json
+    python bench/gpu_plan_vs_measured.py --longest --report bench/results/gpu/long_rows_16gib.json \
+        --out bench/results/gpu/plan_longest_long_rows_16gib.json      # the report's cap and kernels
+    python bench/gpu_plan_vs_measured.py --longest --report bench/results/gpu/long_rows_557k.json --attention cudnn \
+        --out bench/results/gpu/plan_longest_long_rows_cudnn.json
 
 Each run is planned with the attention kernels it recorded (flash-attn's allocations for torch's `varlen_attn`,
 cuDNN's fused attention where the run took it). A report of one-step runs is compared with the plan's first step:
