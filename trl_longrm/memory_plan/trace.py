@@ -533,8 +533,8 @@ def _trace_step(stage: str, training_args, model_config, shape: GroupShape, *, p
             else:
                 args = fresh_args(training_args, **overrides)
             dataset = synthetic_dataset(stage, shape, num_rows, model_config.vocab_size, tokenizer.eos_token_id)
-        # (The trainer is built under the planned kernels too: a CUDA run's checks of its attention backend pass where
-        # the plan is made, flash-attn or not.)
+        # Built and trained under the planned kernels: a CUDA run's checks of its attention backend (at the trainer's
+        # construction) pass where the plan is made, flash-attn or not.
         with HybridFakeMode(), warnings.catch_warnings(), planned_kernels(kernels, attention):
             warnings.simplefilter("ignore")
             model = build_model(stage, model_config, dtype)
@@ -563,7 +563,7 @@ def _trace_step(stage: str, training_args, model_config, shape: GroupShape, *, p
                 cuda_paths = cuda_code_paths() if kernels == "cuda" else contextlib.nullcontext()
                 # (A CPU plan of several ranks stands for a gloo run, the one it is checked against.)
                 works = collectives_hold_their_tensors(gloo=kernels == "cpu")
-                with use_host_store(CountingHostStore()) as host, planned_kernels(kernels, attention), cuda_paths, works:
+                with use_host_store(CountingHostStore()) as host, cuda_paths, works:
                     trainer.train()
             finally:
                 callback.close()
