@@ -23,6 +23,7 @@ from trl_longrm.data.stock_columns import (
     is_group_row,
     with_stock_columns,
 )
+from trl_longrm.selective_checkpointing import SELECTIVE_KEY, enable_selective_checkpointing, wants_selective
 from trl_longrm.sequence_parallel.kernels import FlashAttnVarlenOps, is_flash_attn_available
 
 
@@ -199,6 +200,32 @@ def install_activation_offload(trainer) -> None:
     if offload_inputs:
         # Entered around every checkpointed layer, whose saved inputs are activations, never weights.
         offload_checkpointed_inputs(trainer.model, OffloadActivations(device, store))
+
+
+def install_selective_checkpointing(trainer) -> None:
+    """`gradient_checkpointing_kwargs={"selective": True}` (TRL's key, which SFTTrainer alone takes) in every trainer,
+    after TRL's `__init__`: the model's checkpointing keeps the attention kernels' outputs
+    (`trl_longrm.selective_checkpointing`) when the HF Trainer enables it in `train()`."""
+    if wants_selective(trainer.args):
+        enable_selective_checkpointing(trainer.model)
+
+
+@contextlib.contextmanager
+def selective_hidden_from_sft_trainer(args):
+    """TRL's SFTTrainer would wrap the model with its own selective policy (which misses torch's `varlen_attn` op) and
+    drop the key; ours (`install_selective_checkpointing`) replaces it, so SFTTrainer sees no `selective` while it
+    initialises."""
+    selective = (args.activation_checkpointing_kwargs or {}).get(SELECTIVE_KEY)
+    if selective is None:
+        yield
+        return
+    hidden = {k: v for k, v in args.activation_checkpointing_kwargs.items() if k != SELECTIVE_KEY}
+    args.activation_checkpointing_kwargs = args.gradient_checkpointing_kwargs = hidden
+    try:
+        yield
+    finally:
+        kwargs = {**(args.activation_checkpointing_kwargs or {}), SELECTIVE_KEY: selective}
+        args.activation_checkpointing_kwargs = args.gradient_checkpointing_kwargs = kwargs
 
 
 def resolve_tokenizer(model, processing_class: PreTrainedTokenizerBase | None, trust_remote_code: bool = False):

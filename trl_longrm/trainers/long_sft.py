@@ -18,6 +18,7 @@ from trl_longrm.data.sources import holds_json_feature
 from trl_longrm.heads import add_token_logprob_head
 from trl_longrm.lora_input_cast import skip_lora_input_casts_under_autocast
 from trl_longrm.packing import SFTCollator
+from trl_longrm.selective_checkpointing import check_selective_checkpointing_args, check_selective_checkpointing_setup
 from trl_longrm.sequence_parallel import SequenceParallelConfig
 from trl_longrm.tiled_mlp import apply_tiled_mlp
 from trl_longrm.trainers.common import (
@@ -25,11 +26,13 @@ from trl_longrm.trainers.common import (
     attention_reasons,
     check_activation_offload_args,
     install_activation_offload,
+    install_selective_checkpointing,
     lm_head_reasons,
     model_skeleton,
     pad_token_id_of,
     prepare_sft_dataset,
     sampler_length_column,
+    selective_hidden_from_sft_trainer,
     with_sampler_lengths,
 )
 from trl_longrm.trainers.parallel import SequenceParallelMixin
@@ -93,6 +96,7 @@ class LongSFTConfig(SFTConfig, LongContextDataArguments, SequenceParallelConfig)
         super().__post_init__()
         SequenceParallelConfig.__post_init__(self)
         check_activation_offload_args(self)
+        check_selective_checkpointing_args(self)
         if (self.packing or self.eval_packing) and self.max_length is None and self.max_tokens_per_row is None:
             # Packing bins examples into rows of `max_tokens_per_row` (default `max_length`): with neither there is no
             # row size, and training unpacked instead would ignore `packing`. Stock SFTTrainer refuses it too.
@@ -321,24 +325,27 @@ class LongSFTTrainer(SequenceParallelMixin, SFTTrainer):
         saved = {name: getattr(args, name) for name in hidden}
         for name, value in hidden.items():
             setattr(args, name, value)
+        check_selective_checkpointing_setup(args, model, kwargs.get("peft_config"))
         try:
-            super().__init__(
-                model,
-                args,
-                data_collator if self._stock_path else None,
-                train_dataset,
-                eval_dataset,
-                processing_class,
-                compute_loss_func,
-                *pargs,
-                formatting_func=formatting_func,
-                **kwargs,
-            )
+            with selective_hidden_from_sft_trainer(args):
+                super().__init__(
+                    model,
+                    args,
+                    data_collator if self._stock_path else None,
+                    train_dataset,
+                    eval_dataset,
+                    processing_class,
+                    compute_loss_func,
+                    *pargs,
+                    formatting_func=formatting_func,
+                    **kwargs,
+                )
         finally:
             for name, value in saved.items():
                 setattr(args, name, value)
         self._pad_token_id = pad_token_id_of(self._tokenizer)
         install_activation_offload(self)
+        install_selective_checkpointing(self)
         if self._stock_path:
             apply_tiled_mlp(self.model, args.mlp_tile_tokens)  # a model-level setting: stock's forward is tiled too
             skip_lora_input_casts_under_autocast(self.model)
@@ -357,7 +364,11 @@ class LongSFTTrainer(SequenceParallelMixin, SFTTrainer):
         if self._stock_path:
             return super()._prepare_dataset(dataset, processing_class, args, packing, formatting_func, dataset_name)
         if not any(dataset is d for d in self._checked_datasets):  # e.g. given to `evaluate()` after construction
-            if isinstance(dataset, IterableDataset) and formatting_func is None and self._is_plain_stream(dataset, args):
+            if (
+                isinstance(dataset, IterableDataset)
+                and formatting_func is None
+                and self._is_plain_stream(dataset, args)
+            ):
                 return self._prepare_stream(dataset, processing_class, args, dataset_name)
             reasons = dataset_reasons(dataset_name, dataset)
             reasons += ["a `formatting_func` is given"] if formatting_func is not None else []
@@ -448,7 +459,9 @@ class LongSFTTrainer(SequenceParallelMixin, SFTTrainer):
         if args.completion_only_loss is None and "completion_mask" in next(iter(dataset)):
             self.completion_only_loss = True  # documented default of LongSFTConfig, as for a `Dataset`
         try:
-            dataset = SFTTrainer._prepare_dataset(self, dataset, processing_class, stock_args, False, None, dataset_name)
+            dataset = SFTTrainer._prepare_dataset(
+                self, dataset, processing_class, stock_args, False, None, dataset_name
+            )
         finally:
             self.completion_only_loss = completion_only_loss
         limit = args.max_length

@@ -12,6 +12,7 @@ from trl_longrm.heads import add_last_token_score_head
 from trl_longrm.losses import bradley_terry_loss, center_rewards_penalty, group_values
 from trl_longrm.packing import PreferenceCollator
 from trl_longrm.scoring import ensure_distinct_pad_token
+from trl_longrm.selective_checkpointing import check_selective_checkpointing_args, check_selective_checkpointing_setup
 from trl_longrm.sequence_parallel import SequenceParallelConfig
 from trl_longrm.trainers.common import (
     SHARED_PREFIX_HELP,
@@ -19,6 +20,7 @@ from trl_longrm.trainers.common import (
     check_activation_offload_args,
     check_shared_prefix_args,
     install_activation_offload,
+    install_selective_checkpointing,
     keep_heads_under_liger,
     padded_fallback_args,
     prepare_preference_dataset,
@@ -69,6 +71,7 @@ class SimPODisRMConfig(RewardConfig, LongContextDataArguments, SequenceParallelC
         SequenceParallelConfig.__post_init__(self)
         check_shared_prefix_args(self)
         check_activation_offload_args(self)
+        check_selective_checkpointing_args(self)
 
 
 class SimPODisRMTrainer(SequenceParallelMixin, RewardTrainer):
@@ -95,10 +98,12 @@ class SimPODisRMTrainer(SequenceParallelMixin, RewardTrainer):
         # A model whose attention the packed padding-free rows cannot use (sliding windows, ...) trains padded.
         args = padded_fallback_args(model, args, type(self).__name__)
         keep_heads_under_liger(args, type(self).__name__)
+        check_selective_checkpointing_setup(args, model, kwargs.get("peft_config"))
         self._user_collator = data_collator
         with stock_activation_offloading_off(args):
             super().__init__(model, args, data_collator, *pargs, **kwargs)
         install_activation_offload(self)
+        install_selective_checkpointing(self)
         # Saved with a pad token other than EOS, the model is scored by stock consumers where it is trained: at each
         # sequence's last token (`trl_longrm.scoring`).
         ensure_distinct_pad_token(self.processing_class, self.model, args.pad_token)

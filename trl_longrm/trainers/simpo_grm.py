@@ -18,6 +18,10 @@ from trl_longrm.data.stock_columns import CPO_COLUMNS, GROUP_COLUMNS  # noqa: E4
 from trl_longrm.heads import add_token_logprob_head  # noqa: E402
 from trl_longrm.losses import AVERAGED_LOSS_TYPES, CPO_LOSS_TYPES, cpo_loss, group_values  # noqa: E402
 from trl_longrm.packing import PreferenceCollator, is_shared_prefix_batch  # noqa: E402
+from trl_longrm.selective_checkpointing import (  # noqa: E402
+    check_selective_checkpointing_args,
+    check_selective_checkpointing_setup,
+)
 from trl_longrm.sequence_parallel import SequenceParallelConfig  # noqa: E402
 from trl_longrm.tiled_mlp import apply_tiled_mlp  # noqa: E402
 from trl_longrm.trainers.common import (  # noqa: E402
@@ -26,6 +30,7 @@ from trl_longrm.trainers.common import (  # noqa: E402
     check_activation_offload_args,
     check_shared_prefix_args,
     install_activation_offload,
+    install_selective_checkpointing,
     keep_heads_under_liger,
     lm_head_reasons,
     model_skeleton,
@@ -126,6 +131,7 @@ class SimPOGRMConfig(CPOConfig, LongContextDataArguments, SequenceParallelConfig
         SequenceParallelConfig.__post_init__(self)
         check_shared_prefix_args(self)
         check_activation_offload_args(self)
+        check_selective_checkpointing_args(self)
 
 
 class SimPOGRMTrainer(SequenceParallelMixin, CPOTrainer):
@@ -188,10 +194,12 @@ class SimPOGRMTrainer(SequenceParallelMixin, CPOTrainer):
             peft_config=peft_config,
             compute_metrics=compute_metrics,
         )
+        check_selective_checkpointing_setup(args, model, peft_config)
         self._stock_path = self._use_stock_path(model, args, train_dataset, eval_dataset)
         if self._stock_path:
             super().__init__(**stock_kwargs)
             install_activation_offload(self)
+            install_selective_checkpointing(self)
             apply_tiled_mlp(self.model, args.mlp_tile_tokens)  # a model-level setting: stock's forward is tiled too
             return
         args = padded_fallback_args(model, args, type(self).__name__)
@@ -227,6 +235,7 @@ class SimPOGRMTrainer(SequenceParallelMixin, CPOTrainer):
             compute_metrics=compute_metrics,
         )
         install_activation_offload(self)
+        install_selective_checkpointing(self)
         add_token_logprob_head(self.model, chunk_elements=args.logprob_chunk_elements)
         self._init_long_context(pad_token_id_of(tokenizer))
         self._total_train_tokens = 0
