@@ -24,7 +24,7 @@ from datasets import Dataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # trainer_helpers, when run as a script
 
-from trainer_helpers import cpu_args, random_groups  # noqa: E402
+from trainer_helpers import AttentionCallCounter, cpu_args, random_groups  # noqa: E402
 
 from trl_longrm import (  # noqa: E402
     LongSFTConfig,
@@ -334,15 +334,23 @@ def tiled_trainer(kind, output_dir, tokenizer, num_rejected, **overrides):
 # Activation offload (tests/test_activation_offload.py): the same two steps with every saved activation offloaded,
 # under gradient checkpointing.
 OFFLOAD_SETTINGS = dict(gradient_checkpointing=True, activation_offloading=True)
+# Selective checkpointing (tests/test_selective_checkpointing.py): the attention kernels' outputs kept, on a ring
+# (the ring attention's head-chunk calls) and a Ulysses group.
+SELECTIVE_SETTINGS = dict(gradient_checkpointing=True, gradient_checkpointing_kwargs={"selective": True})
 
 
 def run_tiled_task(out_dir: Path, world_size: int, tokenizer, mode: str, tag: str = "tiled") -> None:
-    """`TILED_RUNS` on a group of the whole world, tiled (`tag="tiled"`) or offloaded (`tag="offload"`)."""
-    settings = dict(mlp_tile_tokens=TILE_TOKENS) if tag == "tiled" else OFFLOAD_SETTINGS
+    """`TILED_RUNS` on a group of the whole world, tiled (`tag="tiled"`), offloaded (`tag="offload"`) or selectively
+    checkpointed (`tag="selective"`)."""
+    settings = {"tiled": dict(mlp_tile_tokens=TILE_TOKENS), "offload": OFFLOAD_SETTINGS,
+                "selective": SELECTIVE_SETTINGS}[tag]  # fmt: skip
     for kind, num_rejected in TILED_RUNS:
         trainer = tiled_trainer(kind, out_dir / f"{tag}_{mode}_{kind}", tokenizer, num_rejected,
                                 sequence_parallel_size=world_size, sequence_parallel_mode=mode, **settings)  # fmt: skip
-        trainer.train()
+        with AttentionCallCounter() as calls:
+            trainer.train()
+        if tag == "selective":  # each attention call's forward ran once: none was recomputed
+            assert calls.forward == calls.backward > 0, (kind, mode, calls.forward, calls.backward, calls.ops)
         if tag == "offload":  # each rank moved its saved activations to host memory, all released after the step
             store = trainer.activation_offload_store
             assert store.moved_bytes > 0 and store.current_bytes == 0, (store.moved_bytes, store.current_bytes)
@@ -394,7 +402,7 @@ def gloo_worker(rank: int, world_size: int, out_dir: str, tasks: list[str]) -> N
         elif task.startswith("mode:"):  # "mode:ulysses" or "mode:hybrid:2"
             _, mode, *ulysses = task.split(":")
             run_modes_task(out, world_size, tokenizer, mode, int(ulysses[0]) if ulysses else None)
-        elif task.startswith(("tiled:", "offload:")):  # "tiled:ring", "offload:ulysses", ...
+        elif task.startswith(("tiled:", "offload:", "selective:")):  # "tiled:ring", "offload:ulysses", ...
             tag, _, mode = task.partition(":")
             run_tiled_task(out, world_size, tokenizer, mode, tag)
         elif task == "accelerate_config":

@@ -4,6 +4,7 @@ import os
 import random
 
 from datasets import Dataset
+from torch.utils._python_dispatch import TorchDispatchMode
 
 
 # The device the trainer tests train on: CPU here and in CI; `TRL_LONGRM_TEST_DEVICE=cuda` runs the same comparisons
@@ -89,3 +90,26 @@ def write_longrm_jsonl(path, num_rows, num_rejected=2, seed=0, sft=False):
                 row["rejects"] = [sentence(rng.randint(3, 8)) for _ in range(num_rejected)]
             handle.write(json.dumps(row) + "\n")
     return str(path)
+
+
+class AttentionCallCounter(TorchDispatchMode):
+    """Counts the attention kernels' forward and backward ops run under it (`trl_longrm.selective_checkpointing`'s
+    definition of a forward op): under plain gradient checkpointing each forward runs twice per backward (the
+    recompute), under selective checkpointing once."""
+
+    def __init__(self):
+        super().__init__()
+        self.forward = self.backward = 0
+        self.ops = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from trl_longrm.selective_checkpointing import is_attention_forward_op
+
+        name = func.name()
+        if is_attention_forward_op(func):
+            self.forward += 1
+            self.ops.add(name)
+        elif ("attention" in name or "attn" in name) and ("backward" in name or "bwd" in name):
+            self.backward += 1
+            self.ops.add(name)
+        return func(*args, **(kwargs or {}))
