@@ -16,7 +16,7 @@ cd "$(dirname "$0")/.."
 OUT=""
 MODE=gpu
 STAGES="env,cuda_tests,defaults,attention_kernels,profile,throughput,longest_grm,reward_function,long_rows,longest_disrm"
-# Not in the default list (minutes of one call on its own): long_rows_capped, long_rows_beyond
+# Not in the default list (minutes of one call on its own): mfu_variants, long_rows_capped, long_rows_beyond
 SEED=""
 while [ $# -gt 0 ]; do
     case "$1" in
@@ -32,9 +32,10 @@ while [ $# -gt 0 ]; do
 done
 
 # What the GPU image lacks (trl, datasets and the latter's dill and multiprocess), or has in a version older than the
-# one CI tests (transformers 5.17 there); each at constraints.txt's pin. Its huggingface_hub 1.33, tokenizers 0.23.2,
+# one CI tests (transformers 5.17 there), and liger-kernel (pure Python over the image's Triton; stage mfu_variants);
+# each at constraints.txt's pin. Its huggingface_hub 1.33, tokenizers 0.23.2,
 # typer and pyarrow meet these wheels' requirements, so they stay (installed with --no-deps).
-CARRIED="trl transformers datasets dill multiprocess"
+CARRIED="trl transformers datasets dill multiprocess liger-kernel"
 
 pinned() { grep -i "^$1==" constraints.txt | head -1; }
 
@@ -105,6 +106,11 @@ if [ "$MODE" = rehearse ]; then
     stage long_rows_beyond 60 $PY bench/gpu_longest_row.py --help
     stage long_rows_capped 300 $PY bench/gpu_longest_row.py --attempt --trainers grm --impls ours \
         --start-prompt-length 256 --steps 1 --long-rows --memory-cap-gib 16 --num-hidden-layers 2 --out -
+    # (Liger's Triton kernels need a GPU: the selective variant is rehearsed, the others' options parsed.)
+    stage mfu_variants 300 bash -c "$PY bench/gpu_longest_row.py --attempt --trainers grm --impls ours \
+        --start-prompt-length 256 --steps 2 --variants selective --profile --num-hidden-layers 2 --out - \
+        && $PY bench/gpu_longest_row.py --variants default selective liger selective_liger \
+        --profile-variants selective_liger --help >/dev/null"
 else
     # (1) The CUDA-only tests, then each trainer with TRL's defaults on a Qwen3-shaped model (kernels recorded).
     stage cuda_tests 90 $PY -m pytest -q -rs -p no:cacheprovider --junitxml="$OUT/cuda_tests.xml" \
@@ -153,6 +159,13 @@ else
     stage long_rows_capped 450 bash -c "$CAPPED --long-rows-settings without --long-rows-prompt-lengths 98304; \
         $CAPPED --long-rows-settings with --long-rows-prompt-lengths 98304 163840 212992; \
         $CAPPED --long-rows-settings without --long-rows-prompt-lengths 73728"
+    # (Issue 42) What bounds the MFU at 32K (docs/gpu.md: the attention's recompute under gradient checkpointing,
+    # elementwise kernels): ours GRM at a 32K prompt by default, with selective checkpointing, with Liger's kernels
+    # and with both, side by side in one call (4 steps, the first not timed), then a profile of both together.
+    stage mfu_variants 300 $PY bench/gpu_longest_row.py --resume --out "$OUT/mfu_variants.json" --timeout 120 \
+        --trainers grm --impls ours --shared-k 1 --throughput-prompt-lengths 32768 --skip-longest --steps 4 \
+        --variants default selective liger selective_liger --profile-prompt-length 32768 \
+        --profile-variants selective_liger
 fi
 echo "=== done in $(( $(date +%s) - START ))s; stages:"
 cat "$OUT/stages.jsonl"

@@ -51,6 +51,18 @@ QWEN3_0_6B = dict(
 LONG_ROWS = dict(gradient_checkpointing_kwargs={"use_reentrant": False, "offload": True}, mlp_tile_tokens=16384)
 
 
+# Settings a user turns on for speed (`--variants`), each run beside the default in the same call: selective
+# checkpointing (the attention kernels' outputs kept, not recomputed: docs/memory.md) and Liger's layer kernels (fused
+# RMSNorm, RoPE, SwiGLU; TRL's `use_liger_kernel`, needs liger-kernel: carried by gpu_check.sh). What bounds the MFU at
+# 32K (docs/gpu.md): the attention's recompute, and elementwise kernels these fuse.
+VARIANTS = {
+    "default": {},
+    "selective": dict(gradient_checkpointing_kwargs={"selective": True}),
+    "liger": dict(use_liger_kernel=True),
+    "selective_liger": dict(gradient_checkpointing_kwargs={"selective": True}, use_liger_kernel=True),
+}
+
+
 # bf16 dense peak of the GPUs this runs on (tensor cores, no sparsity), for the MFU.
 PEAK_BF16_FLOPS = {"H100": 989.4e12, "H200": 989.4e12, "A100": 312e12}
 
@@ -86,11 +98,12 @@ def model_flops(groups: list[dict], shared: bool, trainer: str, shape: dict = QW
 
 def attempt(trainer: str, impl: str, prompt_length: int, steps: int, response_length: int,
             num_rejected: int = 1, profile: bool = False, shape: dict = QWEN3_0_6B, long_rows: bool = False,
-            memory_cap_gib: float | None = None) -> dict:
+            memory_cap_gib: float | None = None, variant: str = "default") -> dict:
     """One training run in this process; returns its record (status 'oom' on CUDA out-of-memory). With `profile`, the
     last step runs under `torch.profiler` and the record's `profile` says where its time went (`step_profile.py`).
     Without CUDA (a rehearsal) it runs on CPU, without memory or FLOPs figures. `memory_cap_gib`: the caching
-    allocator may hold no more than this (`torch.cuda.set_per_process_memory_fraction`), a smaller GPU emulated."""
+    allocator may hold no more than this (`torch.cuda.set_per_process_memory_fraction`), a smaller GPU emulated.
+    `variant`: one of `VARIANTS`, the settings it adds."""
     import warnings
 
     import torch
@@ -122,15 +135,20 @@ def attempt(trainer: str, impl: str, prompt_length: int, steps: int, response_le
         callbacks.append(ProfileLastStep(steps))
     record = {"trainer": trainer, "impl": impl, "prompt_length": prompt_length, "num_rejected": num_rejected,
               "steps": steps, **({"long_rows": True} if long_rows else {}),
+              **({"variant": variant} if variant != "default" else {}),
               **({"memory_cap_gib": memory_cap_gib} if memory_cap_gib is not None else {})}  # fmt: skip
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
             with tempfile.TemporaryDirectory() as output_dir:
                 instance = common.build_trainer(trainer, impl, model, tokenizer, groups, output_dir, steps, callbacks,
-                                                use_cpu=not cuda, bf16=cuda, **(LONG_ROWS if long_rows else {}))
+                                                use_cpu=not cuda, bf16=cuda, **(LONG_ROWS if long_rows else {}),
+                                                **VARIANTS[variant])
                 shared = bool(getattr(instance.args, "shared_prefix", False) and instance.args.padding_free)
                 instance.train()
+                if VARIANTS[variant].get("use_liger_kernel"):  # the modules whose forward Liger replaced
+                    record["liger_modules"] = sum(getattr(m.forward, "__qualname__", "").startswith("Liger")
+                                                  for m in instance.model.modules())  # fmt: skip
         except torch.OutOfMemoryError:
             record.update(status="oom", peak_mem_bytes=torch.cuda.max_memory_allocated() - base,
                           kernels=sorted(kernels))
@@ -184,11 +202,12 @@ class CudaStepTimer(common.StepTimer):
 
 
 def run_attempt(trainer: str, impl: str, prompt_length: int, steps: int, cli, num_rejected: int = 1,
-                profile: bool = False, long_rows: bool = False) -> dict:
+                profile: bool = False, long_rows: bool = False, variant: str = "default") -> dict:
     command = [sys.executable, __file__, "--attempt", f"--trainers={trainer}", f"--impls={impl}",
                f"--start-prompt-length={prompt_length}", f"--steps={steps}",
                f"--response-length={cli.response_length}", f"--shared-k={num_rejected}", "--out=-",
                *(["--profile"] if profile else []), *(["--long-rows"] if long_rows else []),
+               *([f"--variants={variant}"] if variant != "default" else []),
                *([f"--num-hidden-layers={cli.num_hidden_layers}"] if cli.num_hidden_layers else []),
                *([f"--memory-cap-gib={cli.memory_cap_gib}"] if cli.memory_cap_gib is not None else [])]
     started = time.monotonic()
@@ -196,14 +215,16 @@ def run_attempt(trainer: str, impl: str, prompt_length: int, steps: int, cli, nu
         done = subprocess.run(command, capture_output=True, text=True, timeout=cli.timeout)
     except subprocess.TimeoutExpired:
         return {"trainer": trainer, "impl": impl, "prompt_length": prompt_length, "status": "timeout",
-                **({"long_rows": True} if long_rows else {})}
+                **({"long_rows": True} if long_rows else {}), **({"variant": variant} if variant != "default" else {})}
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     if not lines:
         return {"trainer": trainer, "impl": impl, "prompt_length": prompt_length, "status": "error",
+                **({"variant": variant} if variant != "default" else {}),
                 "error_tail": done.stderr.strip().splitlines()[-5:]}
     record = json.loads(lines[-1][len("RESULT ") :])
     record["wall_seconds"] = round(time.monotonic() - started, 1)
-    print(f"{trainer:5s} {impl:5s} k={num_rejected} prompt {prompt_length:7d}{' long rows' if long_rows else ''}: "
+    print(f"{trainer:5s} {impl:5s} k={num_rejected} prompt {prompt_length:7d}{' long rows' if long_rows else ''}"
+          f"{' ' + variant if variant != 'default' else ''}: "
           f"{record['status']}"
           + (f", peak {record['peak_mem_bytes'] / 2**30:.1f} GiB" if "peak_mem_bytes" in record else "")
           + (f", {record['tokens_per_s']:.0f} tokens/s" if record.get("tokens_per_s") else "")
@@ -255,7 +276,8 @@ def summary(report: dict) -> dict:
             # Ours may still train past the search's cap: then the ratio is a lower bound.
             out[f"longest_row_ratio_{trainer}_is_lower_bound"] = ours["first_failing_prompt_length"] is None
         ok = {(r["impl"], r["prompt_length"]): r for r in report["throughput"]
-              if r["trainer"] == trainer and r.get("num_rejected", 1) == 1 and r["status"] == "ok"}
+              if r["trainer"] == trainer and r.get("num_rejected", 1) == 1 and r["status"] == "ok"
+              and r.get("variant", "default") == "default"}
         both = sorted(length for impl, length in ok if impl == "ours" and ("stock", length) in ok)
         if both:
             length = both[-1]
@@ -265,6 +287,22 @@ def summary(report: dict) -> dict:
         at_32k = ok.get(("ours", 32768))
         if at_32k and at_32k.get("mfu"):
             out[f"mfu_32k_{trainer}"] = at_32k["mfu"]
+        for variant in VARIANTS:
+            # Each variant beside the default of the same report (side by side in one call): its MFU, its tokens/s
+            # and peak over the default's, or how it ended.
+            run = next((r for r in report["throughput"] if r["trainer"] == trainer and r["impl"] == "ours"
+                        and r["prompt_length"] == 32768 and r.get("num_rejected", 1) == 1
+                        and r.get("variant") == variant != "default"), None)  # fmt: skip
+            if run is None:
+                continue
+            if run["status"] != "ok":
+                out[f"variant_status_32k_{trainer}_{variant}"] = run["status"]
+                continue
+            out[f"mfu_32k_{trainer}_{variant}"] = run.get("mfu")
+            if at_32k and at_32k.get("tokens_per_s") and run.get("tokens_per_s"):
+                out[f"tokens_per_s_ratio_32k_{trainer}_{variant}_vs_default"] = run["tokens_per_s"] / at_32k["tokens_per_s"]
+            if at_32k and at_32k.get("peak_mem_bytes") and run.get("peak_mem_bytes"):
+                out[f"peak_ratio_32k_{trainer}_{variant}_vs_default"] = run["peak_mem_bytes"] / at_32k["peak_mem_bytes"]
     if "mfu_32k_grm" in out:
         out["mfu_32k"] = out["mfu_32k_grm"]
     pairs = {}
@@ -302,6 +340,10 @@ def summary(report: dict) -> dict:
         out["profile"] = {"prompt_length": report["profile"]["prompt_length"],
                           **{key: profiled.get(key) for key in ("kernel_share", "device_busy_fraction",
                                                                 "mfu_if_never_idle", "step_wall_seconds")}}
+    for variant, run in sorted((report.get("variant_profiles") or {}).items()):
+        if run.get("profile"):
+            out[f"profile_{variant}"] = {key: run["profile"].get(key) for key in ("kernel_share", "device_busy_fraction",
+                                                                                   "mfu_if_never_idle", "step_wall_seconds")}
     return out
 
 
@@ -334,6 +376,11 @@ def main() -> None:
     parser.add_argument("--long-rows-settings", choices=("both", "without", "with"), default="both",
                         help="Which of the pair --long-rows-prompt-lengths runs at each length.")
     parser.add_argument("--long-rows", action="store_true", help="With --attempt: the long-row settings.")
+    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=["default"],
+                        help="Settings of the throughput runs of ours, each a run of its own ('default' first: the "
+                             "others are compared with it); with --attempt, the one variant.")
+    parser.add_argument("--profile-variants", nargs="*", choices=list(VARIANTS), default=[],
+                        help="Also profile ours at --profile-prompt-length with each of these variants.")
     parser.add_argument("--memory-cap-gib", type=float, default=None,
                         help="Cap the caching allocator of every attempt at this many GiB: a smaller GPU emulated "
                              "(a report holds runs of one cap only; `gpu_plan_vs_measured.py` plans for it).")
@@ -347,7 +394,7 @@ def main() -> None:
         shape = {**QWEN3_0_6B, **({"num_hidden_layers": cli.num_hidden_layers} if cli.num_hidden_layers else {})}
         record = attempt(cli.trainers[0], cli.impls[0], cli.start_prompt_length, cli.steps, cli.response_length,
                          cli.shared_k, profile=cli.profile, shape=shape, long_rows=cli.long_rows,
-                         memory_cap_gib=cli.memory_cap_gib)
+                         memory_cap_gib=cli.memory_cap_gib, variant=cli.variants[0])
         print("RESULT " + json.dumps(record), flush=True)
         return
 
@@ -365,6 +412,7 @@ def main() -> None:
         "throughput": [],
         "profile": None,
         "long_rows": [],
+        "variant_profiles": {},
         **({"memory_cap_gib": cli.memory_cap_gib} if cli.memory_cap_gib is not None else {}),
     }
     out = Path(cli.out)
@@ -377,8 +425,10 @@ def main() -> None:
         report["throughput"] = [r for r in previous["throughput"] if r["status"] in ("ok", "oom")]
         report["longest_row"] = previous["longest_row"]
         report["profile"] = previous.get("profile")
+        report["variant_profiles"] = {v: r for v, r in previous.get("variant_profiles", {}).items() if r.get("profile")}
         report["long_rows"] = [r for r in previous.get("long_rows", []) if r["status"] in ("ok", "oom")]
-    done = {(r["trainer"], r["impl"], r["prompt_length"], r.get("num_rejected", 1)) for r in report["throughput"]}
+    done = {(r["trainer"], r["impl"], r["prompt_length"], r.get("num_rejected", 1), r.get("variant", "default"))
+            for r in report["throughput"]}  # fmt: skip
     searched = {(r["trainer"], r["impl"]) for r in report["longest_row"]}
 
     def save():
@@ -390,16 +440,22 @@ def main() -> None:
     print(json.dumps({k: report[k] for k in ("versions", "gpu", "gpu_memory_gib")}), flush=True)
     for length in cli.throughput_prompt_lengths:
         for trainer in cli.trainers:
-            runs = [(impl, 1) for impl in cli.impls]
-            runs += [("ours", cli.shared_k)] if "ours" in cli.impls and cli.shared_k > 1 else []
-            for impl, k in runs:
-                if (trainer, impl, length, k) not in done:
-                    report["throughput"].append(run_attempt(trainer, impl, length, cli.steps, cli, k))
+            runs = [(impl, 1, "default") for impl in cli.impls if "default" in cli.variants or impl != "ours"]
+            runs += [("ours", cli.shared_k, "default")] if ("ours", 1, "default") in runs and cli.shared_k > 1 else []
+            runs += [("ours", 1, v) for v in cli.variants if v != "default" and "ours" in cli.impls]
+            for impl, k, variant in runs:
+                if (trainer, impl, length, k, variant) not in done:
+                    report["throughput"].append(run_attempt(trainer, impl, length, cli.steps, cli, k, variant=variant))
                     save()
     if cli.profile_prompt_length and not (report["profile"] or {}).get("profile"):
         report["profile"] = run_attempt("grm", "ours", cli.profile_prompt_length, 2, cli, 1, profile=True)
         save()
         print(json.dumps(report["profile"].get("profile"), indent=1), flush=True)
+    for variant in cli.profile_variants:
+        if cli.profile_prompt_length and variant not in report["variant_profiles"]:
+            report["variant_profiles"][variant] = run_attempt("grm", "ours", cli.profile_prompt_length, 2, cli, 1,
+                                                              profile=True, variant=variant)
+            save()
     settings = {"both": (False, True), "without": (False,), "with": (True,)}[cli.long_rows_settings]
     for length in cli.long_rows_prompt_lengths:
         for long_rows in settings:

@@ -84,3 +84,34 @@ def test_plan_comparison_reads_each_runs_kernels_steps_and_cap():
     assert device_bytes_of({"gpu_memory_gib": 79.2}) == int(79.2 * 2**30)
     assert device_bytes_of({"gpu_memory_gib": 79.2, "memory_cap_gib": 16.0}) == 16 * 2**30 + CUDA_CONTEXT_BYTES
     assert device_bytes_of({"gpu_memory_gib": 79.2}, memory_cap_gib=8.0) == 8 * 2**30 + CUDA_CONTEXT_BYTES
+
+
+def variant_run(variant, status, tokens_per_s=None, mfu=None, peak_gib=None, length=32768, k=1):
+    record = {"trainer": "grm", "impl": "ours", "prompt_length": length, "num_rejected": k, "status": status,
+              **({"variant": variant} if variant != "default" else {})}  # fmt: skip
+    if status == "ok":
+        record.update(tokens_per_s=tokens_per_s, mfu=mfu, peak_mem_bytes=int(peak_gib * 2**30))
+    return record
+
+
+def test_variants_are_summarised_beside_the_default_of_the_same_report(summary):
+    """`--variants` (selective checkpointing, Liger's kernels): each one's MFU at 32K, its tokens/s and peak over the
+    default run's, or how it ended; the default's figures (and the ours / stock ratios) are the default run's only."""
+    report = {"gpu": "H100", "versions": {}, "longest_row": [], "long_rows": [], "throughput": [
+        variant_run("default", "ok", 30000.0, 0.24, 7.2),
+        variant_run("selective", "ok", 33000.0, 0.264, 7.9),
+        variant_run("liger", "error"),
+        variant_run("selective_liger", "ok", 36000.0, 0.288, 7.5),
+        variant_run("selective", "ok", 9000.0, 0.5, 1.0, length=8192),  # not at 32K: not summarised
+        {**variant_run("default", "ok", 20000.0, 0.1, 3.0), "impl": "stock"},
+    ], "variant_profiles": {"selective_liger": {"profile": {"kernel_share": {"attention": 0.6}, "device_busy_fraction":
+                                                            0.9, "mfu_if_never_idle": 0.31, "step_wall_seconds": 1.8}}}}  # fmt: skip
+    out = summary(report)
+    assert out["mfu_32k_grm"] == out["mfu_32k"] == 0.24
+    assert out["tokens_per_s_ratio_grm"] == pytest.approx(30000 / 20000)
+    assert out["mfu_32k_grm_selective"] == 0.264
+    assert out["tokens_per_s_ratio_32k_grm_selective_vs_default"] == pytest.approx(1.1)
+    assert out["peak_ratio_32k_grm_selective_vs_default"] == pytest.approx(7.9 / 7.2, rel=1e-6)
+    assert out["variant_status_32k_grm_liger"] == "error"
+    assert out["tokens_per_s_ratio_32k_grm_selective_liger_vs_default"] == pytest.approx(1.2)
+    assert out["profile_selective_liger"]["mfu_if_never_idle"] == 0.31
