@@ -7,12 +7,15 @@ peak in tests/test_memory_plan.py) and that is at most the layers' attention out
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import sp_trainer_worker as worker
 import torch
 from test_activation_offload import KINDS, two_steps
-from test_sequence_parallel_attention import CASES, MODULE, positions, random_problem
+from test_sequence_parallel_attention import CASES, positions, random_problem
 from test_sequence_parallel_trainers import PRELOAD, assert_state_close
+from test_shared_prefix import ROWS, shared_layout
 from test_tiled_mlp import trained_weights
 from torch.utils.checkpoint import checkpoint
 from trainer_helpers import AttentionCallCounter, cpu_args
@@ -20,16 +23,16 @@ from upstream_attention import flash_attn_source, install_flash_attn, torch_varl
 
 from trl_longrm import LongSFTConfig, SimPODisRMConfig, SimPOGRMConfig
 from trl_longrm.selective_checkpointing import is_attention_forward_op, selective_context_fn
-from trl_longrm.sequence_parallel import attention
-from trl_longrm.sequence_parallel.attention import ring_attention_forward
 from trl_longrm.sequence_parallel.kernels import (
     FlashAttnVarlenOps,
+    SharedPrefixVarlenKernel,
     TorchVarlenOps,
     VarlenKernel,
     _flash_attn_varlen,
     _torch_varlen_function,
 )
 from trl_longrm.sequence_parallel.launch import run_on_gloo_ranks
+from trl_longrm.sequence_parallel.sharding import RingAttentionMetadata, packed_row_metadata
 from trl_longrm.testing_utils import build_chat_tokenizer
 
 
@@ -157,40 +160,49 @@ def torch_varlen():
     torch_varlen_cpu_kernels()
 
 
-def checkpointed_packed_attention(kernel, monkeypatch, context_fn=None):
-    """Out and q/k/v gradients of packed rows through `ring_attention_forward` (its one-process path, `kernel` in
-    place of the CPU one) under non-reentrant checkpointing, and the attention calls it made."""
-    monkeypatch.setattr(attention, "resolve_kernel", lambda *args: kernel)
-    num_heads, num_kv_heads, doc_lengths = CASES[0]
-    q, k, v, grad_out = random_problem(num_heads, num_kv_heads, sum(doc_lengths), seed=0)
-    q, k, v = (t.unsqueeze(0).requires_grad_() for t in (q, k, v))
-    position_ids = positions(doc_lengths).unsqueeze(0)
+def checkpointed_attention(kernel, layout, context_fn=None):
+    """Out and q/k/v gradients of one row through `kernel` under non-reentrant checkpointing, and the attention calls
+    it made: `layout` 'packed' (documents; the kernel is called as the one-process path calls it) or 'shared' (a
+    shared-prefix row: two calls per head chunk merged by their log-sum-exp, `SharedPrefixVarlenKernel`)."""
+    if layout == "packed":
+        num_heads, num_kv_heads, lengths = CASES[0]
+        meta = packed_row_metadata(positions(lengths))
+    else:
+        (num_heads, num_kv_heads), (lengths, parents, _) = (6, 3), shared_layout(ROWS[0])
+        cu = [0, *itertools.accumulate(lengths)]
+        meta = RingAttentionMetadata(cu_seqlens=tuple(cu), total_length=cu[-1], unpadded_length=cu[-1], local_start=0,
+                                     local_length=cu[-1], group_size=1, rank=0, segment_parents=tuple(parents))  # fmt: skip
+        kernel = SharedPrefixVarlenKernel(kernel.ops)
+    q, k, v, grad_out = random_problem(num_heads, num_kv_heads, sum(lengths), seed=0)
+    q, k, v = (t.transpose(0, 1).contiguous().requires_grad_() for t in (q, k, v))  # token-major, as kernels take
 
     def layer(q, k, v):
-        out, _ = ring_attention_forward(MODULE, q * 1.5, k, v, None, scaling=0.3, position_ids=position_ids)
-        return out.square()
+        return kernel.forward(q * 1.5, k, v, meta, 0.3).square()
 
     kwargs = {"context_fn": context_fn} if context_fn else {}
     with AttentionCallCounter() as calls:
         out = checkpoint(layer, q, k, v, use_reentrant=False, **kwargs)
-        out.backward(grad_out.unsqueeze(0))
+        out.backward(grad_out)
     return (out.detach(), q.grad, k.grad, v.grad), calls
 
 
+@pytest.mark.parametrize("layout", ["packed", "shared"])
 @pytest.mark.parametrize("library", ["flash_attn", "torch_varlen"])
-def test_the_kernels_forward_ops_are_kept(request, monkeypatch, library):
+def test_the_kernels_forward_ops_are_kept(request, library, layout):
     """flash-attn's custom op (`flash_attn::_flash_attn_varlen_forward`) and torch's (`torch_attn::_varlen_attn`),
-    which TRL's policy does not match, run once under selective checkpointing; the results are the same."""
+    which TRL's policy does not match, run once under selective checkpointing, on packed rows and on a shared-prefix
+    row (whose merge writes into a copy of the kept outputs); the results are the same, bit for bit."""
     if library == "flash_attn":
         request.getfixturevalue("flash_attn")
         kernel, op = VarlenKernel("flash_attn", _flash_attn_varlen, FlashAttnVarlenOps.load()), "flash_attn::"
     else:
         request.getfixturevalue("torch_varlen")
         kernel, op = VarlenKernel("torch_varlen", _torch_varlen_function(), TorchVarlenOps.load()), "torch_attn::"
-    want, plain = checkpointed_packed_attention(kernel, monkeypatch)
-    got, selective = checkpointed_packed_attention(kernel, monkeypatch, selective_context_fn)
-    assert plain.forward == 2 and plain.backward == 1, vars(plain)
-    assert selective.forward == selective.backward == 1, vars(selective)
+    calls_per_pass = 1 if layout == "packed" else 2  # the shared row's two calls
+    want, plain = checkpointed_attention(kernel, layout)
+    got, selective = checkpointed_attention(kernel, layout, selective_context_fn)
+    assert plain.forward == 2 * calls_per_pass and plain.backward == calls_per_pass, vars(plain)
+    assert selective.forward == selective.backward == calls_per_pass, vars(selective)
     assert {name.split("::")[0] + "::" for name in selective.ops} == {op}
     for name, g, w in zip(["out", "dq", "dk", "dv"], got, want):
         torch.testing.assert_close(g, w, rtol=0, atol=0, msg=lambda m, name=name: f"{library} {name}: {m}")
@@ -215,3 +227,26 @@ def test_the_plan_keeps_at_most_the_layers_attention_outputs():
     per_layer = tokens * heads * head_dim * 4 + tokens * heads * 4  # fp32 output, fp32 lse
     extra = selective.peak - plain.peak
     assert tokens * heads * head_dim * 4 <= extra <= config.num_hidden_layers * per_layer, (extra, per_layer)
+
+
+@pytest.mark.parametrize("attention", ["flash_attn", "cudnn"])
+def test_a_cuda_plan_keeps_the_planned_kernels_outputs(attention):
+    """A plan of a CUDA run traces flash-attn's forward as one operator (`planned_flash_attn_forward`) and cuDNN's
+    through its aten op, so the outputs a GPU run keeps are in the plan: more than plain checkpointing by at least one
+    layer's bf16 attention output (by none if the planned kernels' outputs were not kept), at most each layer's output
+    and lse twice (the kept outputs, and the copy the shared-prefix merge writes into for the layer being
+    recomputed)."""
+    from test_memory_plan import build_case
+
+    from trl_longrm.memory_plan import plan_memory
+
+    peaks = {}
+    for name in ("grm_shared_k4_checkpointing_fp32", "grm_shared_k4_selective_checkpointing_fp32"):
+        stage, args, config, shape, _, _, _ = build_case(name)
+        args.bf16 = True
+        peaks[name] = plan_memory(stage, args, config, shape, dtype=torch.bfloat16, device="cuda", attention=attention)
+    plain, selective = peaks.values()
+    tokens, heads, head_dim = shape.tokens(True, stage), config.num_attention_heads, config.head_dim
+    output, lse = tokens * heads * head_dim * 2, tokens * heads * 4
+    extra = selective.peak - plain.peak
+    assert output <= extra <= 2 * config.num_hidden_layers * (output + lse), (extra, output)

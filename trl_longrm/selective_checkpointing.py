@@ -9,7 +9,8 @@ key does it in every trainer of this package, with a policy that knows the kerne
 - the aten ops SDPA dispatches to (flash, memory-efficient, cuDNN, PyTorch's fused CPU attention), which our
   cuDNN (`TorchCudnnOps`) and CPU (`TorchCpuFlashOps`) kernels call directly;
 - torch's `varlen_attn` custom op (`torch_attn::_varlen_attn`), which TRL's policy does not match;
-- flash-attn's custom ops (namespace `flash_attn`, `flash_attn_3`, or a hashed `_flash_attn2_cuda_*` build).
+- flash-attn's custom ops (namespace `flash_attn`, `flash_attn_3`, or a hashed `_flash_attn2_cuda_*` build), and the
+  op a memory plan of a CUDA run traces in their place (`planned_flash_attn_forward`).
 
 Everything else in the layer (norms, projections, rotary, the MLP, the ring's and Ulysses' collectives) is recomputed
 as under plain checkpointing. What it costs is each attention call's outputs per layer, kept from forward to backward:
@@ -29,6 +30,8 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 from importlib import import_module
 
@@ -66,6 +69,10 @@ def _torch_attention_ops() -> frozenset:
             ops.add(getattr(torch.ops.torch_attn, name).default)
         except (AttributeError, RuntimeError):  # a torch without varlen_attn
             pass
+    # What a memory plan of a CUDA run traces in place of flash-attn's forward: kept as flash-attn's would be.
+    from trl_longrm.sequence_parallel.kernels import planned_flash_attn_forward
+
+    ops.add(planned_flash_attn_forward._opoverload)
     return frozenset(ops)
 
 
@@ -85,9 +92,33 @@ def keep_attention_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if is_attention_forward_op(op) else CheckpointPolicy.PREFER_RECOMPUTE
 
 
+# Whether the code running now is a checkpointed region whose attention outputs are kept (its forward or its
+# recompute): the tensors an attention op returns are then the cache's and must not be written to.
+_keeping_outputs: contextvars.ContextVar[bool] = contextvars.ContextVar("longrm_keeping_attention_outputs", default=False)
+
+
+def keeps_attention_outputs() -> bool:
+    """Whether selective checkpointing keeps the attention ops' outputs here: a kernel that would write into what an
+    attention op returned (the shared-prefix merge) writes into a copy instead (torch refuses a kept tensor that was
+    changed, and the recompute would read the changed values)."""
+    return _keeping_outputs.get()
+
+
+@contextlib.contextmanager
+def _keeping(context):
+    token = _keeping_outputs.set(True)
+    try:
+        with context:
+            yield
+    finally:
+        _keeping_outputs.reset(token)
+
+
 def selective_context_fn():
-    """The `context_fn` of `torch.utils.checkpoint.checkpoint` for `keep_attention_policy`."""
-    return create_selective_checkpoint_contexts(keep_attention_policy)
+    """The `context_fn` of `torch.utils.checkpoint.checkpoint` for `keep_attention_policy`: torch's selective
+    checkpoint contexts for the forward and the recompute, each marking the region as keeping attention outputs."""
+    forward_context, recompute_context = create_selective_checkpoint_contexts(keep_attention_policy)
+    return _keeping(forward_context), _keeping(recompute_context)
 
 
 def wants_selective(args) -> bool:

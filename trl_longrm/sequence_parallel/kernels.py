@@ -23,6 +23,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from ..selective_checkpointing import keeps_attention_outputs
 from .sharding import RingAttentionMetadata
 
 
@@ -644,11 +645,13 @@ class _SharedPrefixLayout:
             return out, lse
         idx = self.queries_b
         out_b, lse_b = ops.forward(q[idx], self.keys_b(k), self.keys_b(v), *self.call_b, scale, False)
+        if keeps_attention_outputs():  # `out` and `lse` are selective checkpointing's kept tensors: not ours to write
+            out, lse = out.clone(), lse.clone()
         lse_a = lse[:, idx]
         merged = torch.logaddexp(lse_a, lse_b)
         weight_a = torch.exp(lse_a - merged).transpose(0, 1).unsqueeze(-1)  # [n, H, 1]
         weight_b = torch.exp(lse_b - merged).transpose(0, 1).unsqueeze(-1)
-        # The ops return fresh tensors: merge in place.
+        # The ops return fresh tensors (or copies, above): merge in place.
         out[idx] = (out[idx].float() * weight_a + out_b.float() * weight_b).to(out.dtype)
         lse[:, idx] = merged
         return out, lse
@@ -733,6 +736,19 @@ class SharedPrefixVarlenKernel:
         return self.backward_from(q, k, v, out, lse, grad_out, meta, scaling)
 
 
+@torch.library.custom_op("trl_longrm::planned_flash_attn_forward", mutates_args=())
+def planned_flash_attn_forward(q: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tensors flash-attn's varlen forward allocates (`out [Tq, H, Dv]`, float32 `softmax_lse [H, Tq]`), as one
+    operator: a plan's trace sees it where a run sees flash-attn's own op (`flash_attn::_flash_attn_varlen_forward`),
+    so that what keeps the op's outputs (selective checkpointing) keeps these."""
+    return q.new_empty(q.shape[0], q.shape[1], v.shape[2]), q.new_empty(q.shape[1], q.shape[0], dtype=torch.float32)
+
+
+@planned_flash_attn_forward.register_fake
+def _planned_flash_attn_forward_fake(q, v):
+    return q.new_empty(q.shape[0], q.shape[1], v.shape[2]), q.new_empty(q.shape[1], q.shape[0], dtype=torch.float32)
+
+
 class PlannedFlashAttnOps(VarlenOps):
     """flash-attn 2's varlen kernels as a memory plan sees them: every tensor a call allocates, none computed.
 
@@ -745,8 +761,7 @@ class PlannedFlashAttnOps(VarlenOps):
     name = "flash_attn"
 
     def forward(self, q, k, v, cu_q, cu_k, max_q, max_k, scale, causal):
-        out = q.new_empty(q.shape[0], q.shape[1], v.shape[2])
-        return out, torch.empty(q.shape[1], q.shape[0], dtype=torch.float32, device=q.device)
+        return planned_flash_attn_forward(q, v)
 
     def backward(self, grad_out, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, causal):
         batch = len(cu_q) - 1
