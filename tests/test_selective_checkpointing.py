@@ -30,6 +30,7 @@ from trl_longrm.sequence_parallel.kernels import (
     VarlenKernel,
     _flash_attn_varlen,
     _torch_varlen_function,
+    planned_flash_attn_forward,
 )
 from trl_longrm.sequence_parallel.launch import run_on_gloo_ranks
 from trl_longrm.sequence_parallel.sharding import RingAttentionMetadata, packed_row_metadata
@@ -134,6 +135,7 @@ def test_policy_keeps_the_attention_forward_ops_only():
     for op in (aten._scaled_dot_product_cudnn_attention, aten._scaled_dot_product_flash_attention,
                aten._scaled_dot_product_efficient_attention, aten._scaled_dot_product_flash_attention_for_cpu):  # fmt: skip
         assert is_attention_forward_op(op.default), op
+    assert is_attention_forward_op(planned_flash_attn_forward._opoverload)  # a CUDA plan's stand-in for flash-attn's
     for op in (aten._scaled_dot_product_cudnn_attention_backward, aten._scaled_dot_product_flash_attention_for_cpu_backward,
                aten.mm, aten.mul.Tensor, aten.scaled_dot_product_attention):  # fmt: skip
         op = getattr(op, "default", op)

@@ -51,6 +51,9 @@ _ATEN_ATTENTION_OPS = (
 )
 # torch's varlen attention (`torch.nn.attention.varlen`), a custom op over aten's flash kernel.
 _TORCH_VARLEN_OPS = ("_varlen_attn", "_varlen_attn_out")
+# What a memory plan of a CUDA run traces in place of flash-attn's forward (`sequence_parallel.kernels`, which imports
+# this module): kept as flash-attn's would be. Matched by name: an import would make a circle.
+_PLANNED_OPS = ("trl_longrm::planned_flash_attn_forward",)
 
 
 @functools.cache
@@ -69,17 +72,13 @@ def _torch_attention_ops() -> frozenset:
             ops.add(getattr(torch.ops.torch_attn, name).default)
         except (AttributeError, RuntimeError):  # a torch without varlen_attn
             pass
-    # What a memory plan of a CUDA run traces in place of flash-attn's forward: kept as flash-attn's would be.
-    from trl_longrm.sequence_parallel.kernels import planned_flash_attn_forward
-
-    ops.add(planned_flash_attn_forward._opoverload)
     return frozenset(ops)
 
 
 def is_attention_forward_op(op) -> bool:
     """Whether `op` (an `OpOverload`) is the forward of an attention kernel whose outputs selective checkpointing
     keeps."""
-    if op in _torch_attention_ops():
+    if op in _torch_attention_ops() or op.name() in _PLANNED_OPS:
         return True
     # flash-attn registers its kernels as custom ops: `flash_attn::_flash_attn_varlen_forward` (2.7+),
     # `flash_attn_3::fwd`, or a hashed namespace such as `_flash_attn2_cuda_f12afc9::varlen_fwd`.
