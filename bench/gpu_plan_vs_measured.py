@@ -34,16 +34,17 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import common  # noqa: E402
-from gpu_longest_row import LONG_ROWS, QWEN3_0_6B  # noqa: E402
+from gpu_longest_row import LONG_ROWS, QWEN3_0_6B, VARIANTS  # noqa: E402
 
 
 STAGES = {"grm": "simpo_grm", "disrm": "simpo_disrm"}
 
 
-def training_args(trainer: str, impl: str, max_length: int, long_rows: bool = False):
+def training_args(trainer: str, impl: str, max_length: int, long_rows: bool = False, variant: str = "default"):
     """The arguments `common.build_trainer` gives the run (bf16 on the GPU; `long_rows`: checkpoint offload and the
-    tiled MLP), as a config object the plan reads."""
-    args = common.base_args("/tmp/plan", 2, max_length=max_length, bf16=True, **(LONG_ROWS if long_rows else {}))
+    tiled MLP; `variant`: `gpu_longest_row.VARIANTS`' settings), as a config object the plan reads."""
+    args = common.base_args("/tmp/plan", 2, max_length=max_length, bf16=True, **(LONG_ROWS if long_rows else {}),
+                            **VARIANTS[variant])  # fmt: skip
     if impl == "ours":
         from trl_longrm import SimPODisRMConfig, SimPOGRMConfig
 
@@ -92,7 +93,8 @@ def plan_attempt(record: dict, response_length: int, model_config, attention: st
 
     trainer, impl, k = record["trainer"], record["impl"], record.get("num_rejected", 1)
     shape = GroupShape(record["prompt_length"], response_length, k)
-    args = training_args(trainer, impl, record["prompt_length"] + response_length, bool(record.get("long_rows")))
+    args = training_args(trainer, impl, record["prompt_length"] + response_length, bool(record.get("long_rows")),
+                         record.get("variant", "default"))  # fmt: skip
     plan = plan_memory(STAGES[trainer], args, model_config, shape, dtype=torch.bfloat16, device="cuda",
                        stock=impl == "stock", attention=attention)  # fmt: skip
     tensors = plan.peak - sum(plan.extra.values())
@@ -174,12 +176,17 @@ def main() -> None:
     seen, rows = set(), []
     for record in attempts:
         key = (record["trainer"], record["impl"], record["prompt_length"], record.get("num_rejected", 1),
-               bool(record.get("long_rows")))
+               bool(record.get("long_rows")), record.get("variant", "default"))
         if key in seen or record["status"] not in ("ok", "oom"):
             continue
         seen.add(key)
+        if VARIANTS[key[5]].get("use_liger_kernel"):
+            # Liger's Triton kernels do not run on the plan's fake tensors: such a run is not planned.
+            rows.append({"trainer": key[0], "prompt_length": key[2], "variant": key[5], "not_planned": "Liger"})
+            continue
         row = {"trainer": key[0], "impl": key[1], "prompt_length": key[2], "num_rejected": key[3],
-               "long_rows": key[4], "status": record["status"], "measured_bytes": record.get("peak_mem_bytes"),
+               "long_rows": key[4], **({"variant": key[5]} if key[5] != "default" else {}),
+               "status": record["status"], "measured_bytes": record.get("peak_mem_bytes"),
                **plan_attempt(record, cli.response_length, model_config, cli.attention or attention_of(record, report),
                               first_step=record.get("steps", report_steps(report)) == 1)}  # fmt: skip
         if record["status"] == "ok":

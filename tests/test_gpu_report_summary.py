@@ -115,3 +115,12 @@ def test_variants_are_summarised_beside_the_default_of_the_same_report(summary):
     assert out["variant_status_32k_grm_liger"] == "error"
     assert out["tokens_per_s_ratio_32k_grm_selective_liger_vs_default"] == pytest.approx(1.2)
     assert out["profile_selective_liger"]["mfu_if_never_idle"] == 0.31
+
+
+def test_plan_comparison_plans_a_variant_with_its_settings():
+    """A variant's run (`mfu_variants.json`) is planned with its settings: selective checkpointing keeps attention
+    outputs the default run does not."""
+    from gpu_plan_vs_measured import training_args
+
+    assert training_args("grm", "ours", 1024, variant="selective").activation_checkpointing_kwargs == {"selective": True}
+    assert not training_args("grm", "ours", 1024).activation_checkpointing_kwargs

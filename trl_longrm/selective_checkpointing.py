@@ -75,6 +75,7 @@ def _torch_attention_ops() -> frozenset:
     return frozenset(ops)
 
 
+@functools.cache  # the policy asks for every op of every checkpointed layer, twice a step: once per operator
 def is_attention_forward_op(op) -> bool:
     """Whether `op` (an `OpOverload`) is the forward of an attention kernel whose outputs selective checkpointing
     keeps."""
