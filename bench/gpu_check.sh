@@ -107,8 +107,9 @@ if [ "$MODE" = rehearse ]; then
     stage long_rows_capped 300 $PY bench/gpu_longest_row.py --attempt --trainers grm --impls ours \
         --start-prompt-length 256 --steps 1 --long-rows --memory-cap-gib 16 --num-hidden-layers 2 --out -
     # (Liger's Triton kernels need a GPU: the selective variant is rehearsed, the others' options parsed.)
-    stage mfu_variants 300 bash -c "$PY bench/gpu_longest_row.py --attempt --trainers grm --impls ours \
-        --start-prompt-length 256 --steps 2 --variants selective --profile --num-hidden-layers 2 --out - \
+    stage mfu_variants 300 bash -c "$PY bench/gpu_longest_row.py --rehearse --resume --out $OUT/mfu_variants.json \
+        --trainers grm --impls ours --shared-k 1 --throughput-prompt-lengths 256 --skip-longest --steps 2 \
+        --variants default selective --profile-prompt-length 256 --profile-variants selective --num-hidden-layers 2 \
         && $PY bench/gpu_longest_row.py --variants default selective liger selective_liger \
         --profile-variants selective_liger --help >/dev/null"
 else

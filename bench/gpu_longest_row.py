@@ -226,7 +226,7 @@ def run_attempt(trainer: str, impl: str, prompt_length: int, steps: int, cli, nu
     print(f"{trainer:5s} {impl:5s} k={num_rejected} prompt {prompt_length:7d}{' long rows' if long_rows else ''}"
           f"{' ' + variant if variant != 'default' else ''}: "
           f"{record['status']}"
-          + (f", peak {record['peak_mem_bytes'] / 2**30:.1f} GiB" if "peak_mem_bytes" in record else "")
+          + (f", peak {record['peak_mem_bytes'] / 2**30:.1f} GiB" if record.get("peak_mem_bytes") is not None else "")
           + (f", {record['tokens_per_s']:.0f} tokens/s" if record.get("tokens_per_s") else "")
           + (f", MFU {record['mfu']:.3f}" if record.get("mfu") else "")
           + (f", kernels {record['kernels']}" if record.get("kernels") else "")
@@ -387,6 +387,9 @@ def main() -> None:
     parser.add_argument("--num-hidden-layers", type=int, default=None,
                         help="Fewer layers than Qwen3-0.6B's 28 (a CPU rehearsal of --attempt).")
     parser.add_argument("--attempt", action="store_true", help="Internal: run one attempt and print its record.")
+    parser.add_argument("--rehearse", action="store_true",
+                        help="Without CUDA, run the whole loop on CPU (tiny sizes, with --num-hidden-layers): what "
+                             "gpu_check.sh --rehearse runs so that a GPU call does not fail on a typo.")
     parser.add_argument("--out", required=True, help="JSON file of the results ('-' with --attempt).")
     cli = parser.parse_args()
 
@@ -400,13 +403,14 @@ def main() -> None:
 
     import torch
 
-    if not torch.cuda.is_available():
+    cuda = torch.cuda.is_available()
+    if not cuda and not cli.rehearse:
         raise SystemExit("gpu_longest_row.py needs a CUDA device; none is visible.")
     report = {
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "versions": common.software_versions(),
-        "gpu": torch.cuda.get_device_name(0),
-        "gpu_memory_gib": round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1),
+        "gpu": torch.cuda.get_device_name(0) if cuda else "cpu (rehearsal)",
+        "gpu_memory_gib": round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1) if cuda else None,
         "model": f"qwen3 random init, bf16, {QWEN3_0_6B}",
         "longest_row": [],
         "throughput": [],
