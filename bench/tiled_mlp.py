@@ -28,7 +28,8 @@ import common  # noqa: E402
 INTERMEDIATE_SIZE = 896  # 3.5 x hidden_size 256, as Llama-3-8B's 14336 / 4096
 
 
-def run(prompt_length: int, tile_tokens: int | None, steps: int, profile: bool) -> dict:
+def run(prompt_length: int, settings: dict, steps: int, profile: bool) -> dict:
+    """One run of `steps` steps of our GRM trainer with `settings` (config overrides) added."""
     from trl_longrm.testing_utils import build_chat_tokenizer, build_tiny_model
 
     tokenizer = build_chat_tokenizer()
@@ -45,12 +46,27 @@ def run(prompt_length: int, tile_tokens: int | None, steps: int, profile: bool) 
     timer = common.StepTimer()
     with tempfile.TemporaryDirectory() as output_dir:
         trainer = common.build_trainer("grm", "ours", model, tokenizer, groups, output_dir, steps, [timer, *callbacks],
-                                       mlp_tile_tokens=tile_tokens)  # fmt: skip
+                                       **settings)  # fmt: skip
         trainer.train()
     result = {"step_seconds": timer.times}
     if profile:
         result["tensor_steps"] = [{k: s[k] for k in ("step", "start_bytes", "peak_bytes")} for s in recorder.finish(steps)]
     return result
+
+
+def side_by_side(script: str, prompt_length: int, steps: int, runs: dict[str, dict]) -> tuple[dict, dict, dict]:
+    """Each of `runs` (name -> settings) profiled and timed in its own processes (`script --worker`), in one call:
+    the runs' records, their last step's peak tensor bytes and their median step after the first."""
+    results = {}
+    for name, settings in runs.items():
+        for profile in (True, False):
+            command = [sys.executable, script, "--prompt-length", str(prompt_length), "--steps", str(steps),
+                       "--worker", json.dumps([settings, profile])]  # fmt: skip
+            output = subprocess.run(command, capture_output=True, text=True, check=True).stdout
+            results.setdefault(name, {}).update(json.loads(output.rsplit("RESULT ", 1)[1]))
+    peak = {k: r["tensor_steps"][-1]["peak_bytes"] for k, r in results.items()}
+    step = {k: statistics.median(r["step_seconds"][1:]) for k, r in results.items()}
+    return results, peak, step
 
 
 def main() -> None:
@@ -62,19 +78,11 @@ def main() -> None:
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # internal: one run, its JSON on stdout
     cli = parser.parse_args()
     if cli.worker:
-        tile, profile = json.loads(cli.worker)
-        print("RESULT " + json.dumps(run(cli.prompt_length, tile, cli.steps, profile)))
+        settings, profile = json.loads(cli.worker)
+        print("RESULT " + json.dumps(run(cli.prompt_length, settings, cli.steps, profile)))
         return
-    results = {}
-    for tile in (None, cli.tile_tokens):
-        for profile in (True, False):
-            command = [sys.executable, __file__, "--prompt-length", str(cli.prompt_length), "--steps", str(cli.steps),
-                       "--worker", json.dumps([tile, profile])]  # fmt: skip
-            output = subprocess.run(command, capture_output=True, text=True, check=True).stdout
-            record = json.loads(output.rsplit("RESULT ", 1)[1])
-            results.setdefault(str(tile), {}).update(record)
-    peak = {k: r["tensor_steps"][-1]["peak_bytes"] for k, r in results.items()}
-    step = {k: statistics.median(r["step_seconds"][1:]) for k, r in results.items()}
+    runs = {"None": {"mlp_tile_tokens": None}, str(cli.tile_tokens): {"mlp_tile_tokens": cli.tile_tokens}}
+    results, peak, step = side_by_side(__file__, cli.prompt_length, cli.steps, runs)
     report = {
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "versions": common.software_versions(),
