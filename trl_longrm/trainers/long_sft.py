@@ -364,11 +364,7 @@ class LongSFTTrainer(SequenceParallelMixin, SFTTrainer):
         if self._stock_path:
             return super()._prepare_dataset(dataset, processing_class, args, packing, formatting_func, dataset_name)
         if not any(dataset is d for d in self._checked_datasets):  # e.g. given to `evaluate()` after construction
-            if (
-                isinstance(dataset, IterableDataset)
-                and formatting_func is None
-                and self._is_plain_stream(dataset, args)
-            ):
+            if isinstance(dataset, IterableDataset) and formatting_func is None and self._is_plain_stream(dataset, args):
                 return self._prepare_stream(dataset, processing_class, args, dataset_name)
             reasons = dataset_reasons(dataset_name, dataset)
             reasons += ["a `formatting_func` is given"] if formatting_func is not None else []
@@ -459,9 +455,7 @@ class LongSFTTrainer(SequenceParallelMixin, SFTTrainer):
         if args.completion_only_loss is None and "completion_mask" in next(iter(dataset)):
             self.completion_only_loss = True  # documented default of LongSFTConfig, as for a `Dataset`
         try:
-            dataset = SFTTrainer._prepare_dataset(
-                self, dataset, processing_class, stock_args, False, None, dataset_name
-            )
+            dataset = SFTTrainer._prepare_dataset(self, dataset, processing_class, stock_args, False, None, dataset_name)
         finally:
             self.completion_only_loss = completion_only_loss
         limit = args.max_length
