@@ -9,7 +9,6 @@ unprofiled one.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -18,8 +17,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-import common  # noqa: E402
-from tiled_mlp import INTERMEDIATE_SIZE, run, side_by_side  # noqa: E402
+from tiled_mlp import parse_or_work, report_header, side_by_side  # noqa: E402
 
 
 RUNS = {
@@ -29,23 +27,12 @@ RUNS = {
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--prompt-length", type=int, default=16384)
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--out", default=str(HERE / "results" / "selective_checkpointing.json"))
-    parser.add_argument("--worker", help=argparse.SUPPRESS)  # internal: one run, its JSON on stdout
-    cli = parser.parse_args()
-    if cli.worker:
-        settings, profile = json.loads(cli.worker)
-        print("RESULT " + json.dumps(run(cli.prompt_length, settings, cli.steps, profile)))
+    cli = parse_or_work(__doc__, str(HERE / "results" / "selective_checkpointing.json"))
+    if cli is None:
         return
     results, peak, step = side_by_side(__file__, cli.prompt_length, cli.steps, RUNS)
     report = {
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "versions": common.software_versions(),
-        "machine": common.machine_description(),
-        "model": {**common.MODEL_OVERRIDES, "intermediate_size": INTERMEDIATE_SIZE, "arch": common.ARCH},
-        "prompt_length": cli.prompt_length,
+        **report_header(cli),
         "runs": results,
         "summary": {
             "peak_mib_plain": round(peak["plain"] / 2**20, 1),

@@ -69,26 +69,44 @@ def side_by_side(script: str, prompt_length: int, steps: int, runs: dict[str, di
     return results, peak, step
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parse_or_work(doc: str, default_out: str, parser: argparse.ArgumentParser | None = None):
+    """The command line of a side-by-side bench (`parser`'s own arguments too); in one of its runs' processes
+    (`--worker`), that run, its JSON printed, and None."""
+    parser = parser or argparse.ArgumentParser()
+    parser.description, parser.formatter_class = doc, argparse.RawDescriptionHelpFormatter
     parser.add_argument("--prompt-length", type=int, default=16384)
-    parser.add_argument("--tile-tokens", type=int, default=2048)
     parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--out", default=str(HERE / "results" / "tiled_mlp.json"))
+    parser.add_argument("--out", default=default_out)
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # internal: one run, its JSON on stdout
     cli = parser.parse_args()
-    if cli.worker:
-        settings, profile = json.loads(cli.worker)
-        print("RESULT " + json.dumps(run(cli.prompt_length, settings, cli.steps, profile)))
-        return
-    runs = {"None": {"mlp_tile_tokens": None}, str(cli.tile_tokens): {"mlp_tile_tokens": cli.tile_tokens}}
-    results, peak, step = side_by_side(__file__, cli.prompt_length, cli.steps, runs)
-    report = {
+    if not cli.worker:
+        return cli
+    settings, profile = json.loads(cli.worker)
+    print("RESULT " + json.dumps(run(cli.prompt_length, settings, cli.steps, profile)))
+    return None
+
+
+def report_header(cli) -> dict:
+    """What a side-by-side report says of its command, software, machine, model and prompt."""
+    return {
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "versions": common.software_versions(),
         "machine": common.machine_description(),
         "model": {**common.MODEL_OVERRIDES, "intermediate_size": INTERMEDIATE_SIZE, "arch": common.ARCH},
         "prompt_length": cli.prompt_length,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tile-tokens", type=int, default=2048)
+    cli = parse_or_work(__doc__, str(HERE / "results" / "tiled_mlp.json"), parser)
+    if cli is None:
+        return
+    runs = {"None": {"mlp_tile_tokens": None}, str(cli.tile_tokens): {"mlp_tile_tokens": cli.tile_tokens}}
+    results, peak, step = side_by_side(__file__, cli.prompt_length, cli.steps, runs)
+    report = {
+        **report_header(cli),
         "tile_tokens": cli.tile_tokens,
         "runs": results,
         "summary": {

@@ -6,6 +6,8 @@ import random
 from datasets import Dataset
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from trl_longrm.selective_checkpointing import is_attention_forward_op
+
 
 # The device the trainer tests train on: CPU here and in CI; `TRL_LONGRM_TEST_DEVICE=cuda` runs the same comparisons
 # (ours vs stock, packed vs padded, shared vs unshared) on a GPU machine.
@@ -103,8 +105,6 @@ class AttentionCallCounter(TorchDispatchMode):
         self.ops = set()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        from trl_longrm.selective_checkpointing import is_attention_forward_op
-
         name = func.name()
         if is_attention_forward_op(func):
             self.forward += 1
