@@ -118,7 +118,8 @@ def machine_description() -> dict[str, object]:
 
 
 def random_groups(num_groups: int, prompt_length: int, response_length: int, eos_token_id: int, seed: int = 0,
-                  warmup_prompt_length: int | None = None, warmup_steps: int = 1, num_rejected: int = 1):
+                  warmup_prompt_length: int | None = None, warmup_steps: int = 1, num_rejected: int = 1,
+                  vocab_size: int = VOCAB_SIZE):
     """`num_groups` tokenised preference groups (`num_rejected` rejected responses, k = 1 by default: stock TRL's
     formats) as python lists.
 
@@ -126,12 +127,13 @@ def random_groups(num_groups: int, prompt_length: int, response_length: int, eos
     is given: the warm-up steps (the first allocates the gradients and the optimizer state; none is timed) then train
     short rows, so that the peak RSS after them is the floor that does not depend on the row length. Each response has between
     `response_length // 2` and `response_length` tokens, the last being EOS (stock CPO would append it otherwise).
-    Token ids are drawn from the whole vocabulary except the first 3 (the fixture tokenizer's special tokens).
+    Token ids are drawn from the whole vocabulary (`vocab_size`: the model's) except the first 3 (the fixture
+    tokenizer's special tokens).
     """
     rng = random.Random(seed)
 
     def ids(n):
-        return [rng.randrange(3, VOCAB_SIZE) for _ in range(n)]
+        return [rng.randrange(3, vocab_size) for _ in range(n)]
 
     def response():
         return ids(rng.randint(response_length // 2, response_length) - 1) + [eos_token_id]

@@ -16,7 +16,8 @@ cd "$(dirname "$0")/.."
 OUT=""
 MODE=gpu
 STAGES="env,cuda_tests,defaults,attention_kernels,profile,throughput,longest_grm,reward_function,long_rows,longest_disrm"
-# Not in the default list (minutes of one call on its own): mfu_variants, long_rows_capped, long_rows_beyond
+# Not in the default list (minutes of one call on its own): eight_b (on an H200), mfu_variants, long_rows_capped,
+# long_rows_beyond
 SEED=""
 while [ $# -gt 0 ]; do
     case "$1" in
@@ -106,6 +107,14 @@ if [ "$MODE" = rehearse ]; then
     stage long_rows_beyond 60 $PY bench/gpu_longest_row.py --help
     stage long_rows_capped 300 $PY bench/gpu_longest_row.py --attempt --trainers grm --impls ours \
         --start-prompt-length 256 --steps 1 --long-rows --memory-cap-gib 16 --num-hidden-layers 2 --out -
+    # The 8B stage's three runs, one layer each, at short prompts (the shapes' widths and vocabularies as on the GPU).
+    stage eight_b 600 bash -c "$PY bench/gpu_attention_kernels.py --device cpu --lengths 128 --repeats 1 \
+        --out $OUT/attention_kernels_8b.json && R8='$PY bench/gpu_longest_row.py --rehearse --resume \
+        --out $OUT/gpu_8b.json --gemm-report $OUT/attention_kernels_8b.json --impls ours --shared-k 4 --skip-k1 \
+        --skip-longest --num-hidden-layers 1' && \$R8 --model llama-3.1-8b --lora-r 8 --trainers disrm \
+        --throughput-prompt-lengths 256 --steps 3 --profile && \$R8 --model qwen3-8b --lora-r 16 --trainers grm \
+        --throughput-prompt-lengths 256 --steps 3 --profile && \$R8 --model llama-3.1-8b --lora-r 8 --trainers disrm \
+        --throughput-prompt-lengths 512 --long-rows --steps 2"
     # (Liger's Triton kernels need a GPU: the selective variant is rehearsed, the others' options parsed.)
     stage mfu_variants 300 bash -c "$PY bench/gpu_longest_row.py --rehearse --resume --out $OUT/mfu_variants.json \
         --trainers grm --impls ours --shared-k 1 --throughput-prompt-lengths 256 --skip-longest --steps 2 \
@@ -160,6 +169,21 @@ else
     stage long_rows_capped 450 bash -c "$CAPPED --long-rows-settings without --long-rows-prompt-lengths 98304; \
         $CAPPED --long-rows-settings with --long-rows-prompt-lengths 98304 163840 212992; \
         $CAPPED --long-rows-settings without --long-rows-prompt-lengths 73728"
+    # (Issue 55) The paper's 8B shapes on one H200 (random weights built on the GPU from bench/configs/*.json, LoRA on
+    # all linear layers as the *_lora.yaml recipes, TRL's defaults, k = 4 rejected responses on a shared prefix):
+    # the card's GEMM rate first (the measured peak of a second MFU), then Llama-3.1-8B as a DisRM and Qwen3-8B as a
+    # GRM at a 32K prompt (4 steps: the 2nd and 3rd timed, the 4th profiled), then the DisRM at 131K with the
+    # long-row settings (2 steps). Their plans: bench/gpu_plan_vs_measured.py --report OUT/gpu_8b.json, on CPU.
+    R8="$PY bench/gpu_longest_row.py --resume --out $OUT/gpu_8b.json --gemm-report $OUT/attention_kernels_8b.json \
+        --impls ours --shared-k 4 --skip-k1 --skip-longest"
+    stage eight_b 420 bash -c "$PY bench/gpu_attention_kernels.py --lengths 32768 --repeats 5 \
+        --out $OUT/attention_kernels_8b.json; \
+        $R8 --model llama-3.1-8b --lora-r 8 --trainers disrm --throughput-prompt-lengths 32768 --steps 4 --profile \
+        --timeout 150; \
+        $R8 --model qwen3-8b --lora-r 16 --trainers grm --throughput-prompt-lengths 32768 --steps 4 --profile \
+        --timeout 150; \
+        $R8 --model llama-3.1-8b --lora-r 8 --trainers disrm --throughput-prompt-lengths 131072 --long-rows --steps 2 \
+        --timeout 240"
     # (Issue 42) What bounds the MFU at 32K (docs/gpu.md: the attention's recompute under gradient checkpointing,
     # elementwise kernels): ours GRM at a 32K prompt by default, with selective checkpointing, with Liger's kernels
     # and with both, side by side in one call (4 steps, the first not timed), then a profile of both together.

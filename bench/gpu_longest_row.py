@@ -46,6 +46,35 @@ QWEN3_0_6B = dict(
 )
 
 
+# The shapes a run can train (`--model`): Qwen3-0.6B's (every 0.6B figure), and the paper's 8B models from the
+# config.json files the recipes' dry runs plan (`bench/configs/`). Random weights, built on the GPU.
+CONFIGS = HERE / "configs"
+MODELS = {"qwen3-0.6b": None, "qwen3-8b": CONFIGS / "qwen3-8b.json", "llama-3.1-8b": CONFIGS / "llama-3.1-8b.json"}
+# Keys of a config.json that are not the shape (the fixture tokenizer's special tokens replace the token ids).
+_NOT_SHAPE = ("architectures", "model_type", "torch_dtype", "bos_token_id", "eos_token_id", "use_cache")
+
+
+def model_shape(name: str) -> tuple[str, dict]:
+    """`(architecture, config overrides)` of `--model` `name`, for `build_tiny_model` / `tiny_config`."""
+    if MODELS[name] is None:
+        return common.ARCH, dict(QWEN3_0_6B)
+    config = json.loads(MODELS[name].read_text())
+    shape = {k: v for k, v in config.items() if k not in _NOT_SHAPE}
+    shape.setdefault("head_dim", config["hidden_size"] // config["num_attention_heads"])
+    return config["model_type"], shape
+
+
+def lora_config(trainer: str, r: int):
+    """The LoRA adapter of the recipes (`*_lora.yaml`: all linear layers, alpha = 2r for the GRM as there, alpha = r
+    and PEFT's SEQ_CLS task, which trains the new score head, for the DisRM), or None for `r` = 0."""
+    if not r:
+        return None
+    from peft import LoraConfig
+
+    return LoraConfig(r=r, lora_alpha=2 * r if trainer == "grm" else r, lora_dropout=0.0, target_modules="all-linear",
+                      task_type="CAUSAL_LM" if trainer == "grm" else "SEQ_CLS")
+
+
 # The long-row settings of the `*_1m.yaml` recipes (docs/memory.md), ours only: checkpointed layer inputs offloaded to
 # host memory, the MLP (and final norm) over slices of 16,384 tokens.
 LONG_ROWS = dict(gradient_checkpointing_kwargs={"use_reentrant": False, "offload": True}, mlp_tile_tokens=16384)
@@ -71,15 +100,22 @@ def peak_flops(device_name: str) -> float | None:
     return next((value for key, value in PEAK_BF16_FLOPS.items() if key in device_name), None)
 
 
-def model_flops(groups: list[dict], shared: bool, trainer: str, shape: dict = QWEN3_0_6B) -> float:
+def model_flops(groups: list[dict], shared: bool, trainer: str, shape: dict = QWEN3_0_6B, lora_r: int = 0) -> float:
     """Model FLOPs of a training step over `groups` (forward + backward = 3x forward, the recompute of gradient
     checkpointing not counted, as MFU is defined): 6 x (non-embedding matmul parameters) per token processed, plus
     12 x heads x head_dim per attended (query, key) pair per layer. The LM head counts only for stock GRM (ours
-    computes the label log-probs without the full logits) and not at all for DisRM (a one-column score)."""
+    computes the label log-probs without the full logits) and not at all for DisRM (a one-column score).
+
+    With LoRA (`lora_r` > 0, all linear layers) the frozen weights get no gradient: 4 x their parameters per token
+    (forward, and the backward to the inputs only), and the adapters their full 6 x r x (in + out) per token."""
     hidden, layers = shape["hidden_size"], shape["num_hidden_layers"]
     q_dim = shape["num_attention_heads"] * shape["head_dim"]
     kv_dim = shape["num_key_value_heads"] * shape["head_dim"]
-    per_layer = hidden * (q_dim + 2 * kv_dim) + q_dim * hidden + 3 * hidden * shape["intermediate_size"]
+    inter = shape["intermediate_size"]
+    per_layer = hidden * (q_dim + 2 * kv_dim) + q_dim * hidden + 3 * hidden * inter
+    # in + out features of each linear layer of a decoder layer (q, k, v, o, gate, up, down)
+    adapter = lora_r * (3 * hidden + q_dim + 2 * kv_dim + q_dim + hidden + 3 * (hidden + inter))
+    matmul_per_token = (4 * per_layer + 6 * adapter) if lora_r else 6 * per_layer
     tokens, pairs = 0, 0
     for group in groups:
         prompt = len(group["prompt_ids"])
@@ -90,20 +126,31 @@ def model_flops(groups: list[dict], shared: bool, trainer: str, shape: dict = QW
         else:
             tokens += sum(prompt + r for r in responses)
             pairs += sum((prompt + r) * (prompt + r + 1) // 2 for r in responses)
-    flops = 6 * per_layer * layers * tokens + 12 * q_dim * pairs * layers
+    flops = matmul_per_token * layers * tokens + 12 * q_dim * pairs * layers
     if trainer == "grm" and not shared:
         flops += 6 * hidden * shape["vocab_size"] * tokens
     return float(flops)
 
 
+def processed_tokens(group: dict, shared: bool) -> int:
+    """Tokens a step computes for `group`: its prompt once and every response with shared prefixes, else one row of
+    prompt + response per response (`common.group_tokens`)."""
+    if not shared:
+        return common.group_tokens(group)
+    return len(group["prompt_ids"]) + sum(map(len, [group["chosen_completion_ids"], *group["rejected_completion_ids"]]))
+
+
 def attempt(trainer: str, impl: str, prompt_length: int, steps: int, response_length: int,
             num_rejected: int = 1, profile: bool = False, shape: dict = QWEN3_0_6B, long_rows: bool = False,
-            memory_cap_gib: float | None = None, variant: str = "default") -> dict:
+            memory_cap_gib: float | None = None, variant: str = "default", arch: str = common.ARCH,
+            model_name: str = "qwen3-0.6b", lora_r: int = 0) -> dict:
     """One training run in this process; returns its record (status 'oom' on CUDA out-of-memory). With `profile`, the
     last step runs under `torch.profiler` and the record's `profile` says where its time went (`step_profile.py`).
     Without CUDA (a rehearsal) it runs on CPU, without memory or FLOPs figures. `memory_cap_gib`: the caching
     allocator may hold no more than this (`torch.cuda.set_per_process_memory_fraction`), a smaller GPU emulated.
-    `variant`: one of `VARIANTS`, the settings it adds."""
+    `variant`: one of `VARIANTS`, the settings it adds. `arch`/`shape`: the model (`model_shape`), named `model_name`
+    in the record; `lora_r` > 0: trained through a LoRA adapter of that rank (`lora_config`), as the recipes do.
+    With `profile` and 3+ steps the profiled (last) step is left out of the timing."""
     import warnings
 
     import torch
@@ -116,13 +163,13 @@ def attempt(trainer: str, impl: str, prompt_length: int, steps: int, response_le
     kernels = record_kernels()
     tokenizer = build_chat_tokenizer()
     groups = common.random_groups(steps, prompt_length, response_length, tokenizer.eos_token_id,
-                                  warmup_prompt_length=None, num_rejected=num_rejected)
+                                  warmup_prompt_length=None, num_rejected=num_rejected, vocab_size=shape["vocab_size"])
     task = "causal-lm" if trainer == "grm" else "seq-cls"
     cuda = torch.cuda.is_available()
     if cuda and memory_cap_gib is not None:
         torch.cuda.set_per_process_memory_fraction(memory_cap_gib * 2**30 / torch.cuda.get_device_properties(0).total_memory)
     with torch.device("cuda" if cuda else "cpu"):  # initialised on the GPU: seconds instead of a minute of CPU init
-        model = build_tiny_model(common.ARCH, task, tokenizer, seed=0, dtype=torch.bfloat16, **shape)
+        model = build_tiny_model(arch, task, tokenizer, seed=0, dtype=torch.bfloat16, **shape)
     if cuda:
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
@@ -135,6 +182,8 @@ def attempt(trainer: str, impl: str, prompt_length: int, steps: int, response_le
         callbacks.append(ProfileLastStep(steps))
     record = {"trainer": trainer, "impl": impl, "prompt_length": prompt_length, "num_rejected": num_rejected,
               "steps": steps, **({"long_rows": True} if long_rows else {}),
+              **({"model": model_name} if model_name != "qwen3-0.6b" else {}),
+              **({"lora_r": lora_r} if lora_r else {}),
               **({"variant": variant} if variant != "default" else {}),
               **({"memory_cap_gib": memory_cap_gib} if memory_cap_gib is not None else {})}  # fmt: skip
     with warnings.catch_warnings(record=True) as caught:
@@ -142,8 +191,8 @@ def attempt(trainer: str, impl: str, prompt_length: int, steps: int, response_le
         try:
             with tempfile.TemporaryDirectory() as output_dir:
                 instance = common.build_trainer(trainer, impl, model, tokenizer, groups, output_dir, steps, callbacks,
-                                                use_cpu=not cuda, bf16=cuda, **(LONG_ROWS if long_rows else {}),
-                                                **VARIANTS[variant])
+                                                peft_config=lora_config(trainer, lora_r), use_cpu=not cuda, bf16=cuda,
+                                                **(LONG_ROWS if long_rows else {}), **VARIANTS[variant])
                 shared = bool(getattr(instance.args, "shared_prefix", False) and instance.args.padding_free)
                 instance.train()
                 if VARIANTS[variant].get("use_liger_kernel"):  # the modules whose forward Liger replaced
@@ -154,18 +203,28 @@ def attempt(trainer: str, impl: str, prompt_length: int, steps: int, response_le
                           kernels=sorted(kernels))
             return record
     tokens = [common.group_tokens(g) for g in groups]
-    flops = [model_flops([g], shared, trainer, shape) for g in groups]
-    timed = timer.times[1:]
+    flops = [model_flops([g], shared, trainer, shape, lora_r) for g in groups]
+    # The first step is not timed (allocations, kernel selection); nor is a profiled last step (the profiler's cost).
+    last = steps - 1 if profile and steps >= 3 else steps
+    timed = timer.times[1:last]
     device_peak = peak_flops(torch.cuda.get_device_name(0)) if cuda else None
     record.update(
         status="ok",
         shared_prefix=shared,
         tokens_per_step=tokens,
         step_seconds=timer.times,
-        tokens_per_s=sum(tokens[1:]) / sum(timed) if steps > 1 else None,
+        timed_steps=[2, last] if timed else None,
+        tokens_per_s=sum(tokens[1:last]) / sum(timed) if timed else None,
         model_flops_per_step=flops,
-        mfu=sum(flops[1:]) / sum(timed) / device_peak if steps > 1 and device_peak else None,
+        mfu=sum(flops[1:last]) / sum(timed) / device_peak if timed and device_peak else None,
+        trainable_params=sum(p.numel() for p in instance.model.parameters() if p.requires_grad),
+        # The tokens the step computes (with shared prefixes the prompt once per group), per second.
+        processed_tokens_per_s=sum(processed_tokens(g, shared) for g in groups[1:last]) / sum(timed) if timed else None,
         peak_mem_bytes=torch.cuda.max_memory_allocated() - base if cuda else None,
+        # The whole picture of the card for the plan's absolute figures: the weights' allocation, the caching
+        # allocator's reserved peak, and what the driver says the card holds and has free at the end.
+        **({"base_mem_bytes": base, "reserved_peak_bytes": torch.cuda.max_memory_reserved(),
+            "device_free_total_bytes": list(torch.cuda.mem_get_info())} if cuda else {}),
         num_params=sum(p.numel() for p in model.parameters()),
         kernels=sorted(kernels),
         warnings=sorted({f"{w.category.__name__}: {w.message}"[:300] for w in caught
@@ -203,7 +262,10 @@ class CudaStepTimer(common.StepTimer):
 
 def run_attempt(trainer: str, impl: str, prompt_length: int, steps: int, cli, num_rejected: int = 1,
                 profile: bool = False, long_rows: bool = False, variant: str = "default") -> dict:
+    model = {**({"model": cli.model} if cli.model != "qwen3-0.6b" else {}),
+             **({"lora_r": cli.lora_r} if cli.lora_r else {})}  # fmt: skip
     command = [sys.executable, __file__, "--attempt", f"--trainers={trainer}", f"--impls={impl}",
+               f"--model={cli.model}", f"--lora-r={cli.lora_r}",
                f"--start-prompt-length={prompt_length}", f"--steps={steps}",
                f"--response-length={cli.response_length}", f"--shared-k={num_rejected}", "--out=-",
                *(["--profile"] if profile else []), *(["--long-rows"] if long_rows else []),
@@ -214,16 +276,19 @@ def run_attempt(trainer: str, impl: str, prompt_length: int, steps: int, cli, nu
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=cli.timeout)
     except subprocess.TimeoutExpired:
-        return {"trainer": trainer, "impl": impl, "prompt_length": prompt_length, "status": "timeout",
-                **({"long_rows": True} if long_rows else {}), **({"variant": variant} if variant != "default" else {})}
+        return {"trainer": trainer, "impl": impl, "prompt_length": prompt_length, "num_rejected": num_rejected,
+                "status": "timeout", **model, **({"long_rows": True} if long_rows else {}),
+                **({"variant": variant} if variant != "default" else {})}
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     if not lines:
-        return {"trainer": trainer, "impl": impl, "prompt_length": prompt_length, "status": "error",
+        return {"trainer": trainer, "impl": impl, "prompt_length": prompt_length, "num_rejected": num_rejected,
+                "status": "error", **model, **({"long_rows": True} if long_rows else {}),
                 **({"variant": variant} if variant != "default" else {}),
                 "error_tail": done.stderr.strip().splitlines()[-5:]}
     record = json.loads(lines[-1][len("RESULT ") :])
     record["wall_seconds"] = round(time.monotonic() - started, 1)
-    print(f"{trainer:5s} {impl:5s} k={num_rejected} prompt {prompt_length:7d}{' long rows' if long_rows else ''}"
+    print(f"{cli.model} {trainer:5s} {impl:5s} k={num_rejected} prompt {prompt_length:7d}"
+          f"{' LoRA r=' + str(cli.lora_r) if cli.lora_r else ''}{' long rows' if long_rows else ''}"
           f"{' ' + variant if variant != 'default' else ''}: "
           f"{record['status']}"
           + (f", peak {record['peak_mem_bytes'] / 2**30:.1f} GiB" if record.get("peak_mem_bytes") is not None else "")
@@ -265,9 +330,48 @@ def longest_row(trainer: str, impl: str, cli, known: list[dict] = ()) -> dict:
     }
 
 
+def summary_8b(report: dict) -> dict:
+    """The 8B runs' figures (issue 55): per run (`<model>_<trainer>_<prompt>k`) tokens/s, MFU against the dense bf16
+    peak and against the GEMM rate measured on the same machine (`--gemm-report`), peak memory, and the profile;
+    then `mfu_32k_8b` (the best 8B run at a 32K prompt), `tokens_per_s_8b_32k` and `peak_gib_8b_131k` (per run)."""
+    out = {}
+    gemm = (report.get("gemm") or {}).get("tflops")
+    for r in report["throughput"]:
+        if "model" not in r:
+            continue
+        name = f"{r['model']}_{r['trainer']}_{r['prompt_length'] // 1024}k" + ("_long_rows" if r.get("long_rows") else "")
+        if r["status"] != "ok":
+            out[f"status_8b_{name}"] = r["status"]
+            continue
+        run = {"num_rejected": r.get("num_rejected", 1), "lora_r": r.get("lora_r", 0),
+               "long_rows": bool(r.get("long_rows")), "tokens_per_s": r.get("tokens_per_s"),
+               "processed_tokens_per_s": r.get("processed_tokens_per_s"), "mfu": r.get("mfu"),
+               "peak_gib": r["peak_mem_bytes"] / 2**30 if r.get("peak_mem_bytes") is not None else None,
+               "step_seconds": r.get("step_seconds"), "kernels": r.get("kernels")}  # fmt: skip
+        if gemm and r.get("timed_steps") and r.get("model_flops_per_step"):
+            first, last = r["timed_steps"]
+            flops = sum(r["model_flops_per_step"][first - 1 : last])
+            run["mfu_vs_measured_gemm"] = flops / sum(r["step_seconds"][first - 1 : last]) / (gemm * 1e12)
+        if r.get("profile"):
+            run["profile"] = {key: r["profile"].get(key) for key in ("kernel_share", "device_busy_fraction",
+                                                                      "mfu_if_never_idle", "step_wall_seconds")}
+        out[f"run_8b_{name}"] = run
+        if r["prompt_length"] == 32768:
+            out.setdefault("tokens_per_s_8b_32k", {})[name] = run["tokens_per_s"]
+            if run["mfu"] and run["mfu"] > out.get("mfu_32k_8b", 0):
+                out["mfu_32k_8b"], out["mfu_32k_8b_run"] = run["mfu"], name
+        if r["prompt_length"] == 131072:
+            out.setdefault("peak_gib_8b_131k", {})[name] = run["peak_gib"]
+    if gemm:
+        out["gemm_tflops_measured"] = gemm
+    return out
+
+
 def summary(report: dict) -> dict:
     """The ratios issue 33 asks for (ours / stock) from a report."""
     out = {"device": report["gpu"], "versions": report["versions"]}
+    out.update(summary_8b(report))
+    report = {**report, "throughput": [r for r in report["throughput"] if "model" not in r]}
     longest = {(r["trainer"], r["impl"]): r for r in report["longest_row"]}
     for trainer in common.TRAINERS:
         ours, stock = longest.get((trainer, "ours")), longest.get((trainer, "stock"))
@@ -347,6 +451,13 @@ def summary(report: dict) -> dict:
     return out
 
 
+def run_key(record: dict) -> tuple:
+    """What tells one throughput run from another in a report (a run already there is not run again)."""
+    return (record["trainer"], record["impl"], record["prompt_length"], record.get("num_rejected", 1),
+            record.get("variant", "default"), record.get("model", "qwen3-0.6b"), record.get("lora_r", 0),
+            bool(record.get("long_rows")))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--trainers", nargs="+", choices=common.TRAINERS, default=list(common.TRAINERS))
@@ -369,13 +480,25 @@ def main() -> None:
                         help="Read the report at --out and run only the attempts it does not hold yet.")
     parser.add_argument("--profile-prompt-length", type=int, default=None,
                         help="Also profile one step of ours (GRM, k = 1) at this prompt length: where the time goes.")
-    parser.add_argument("--profile", action="store_true", help="With --attempt: profile its last step.")
+    parser.add_argument("--profile", action="store_true",
+                        help="Profile the last step of each throughput run (left out of its timing from 3 steps on); "
+                             "with --attempt, of that run.")
     parser.add_argument("--long-rows-prompt-lengths", type=int, nargs="*", default=[],
                         help="Ours (GRM, k = 1) at these prompt lengths with the long-row settings (checkpoint offload "
                              "and the tiled MLP) next to without: their memory saving and step cost.")
     parser.add_argument("--long-rows-settings", choices=("both", "without", "with"), default="both",
                         help="Which of the pair --long-rows-prompt-lengths runs at each length.")
-    parser.add_argument("--long-rows", action="store_true", help="With --attempt: the long-row settings.")
+    parser.add_argument("--long-rows", action="store_true",
+                        help="The long-row settings on every throughput run of ours (with --attempt: on that run).")
+    parser.add_argument("--model", choices=list(MODELS), default="qwen3-0.6b",
+                        help="The model's shape (random weights): Qwen3-0.6B's, or an 8B one of bench/configs/.")
+    parser.add_argument("--lora-r", type=int, default=0,
+                        help="Train through a LoRA adapter of this rank on all linear layers (0: full parameters).")
+    parser.add_argument("--skip-k1", action="store_true",
+                        help="Throughput runs of ours at --shared-k only (no k = 1 run).")
+    parser.add_argument("--gemm-report", default=None,
+                        help="A `gpu_attention_kernels.py` report of the same machine: its bf16 GEMM TFLOP/s is the "
+                             "measured peak a second MFU is taken against (`mfu_vs_measured_gemm`).")
     parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=["default"],
                         help="Settings of the throughput runs of ours, each a run of its own ('default' first: the "
                              "others are compared with it); with --attempt, the one variant.")
@@ -394,10 +517,12 @@ def main() -> None:
     cli = parser.parse_args()
 
     if cli.attempt:
-        shape = {**QWEN3_0_6B, **({"num_hidden_layers": cli.num_hidden_layers} if cli.num_hidden_layers else {})}
+        arch, shape = model_shape(cli.model)
+        shape.update({"num_hidden_layers": cli.num_hidden_layers} if cli.num_hidden_layers else {})
         record = attempt(cli.trainers[0], cli.impls[0], cli.start_prompt_length, cli.steps, cli.response_length,
                          cli.shared_k, profile=cli.profile, shape=shape, long_rows=cli.long_rows,
-                         memory_cap_gib=cli.memory_cap_gib, variant=cli.variants[0])
+                         memory_cap_gib=cli.memory_cap_gib, variant=cli.variants[0], arch=arch,
+                         model_name=cli.model, lora_r=cli.lora_r)
         print("RESULT " + json.dumps(record), flush=True)
         return
 
@@ -412,6 +537,8 @@ def main() -> None:
         "gpu": torch.cuda.get_device_name(0) if cuda else "cpu (rehearsal)",
         "gpu_memory_gib": round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1) if cuda else None,
         "model": f"qwen3 random init, bf16, {QWEN3_0_6B}",
+        **({"gemm": json.loads(Path(cli.gemm_report).read_text())["gemm"]}
+           if cli.gemm_report and Path(cli.gemm_report).exists() else {}),
         "longest_row": [],
         "throughput": [],
         "profile": None,
@@ -431,8 +558,8 @@ def main() -> None:
         report["profile"] = previous.get("profile")
         report["variant_profiles"] = {v: r for v, r in previous.get("variant_profiles", {}).items() if r.get("profile")}
         report["long_rows"] = [r for r in previous.get("long_rows", []) if r["status"] in ("ok", "oom")]
-    done = {(r["trainer"], r["impl"], r["prompt_length"], r.get("num_rejected", 1), r.get("variant", "default"))
-            for r in report["throughput"]}  # fmt: skip
+        report.setdefault("gemm", previous.get("gemm"))
+    done = {run_key(r) for r in report["throughput"]}
     searched = {(r["trainer"], r["impl"]) for r in report["longest_row"]}
 
     def save():
@@ -447,9 +574,15 @@ def main() -> None:
             runs = [(impl, 1, "default") for impl in cli.impls if "default" in cli.variants or impl != "ours"]
             runs += [("ours", cli.shared_k, "default")] if ("ours", 1, "default") in runs and cli.shared_k > 1 else []
             runs += [("ours", 1, v) for v in cli.variants if v != "default" and "ours" in cli.impls]
+            if cli.skip_k1:
+                runs = [run for run in runs if run[0] != "ours" or run[1] != 1 or cli.shared_k == 1]
             for impl, k, variant in runs:
-                if (trainer, impl, length, k, variant) not in done:
-                    report["throughput"].append(run_attempt(trainer, impl, length, cli.steps, cli, k, variant=variant))
+                long_rows = cli.long_rows and impl == "ours"
+                key = run_key({"trainer": trainer, "impl": impl, "prompt_length": length, "num_rejected": k,
+                               "variant": variant, "model": cli.model, "lora_r": cli.lora_r, "long_rows": long_rows})
+                if key not in done:
+                    report["throughput"].append(run_attempt(trainer, impl, length, cli.steps, cli, k, variant=variant,
+                                                            profile=cli.profile, long_rows=long_rows))
                     save()
     if cli.profile_prompt_length and not (report["profile"] or {}).get("profile"):
         report["profile"] = run_attempt("grm", "ours", cli.profile_prompt_length, 2, cli, 1, profile=True)
