@@ -16,7 +16,7 @@ cd "$(dirname "$0")/.."
 OUT=""
 MODE=gpu
 STAGES="env,cuda_tests,defaults,attention_kernels,profile,throughput,longest_grm,reward_function,long_rows,longest_disrm"
-# Not in the default list (minutes of one call on its own): eight_b (on an H200), mfu_variants, long_rows_capped,
+# Not in the default list (minutes of one call on its own): eight_b (on an H200), eight_b_memory, mfu_variants, long_rows_capped,
 # long_rows_beyond
 SEED=""
 while [ $# -gt 0 ]; do
@@ -115,6 +115,10 @@ if [ "$MODE" = rehearse ]; then
         --throughput-prompt-lengths 256 --steps 3 --profile && \$R8 --model qwen3-8b --lora-r 16 --trainers grm \
         --throughput-prompt-lengths 256 --steps 3 --profile && \$R8 --model llama-3.1-8b --lora-r 8 --trainers disrm \
         --throughput-prompt-lengths 512 --long-rows --steps 2"
+    stage eight_b_memory 300 bash -c "M8='$PY bench/gpu_longest_row.py --rehearse --resume --out $OUT/gpu_8b_memory.json \
+        --trainers disrm --impls ours --shared-k 1 --skip-longest --throughput-prompt-lengths 256 --steps 2 \
+        --memory-sites --num-hidden-layers 1' && \$M8 --model llama-3.1-8b --lora-r 8 && \$M8 --model llama-3.1-8b \
+        && \$M8 --model qwen3-0.6b --lora-r 8"
     # (Liger's Triton kernels need a GPU: the selective variant is rehearsed, the others' options parsed.)
     stage mfu_variants 300 bash -c "$PY bench/gpu_longest_row.py --rehearse --resume --out $OUT/mfu_variants.json \
         --trainers grm --impls ours --shared-k 1 --throughput-prompt-lengths 256 --skip-longest --steps 2 \
@@ -184,6 +188,14 @@ else
         --timeout 150; \
         $R8 --model llama-3.1-8b --lora-r 8 --trainers disrm --throughput-prompt-lengths 131072 --long-rows --steps 2 \
         --timeout 240"
+    # (Issue 55) The 8B LoRA runs above peaked at twice their plan at 32K (16.7 GiB measured, 8.7 planned on 160a8e5;
+    # the 131K run, its layer inputs offloaded, 8% above): which tensors they keep. Llama-3.1-8B's width with 4 layers
+    # at a 32K prompt, through LoRA and with full parameters, and Qwen3-0.6B through LoRA, each recording the CUDA
+    # allocator's history: the tensors live at the peak by the code that allocated them (`cuda_memory_sites.py`).
+    M8="$PY bench/gpu_longest_row.py --resume --out $OUT/gpu_8b_memory.json --trainers disrm --impls ours \
+        --shared-k 1 --skip-longest --throughput-prompt-lengths 32768 --steps 2 --memory-sites --timeout 120"
+    stage eight_b_memory 300 bash -c "$M8 --model llama-3.1-8b --num-hidden-layers 4 --lora-r 8; \
+        $M8 --model llama-3.1-8b --num-hidden-layers 4; $M8 --model qwen3-0.6b --lora-r 8"
     # (Issue 42) What bounds the MFU at 32K (docs/gpu.md: the attention's recompute under gradient checkpointing,
     # elementwise kernels): ours GRM at a 32K prompt by default, with selective checkpointing, with Liger's kernels
     # and with both, side by side in one call (4 steps, the first not timed), then a profile of both together.

@@ -143,14 +143,16 @@ def processed_tokens(group: dict, shared: bool) -> int:
 def attempt(trainer: str, impl: str, prompt_length: int, steps: int, response_length: int,
             num_rejected: int = 1, profile: bool = False, shape: dict = QWEN3_0_6B, long_rows: bool = False,
             memory_cap_gib: float | None = None, variant: str = "default", arch: str = common.ARCH,
-            model_name: str = "qwen3-0.6b", lora_r: int = 0) -> dict:
+            model_name: str = "qwen3-0.6b", lora_r: int = 0, memory_sites: bool = False) -> dict:
     """One training run in this process; returns its record (status 'oom' on CUDA out-of-memory). With `profile`, the
     last step runs under `torch.profiler` and the record's `profile` says where its time went (`step_profile.py`).
     Without CUDA (a rehearsal) it runs on CPU, without memory or FLOPs figures. `memory_cap_gib`: the caching
     allocator may hold no more than this (`torch.cuda.set_per_process_memory_fraction`), a smaller GPU emulated.
     `variant`: one of `VARIANTS`, the settings it adds. `arch`/`shape`: the model (`model_shape`), named `model_name`
     in the record; `lora_r` > 0: trained through a LoRA adapter of that rank (`lora_config`), as the recipes do.
-    With `profile` and 3+ steps the profiled (last) step is left out of the timing."""
+    With `profile` and 3+ steps the profiled (last) step is left out of the timing. `memory_sites`: the record's
+    `memory_sites` says which code allocated the tensors live at the peak (`cuda_memory_sites.py`; it slows the run:
+    no timings then)."""
     import warnings
 
     import torch
@@ -176,6 +178,11 @@ def attempt(trainer: str, impl: str, prompt_length: int, steps: int, response_le
         torch.cuda.reset_peak_memory_stats()
     timer = CudaStepTimer()
     callbacks = [timer]
+    if memory_sites:
+        from cuda_memory_sites import MemorySites
+
+        sites = MemorySites()
+        sites.start()
     if profile:
         from step_profile import ProfileLastStep
 
@@ -184,6 +191,8 @@ def attempt(trainer: str, impl: str, prompt_length: int, steps: int, response_le
               "steps": steps, **({"long_rows": True} if long_rows else {}),
               **({"model": model_name} if model_name != "qwen3-0.6b" else {}),
               **({"lora_r": lora_r} if lora_r else {}),
+              **({"num_hidden_layers": shape["num_hidden_layers"]}
+                 if shape["num_hidden_layers"] != model_shape(model_name)[1]["num_hidden_layers"] else {}),
               **({"variant": variant} if variant != "default" else {}),
               **({"memory_cap_gib": memory_cap_gib} if memory_cap_gib is not None else {})}  # fmt: skip
     with warnings.catch_warnings(record=True) as caught:
@@ -202,6 +211,8 @@ def attempt(trainer: str, impl: str, prompt_length: int, steps: int, response_le
             record.update(status="oom", peak_mem_bytes=torch.cuda.max_memory_allocated() - base,
                           kernels=sorted(kernels))
             return record
+    if memory_sites:
+        record["memory_sites"] = sites.finish()
     tokens = [common.group_tokens(g) for g in groups]
     flops = [model_flops([g], shared, trainer, shape, lora_r) for g in groups]
     # The first step is not timed (allocations, kernel selection); nor is a profiled last step (the profiler's cost).
@@ -265,7 +276,7 @@ def run_attempt(trainer: str, impl: str, prompt_length: int, steps: int, cli, nu
     model = {**({"model": cli.model} if cli.model != "qwen3-0.6b" else {}),
              **({"lora_r": cli.lora_r} if cli.lora_r else {})}  # fmt: skip
     command = [sys.executable, __file__, "--attempt", f"--trainers={trainer}", f"--impls={impl}",
-               f"--model={cli.model}", f"--lora-r={cli.lora_r}",
+               f"--model={cli.model}", f"--lora-r={cli.lora_r}", *(["--memory-sites"] if cli.memory_sites else []),
                f"--start-prompt-length={prompt_length}", f"--steps={steps}",
                f"--response-length={cli.response_length}", f"--shared-k={num_rejected}", "--out=-",
                *(["--profile"] if profile else []), *(["--long-rows"] if long_rows else []),
@@ -455,7 +466,7 @@ def run_key(record: dict) -> tuple:
     """What tells one throughput run from another in a report (a run already there is not run again)."""
     return (record["trainer"], record["impl"], record["prompt_length"], record.get("num_rejected", 1),
             record.get("variant", "default"), record.get("model", "qwen3-0.6b"), record.get("lora_r", 0),
-            bool(record.get("long_rows")))
+            bool(record.get("long_rows")), record.get("num_hidden_layers"))
 
 
 def main() -> None:
@@ -494,6 +505,8 @@ def main() -> None:
                         help="The model's shape (random weights): Qwen3-0.6B's, or an 8B one of bench/configs/.")
     parser.add_argument("--lora-r", type=int, default=0,
                         help="Train through a LoRA adapter of this rank on all linear layers (0: full parameters).")
+    parser.add_argument("--memory-sites", action="store_true",
+                        help="Record which code allocated the tensors live at each run's peak (CUDA allocator history).")
     parser.add_argument("--skip-k1", action="store_true",
                         help="Throughput runs of ours at --shared-k only (no k = 1 run).")
     parser.add_argument("--gemm-report", default=None,
@@ -522,7 +535,7 @@ def main() -> None:
         record = attempt(cli.trainers[0], cli.impls[0], cli.start_prompt_length, cli.steps, cli.response_length,
                          cli.shared_k, profile=cli.profile, shape=shape, long_rows=cli.long_rows,
                          memory_cap_gib=cli.memory_cap_gib, variant=cli.variants[0], arch=arch,
-                         model_name=cli.model, lora_r=cli.lora_r)
+                         model_name=cli.model, lora_r=cli.lora_r, memory_sites=cli.memory_sites)
         print("RESULT " + json.dumps(record), flush=True)
         return
 
@@ -579,7 +592,8 @@ def main() -> None:
             for impl, k, variant in runs:
                 long_rows = cli.long_rows and impl == "ours"
                 key = run_key({"trainer": trainer, "impl": impl, "prompt_length": length, "num_rejected": k,
-                               "variant": variant, "model": cli.model, "lora_r": cli.lora_r, "long_rows": long_rows})
+                               "variant": variant, "model": cli.model, "lora_r": cli.lora_r, "long_rows": long_rows,
+                               "num_hidden_layers": cli.num_hidden_layers})
                 if key not in done:
                     report["throughput"].append(run_attempt(trainer, impl, length, cli.steps, cli, k, variant=variant,
                                                             profile=cli.profile, long_rows=long_rows))

@@ -34,10 +34,19 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import common  # noqa: E402
-from gpu_longest_row import LONG_ROWS, QWEN3_0_6B, VARIANTS  # noqa: E402
+from gpu_longest_row import LONG_ROWS, VARIANTS, lora_config, model_shape  # noqa: E402
 
 
 STAGES = {"grm": "simpo_grm", "disrm": "simpo_disrm"}
+
+
+def model_config_of(record: dict):
+    """The config of the model a record's run trained (`gpu_longest_row.py --model`: Qwen3-0.6B's shape by default)."""
+    from trl_longrm.testing_utils import build_chat_tokenizer, tiny_config
+
+    arch, shape = model_shape(record.get("model", "qwen3-0.6b"))
+    shape.update({"num_hidden_layers": record["num_hidden_layers"]} if record.get("num_hidden_layers") else {})
+    return tiny_config(arch, build_chat_tokenizer(), **shape)
 
 
 def training_args(trainer: str, impl: str, max_length: int, long_rows: bool = False, variant: str = "default"):
@@ -80,12 +89,13 @@ def report_steps(report: dict) -> int:
     return 3
 
 
-def plan_attempt(record: dict, response_length: int, model_config, attention: str = "flash_attn",
+def plan_attempt(record: dict, response_length: int, model_config=None, attention: str = "flash_attn",
                  first_step: bool = False) -> dict:
     """The plan of a run: its tensors beyond the weights (`planned_bytes`, what `peak_mem_bytes` measures) and its
     full peak (`planned_total_bytes`, what must fit the device). `first_step`: of a run's first step (no optimizer
     states before its optimizer step: they, and the fragmentation allowance on them, are taken off a
-    forward/backward peak)."""
+    forward/backward peak). `model_config`: default, the record's model (`model_config_of`). A LoRA run
+    (`lora_r`) measures from the base model built: the adapter's weights are among what it measures."""
     import torch
 
     from trl_longrm.memory_plan import GroupShape, plan_memory
@@ -93,15 +103,19 @@ def plan_attempt(record: dict, response_length: int, model_config, attention: st
 
     trainer, impl, k = record["trainer"], record["impl"], record.get("num_rejected", 1)
     shape = GroupShape(record["prompt_length"], response_length, k)
-    args = training_args(trainer, impl, record["prompt_length"] + response_length, bool(record.get("long_rows")),
-                         record.get("variant", "default"))  # fmt: skip
-    plan = plan_memory(STAGES[trainer], args, model_config, shape, dtype=torch.bfloat16, device="cuda",
-                       stock=impl == "stock", attention=attention)  # fmt: skip
+    # k > 1: the run's max_length is its whole group's (`common.build_trainer`: nothing truncated)
+    max_length = (record["prompt_length"] + response_length) * (k if k == 1 else k + 1)
+    args = training_args(trainer, impl, max_length, bool(record.get("long_rows")), record.get("variant", "default"))
+    lora_r = record.get("lora_r", 0)
+    plan = plan_memory(STAGES[trainer], args, model_config or model_config_of(record), shape, dtype=torch.bfloat16,
+                       device="cuda", stock=impl == "stock", attention=attention,
+                       peft_config=lora_config(trainer, lora_r))  # fmt: skip
     tensors = plan.peak - sum(plan.extra.values())
     states = plan.optimizer_states if first_step and plan.peak_phase == "forward/backward" else 0
+    base_weights = plan.weights - (plan.trainable_weights if lora_r else 0)
     return {"attention": attention, "peak_phase": plan.peak_phase,
             **({"first_step": True, "optimizer_states_bytes": plan.optimizer_states} if first_step else {}),
-            "planned_bytes": tensors - plan.weights - states,
+            "planned_bytes": tensors - base_weights - states,
             "planned_total_bytes": plan.peak - int(states * (1 + CUDA_FRAGMENTATION_FRACTION)),
             "plan_seconds": plan.trace_seconds}  # fmt: skip
 
@@ -156,11 +170,9 @@ def main() -> None:
                         help="The attention kernels planned (default: those the report's runs recorded).")
     cli = parser.parse_args()
 
-    from trl_longrm.testing_utils import build_chat_tokenizer, tiny_config
-
     report = json.loads(Path(cli.report).read_text())
     device_bytes = device_bytes_of(report, cli.memory_cap_gib if cli.longest else None)
-    model_config = tiny_config(common.ARCH, build_chat_tokenizer(), **QWEN3_0_6B)
+    model_config = model_config_of({})
     if cli.longest:
         attention = cli.attention or attention_of({}, report)
         rows = [plan_longest("grm", long_rows, cli.response_length, model_config, device_bytes, start=cli.start,
@@ -176,7 +188,8 @@ def main() -> None:
     seen, rows = set(), []
     for record in attempts:
         key = (record["trainer"], record["impl"], record["prompt_length"], record.get("num_rejected", 1),
-               bool(record.get("long_rows")), record.get("variant", "default"))
+               bool(record.get("long_rows")), record.get("variant", "default"), record.get("model", "qwen3-0.6b"),
+               record.get("lora_r", 0), record.get("num_hidden_layers"))
         if key in seen or record["status"] not in ("ok", "oom"):
             continue
         seen.add(key)
@@ -186,8 +199,11 @@ def main() -> None:
             continue
         row = {"trainer": key[0], "impl": key[1], "prompt_length": key[2], "num_rejected": key[3],
                "long_rows": key[4], **({"variant": key[5]} if key[5] != "default" else {}),
+               **({"model": key[6]} if key[6] != "qwen3-0.6b" else {}), **({"lora_r": key[7]} if key[7] else {}),
+               **({"num_hidden_layers": key[8]} if key[8] else {}),
                "status": record["status"], "measured_bytes": record.get("peak_mem_bytes"),
-               **plan_attempt(record, cli.response_length, model_config, cli.attention or attention_of(record, report),
+               **plan_attempt(record, cli.response_length, model_config_of(record),
+                              cli.attention or attention_of(record, report),
                               first_step=record.get("steps", report_steps(report)) == 1)}  # fmt: skip
         if record["status"] == "ok":
             row["rel_error"] = row["planned_bytes"] / row["measured_bytes"] - 1
