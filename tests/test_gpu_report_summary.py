@@ -124,3 +124,57 @@ def test_plan_comparison_plans_a_variant_with_its_settings():
 
     assert training_args("grm", "ours", 1024, variant="selective").activation_checkpointing_kwargs == {"selective": True}
     assert not training_args("grm", "ours", 1024).activation_checkpointing_kwargs
+
+
+def test_lora_model_flops_count_no_weight_gradients_of_the_frozen_layers():
+    """MFU with LoRA (issue 55's convention): frozen matmuls 4 x parameters per token (no weight gradient), the
+    adapters 6 x r x (in + out), attention unchanged. By hand for a one-layer shape and one unshared group."""
+    from gpu_longest_row import model_flops
+
+    shape = dict(hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                 head_dim=4, vocab_size=100)  # fmt: skip
+    group = {"prompt_ids": [1] * 3, "chosen_completion_ids": [1, 2], "rejected_completion_ids": [[1]]}
+    tokens, pairs = (3 + 2) + (3 + 1), 5 * 6 // 2 + 4 * 5 // 2
+    params = 8 * (8 + 2 * 4) + 8 * 8 + 3 * 8 * 16  # q, k, v, o, gate, up, down
+    in_out = (8 + 8) + 2 * (8 + 4) + (8 + 8) + 2 * (8 + 16) + (16 + 8)
+    attention = 12 * 8 * pairs
+    assert model_flops([group], False, "disrm", shape) == 6 * params * tokens + attention
+    assert model_flops([group], False, "disrm", shape, lora_r=2) == (4 * params + 6 * 2 * in_out) * tokens + attention
+
+
+def test_8b_runs_are_summarised_with_both_mfus_and_kept_apart_from_the_0_6b_figures(summary):
+    """`gpu_8b.json`: each 8B run's figures under its own key, MFU against the measured GEMM rate over the same timed
+    steps, `mfu_32k_8b` the best 32K run; the 0.6B keys do not take the 8B runs."""
+    run = {"trainer": "disrm", "impl": "ours", "prompt_length": 32768, "num_rejected": 4, "model": "llama-3.1-8b",
+           "lora_r": 8, "status": "ok", "tokens_per_s": 26000.0, "mfu": 0.30, "peak_mem_bytes": 16 * 2**30,
+           "timed_steps": [2, 3], "step_seconds": [9.0, 2.0, 2.0, 5.0], "model_flops_per_step": [1e15, 2e15, 2e15, 2e15]}  # fmt: skip
+    long = {**run, "prompt_length": 131072, "long_rows": True, "mfu": 0.31, "peak_mem_bytes": 17 * 2**30}
+    grm = {**run, "trainer": "grm", "model": "qwen3-8b", "mfu": 0.28}
+    report = {"gpu": "H200", "versions": {}, "longest_row": [], "long_rows": [], "gemm": {"tflops": 800.0},
+              "throughput": [run, long, grm, {**grm, "prompt_length": 8192, "status": "oom"}]}  # fmt: skip
+    out = summary(report)
+    assert out["run_8b_llama-3.1-8b_disrm_32k"]["mfu_vs_measured_gemm"] == pytest.approx(4e15 / 4.0 / 800e12)
+    assert out["mfu_32k_8b"] == 0.30 and out["mfu_32k_8b_run"] == "llama-3.1-8b_disrm_32k"
+    assert out["tokens_per_s_8b_32k"] == {"llama-3.1-8b_disrm_32k": 26000.0, "qwen3-8b_grm_32k": 26000.0}
+    assert out["peak_gib_8b_131k"] == {"llama-3.1-8b_disrm_128k_long_rows": 17.0}
+    assert out["status_8b_qwen3-8b_grm_8k"] == "oom"
+    assert "mfu_32k_disrm" not in out and "mfu_32k" not in out
+
+
+def test_plan_comparison_plans_a_lora_run_of_its_model_and_counts_its_adapter():
+    """An 8B record is planned on its model's shape (its layer count as the run had it) through its LoRA adapter, and
+    the adapter's weights, allocated after the base model the run measures from, are among the planned bytes."""
+    from gpu_plan_vs_measured import model_config_of, plan_attempt
+
+    record = {"trainer": "disrm", "impl": "ours", "prompt_length": 256, "num_rejected": 1, "model": "llama-3.1-8b",
+              "num_hidden_layers": 1, "lora_r": 8}  # fmt: skip
+    config = model_config_of(record)
+    assert (config.model_type, config.hidden_size, config.num_hidden_layers, config.vocab_size) == (
+        "llama", 4096, 1, 128256)
+    with_adapter = plan_attempt(record, 64)
+    r16 = plan_attempt({**record, "lora_r": 16}, 64)
+    # r16 adds 8 x (in + out features of a Llama-3.1-8B layer's seven projections) float32 parameters: their weights
+    # (4 bytes each), gradients (4) and Adam states (8) where live at the peak; 14.5 bytes each here (on 160a8e5),
+    # without the adapter's weights it would be 10.5.
+    in_out = 4 * 4096 + 2 * 4096 + 2 * 1024 + 3 * (4096 + 14336)
+    assert r16["planned_bytes"] - with_adapter["planned_bytes"] > 8 * in_out * 13

@@ -71,6 +71,8 @@ class MemoryPlan:
     trainable_parameters: int
     total_parameters: int
     weights: int
+    # Of `weights`, those of the trainable parameters (a LoRA adapter's: what a run allocates after the base model).
+    trainable_weights: int
     gradients: int
     optimizer_states: int
     activations: int
@@ -235,6 +237,7 @@ def plan_memory(
         trainable_parameters=traced.trainable_parameters,
         total_parameters=traced.total_parameters,
         weights=parts["weights"] + parts["buffers"],
+        trainable_weights=traced.trainable_weight_bytes // (world_size if distributed == "zero3" else 1),
         gradients=parts["gradients"],
         optimizer_states=parts["optimizer_states"],
         activations=parts["activations"],
