@@ -350,7 +350,9 @@ def summary_8b(report: dict) -> dict:
     for r in report["throughput"]:
         if "model" not in r:
             continue
-        name = f"{r['model']}_{r['trainer']}_{r['prompt_length'] // 1024}k" + ("_long_rows" if r.get("long_rows") else "")
+        name = (f"{r['model']}_{r['trainer']}_{r['prompt_length'] // 1024}k" + ("_long_rows" if r.get("long_rows") else "")
+                + (f"_{r['variant']}" if r.get("variant", "default") != "default" else "")
+                + (f"_{r['num_hidden_layers']}layers" if r.get("num_hidden_layers") else ""))
         if r["status"] != "ok":
             out[f"status_8b_{name}"] = r["status"]
             continue
