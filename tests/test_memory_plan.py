@@ -457,3 +457,26 @@ def test_longest_group_that_fits_is_bracketed_by_traced_plans(tmp_path):
         return plan_memory("simpo_grm", args, model_config(), GroupShape(prompt, 256, 4)).peak
 
     assert peak(found["prompt_tokens"]) <= device < peak(found["prompt_tokens"] + SEARCH_GRANULARITY)
+
+
+def test_row_metadata_stays_real_past_two_to_the_22_tokens():
+    """A row of 2^22 + 4 tokens keeps its real metadata under the plan's fake mode: its document starts are its own (2
+    documents, not one per token), and its plan is twice that of a row of half the tokens, as per-token memory is."""
+    from trl_longrm.memory_plan.fake_mode import HybridFakeMode
+    from trl_longrm.sequence_parallel.sharding import cu_seqlens_from_position_ids, document_starts
+
+    tokens = 2**22 + 4
+    position_ids = torch.cat([torch.arange(tokens - 1000), torch.arange(1000)])
+    with HybridFakeMode():
+        assert int(document_starts(position_ids).sum()) == 2
+        assert cu_seqlens_from_position_ids(position_ids) == [0, tokens - 1000, tokens]
+
+    def activations(row):
+        args = LongSFTConfig(output_dir="unused", use_cpu=True, report_to=[], per_device_train_batch_size=1,
+                             max_length=row, bf16=True, gradient_checkpointing=True, packing=True,
+                             max_tokens_per_row=row)  # fmt: skip
+        plan = plan_memory("sft", args, model_config(), GroupShape(row - 4, 4, 0), dtype=torch.bfloat16, device="cuda")
+        assert plan.row_tokens == row
+        return plan.activations
+
+    assert activations(tokens) / activations(tokens // 2) == pytest.approx(2, rel=0.02)

@@ -40,10 +40,13 @@ _SHAPE_FACTORIES = {
     aten.new_full.default: lambda shape, kw, a: torch.full(a[1], a[2], **kw),
 }
 
-# Real tensors are metadata: a value per token of a row at most. A pointwise op of real inputs whose (broadcast) result
-# is larger than this is data (a mask of queries x keys that CPU attention kernels build), made fake: computing it for
-# real would cost the trace seconds per layer at 128K tokens.
+# Real tensors are metadata: a value per token of a row at most (a few per token: one per response of a group). A
+# pointwise op of real inputs whose result broadcasts them to more than this, and to more than EXPANSION times its
+# largest input, is data (a mask of queries x keys that CPU attention kernels build, 1,024 queries per chunk), made
+# fake: computing it for real would cost the trace seconds per layer at 128K tokens. Per-token metadata stays real at
+# any row length: a row of 2^22 + 4 tokens still has its own documents.
 LARGEST_REAL_ELEMENTS = 2**22
+EXPANSION = 16
 
 _BOOL_INDEXED = {aten.index.Tensor, aten.index_put.default, aten.index_put_.default, aten._unsafe_index_put.default}
 
@@ -73,6 +76,12 @@ def _broadcast_numel(tensors) -> int:
     for size in shape:
         numel *= size
     return numel
+
+
+def _builds_data(tensors) -> bool:
+    """Whether a pointwise op over these real tensors broadcasts metadata into data (see `LARGEST_REAL_ELEMENTS`)."""
+    numel = _broadcast_numel(tensors)
+    return numel > LARGEST_REAL_ELEMENTS and numel > EXPANSION * max(t.numel() for t in tensors)
 
 
 def _mask_to_indices(indices):
@@ -155,7 +164,7 @@ class HybridFakeMode(TorchDispatchMode):
             if not tensors and _factory_is_float(func, args, kwargs):
                 with self.fake_mode:
                     return func(*args, **kwargs)
-            if len(tensors) > 1 and torch.Tag.pointwise in func.tags and _broadcast_numel(tensors) > LARGEST_REAL_ELEMENTS:
+            if len(tensors) > 1 and torch.Tag.pointwise in func.tags and _builds_data(tensors):
                 with self.fake_mode:
                     return func(*args, **kwargs)
             return func(*args, **kwargs)
