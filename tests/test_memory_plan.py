@@ -480,3 +480,45 @@ def test_row_metadata_stays_real_past_two_to_the_22_tokens():
         return plan.activations
 
     assert activations(tokens) / activations(tokens // 2) == pytest.approx(2, rel=0.02)
+
+
+def test_the_plan_is_checked_against_what_the_card_gives_a_process(tmp_path, capsys):
+    """`--plan_device` names a card by the memory a process gets on it, measured (an '80 GB' H100 gives 79.2 GiB, less
+    than the 80 GiB the plan used to assume); `--device_memory_gib` gives a figure instead; an unknown card is refused
+    with the measured ones named, before anything is traced."""
+    from trl_longrm.memory_plan.devices import DEVICE_MEMORY_BYTES, device_memory_bytes
+
+    assert device_memory_bytes() == DEVICE_MEMORY_BYTES["h100-80gb"] < 79.2 * 2**30 < 80 * 2**30
+    assert device_memory_bytes("h200") == 150_109_880_320
+    assert device_memory_bytes("h200", 10.0) == 10 * 2**30
+    with pytest.raises(ValueError, match="plan_device='a100'.*h100-80gb, h200.*device_memory_gib"):
+        device_memory_bytes("a100")
+    from trl_longrm.train import check_paths, parse_args
+
+    argv = ["recipes/tiny/simpo_grm.yaml", "--output_dir", str(tmp_path / "out"), "--plan_device", "a100"]
+    problems, _ = check_paths(*parse_args(argv))
+    assert any("plan_device='a100'" in problem for problem in problems)
+
+
+def test_each_communicator_of_a_layout_is_one_nccl_term(monkeypatch):
+    """The NCCL term is one per process group of 2+ ranks a rank is in, those groups being the world and what
+    `init_sequence_parallel_groups` creates for the layout (recorded here from its `new_group` calls)."""
+    import torch.distributed as dist
+
+    from trl_longrm.sequence_parallel import groups as groups_module
+    from trl_longrm.sequence_parallel.groups import communicator_sizes, init_sequence_parallel_groups
+
+    for world, sp, mode, ulysses in ((8, 1, "ring", None), (8, 8, "ring", None), (8, 4, "ring", None),
+                                     (8, 4, "ulysses", None), (8, 8, "hybrid", 2), (16, 8, "hybrid", 4)):  # fmt: skip
+        for rank in (0, world - 1):
+            created = []
+            monkeypatch.setattr(dist, "is_initialized", lambda: True)
+            monkeypatch.setattr(dist, "get_world_size", lambda world=world: world)
+            monkeypatch.setattr(dist, "get_rank", lambda rank=rank: rank)
+            monkeypatch.setattr(dist, "new_group", lambda ranks, created=created: created.append(tuple(ranks)) or tuple(ranks))
+            monkeypatch.setenv("LOCAL_WORLD_SIZE", str(world))
+            monkeypatch.setattr(groups_module, "_check_ring_nodes", lambda *args: None)  # one machine
+            init_sequence_parallel_groups(sp, mode, ulysses)
+            mine = sorted(len(g) for g in created if rank in g and len(g) > 1)  # a group per call, same ranks or not
+            assert sorted(communicator_sizes(world, sp, mode, ulysses).values()) == sorted([world, *mine])
+    assert groups_module.communicator_sizes(1) == {}

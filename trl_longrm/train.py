@@ -77,8 +77,20 @@ class LongRMScriptArguments(ScriptArguments):
             "None: `model_name_or_path`/config.json when local. Nothing is downloaded."
         },
     )
-    device_memory_gib: float = field(
-        default=80.0, metadata={"help": "Memory of one device (GiB) the memory plan checks the peak against. Default 80."}
+    plan_device: str = field(
+        default="h100-80gb",
+        metadata={
+            "help": "The GPU the memory plan checks the peak against, by the memory a process gets on it as measured "
+            "here (`trl_longrm.memory_plan.devices`): 'h100-80gb' (79.15 GiB) or 'h200' (139.8 GiB). Default "
+            "'h100-80gb'."
+        },
+    )
+    device_memory_gib: float | None = field(
+        default=None,
+        metadata={
+            "help": "Instead of `plan_device`: the memory (GiB) a process gets on one device, as "
+            "`torch.cuda.mem_get_info()[1]` reports it (an '80 GB' H100 gives 79.2). Default None."
+        },
     )
     plan_prompt_tokens: int | None = field(
         default=None,
@@ -322,6 +334,12 @@ def check_paths(script_args, training_args, model_args) -> tuple[list[str], list
     try:
         start_plan(script_args, training_args)
     except ValueError as error:
+        problems.append(str(error))
+    from trl_longrm.memory_plan.devices import device_memory_bytes
+
+    try:
+        device_memory_bytes(script_args.plan_device, script_args.device_memory_gib)
+    except ValueError as error:  # a card whose memory is not known
         problems.append(str(error))
     return problems, notes
 

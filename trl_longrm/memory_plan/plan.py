@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from trl_longrm.memory_plan.trace import GroupShape, TracedStep, trace_step
+from trl_longrm.sequence_parallel.groups import communicator_sizes
 from trl_longrm.sequence_parallel.kernels import planned_cuda_attention
 
 
@@ -38,9 +39,10 @@ DEEPSPEED_MAX_LIVE_PARAMETERS = 1_000_000_000  # ZeRO-3 `stage3_max_live_paramet
 DEEPSPEED_OPTIMIZER_BYTES_PER_PARAMETER = 12
 
 # CUDA only (not tensors, so not traced): the CUDA context with cuBLAS / cuDNN workspaces of a PyTorch process on an
-# H100 (the order of what `nvidia-smi` shows for a process that has run one matmul), NCCL's communication buffers
-# (NCCL_BUFFSIZE 4 MiB x channels x peers, by its defaults), and a margin for the caching allocator's fragmentation
-# of the peak (blocks cached but not reusable at that size). Estimates to be calibrated on a GPU (see docs/memory_plan.md).
+# H100 (the order of what `nvidia-smi` shows for a process that has run one matmul), NCCL's communication buffers of
+# each communicator a rank is in (`communicator_sizes`: NCCL_BUFFSIZE 4 MiB x channels x peers, by its defaults), and
+# a margin for the caching allocator's fragmentation of the peak (blocks cached but not reusable at that size).
+# Estimates not yet measured on a GPU (see docs/memory_plan.md); the card's own memory is measured (`devices.py`).
 CUDA_CONTEXT_BYTES = 750 * 2**20
 NCCL_BUFFER_BYTES = 256 * 2**20
 CUDA_FRAGMENTATION_FRACTION = 0.05
@@ -139,7 +141,7 @@ def zero_terms(traced: TracedStep, stage: int, world_size: int, phase: dict[str,
     return parts, terms
 
 
-def _combine(traced: TracedStep, distributed: str, world_size: int, device: str):
+def _combine(traced: TracedStep, distributed: str, world_size: int, device: str, communicators: int = 1):
     """Per phase (forward/backward, optimizer step): the parts and terms, and which phase peaks."""
     phases = {}
     for name, phase in (("forward/backward", traced.forward_backward_peak), ("optimizer step", traced.optimizer_peak)):
@@ -158,7 +160,7 @@ def _combine(traced: TracedStep, distributed: str, world_size: int, device: str)
         if device == "cuda":
             terms["cuda_context"] = CUDA_CONTEXT_BYTES
             if world_size > 1:
-                terms["nccl_buffers"] = NCCL_BUFFER_BYTES
+                terms["nccl_buffers"] = NCCL_BUFFER_BYTES * communicators
         tensors = sum(parts[k] for k in ("weights", "buffers", "gradients", "optimizer_states", "activations",
                                           "temporaries", "other"))  # fmt: skip
         if device == "cuda":
@@ -220,8 +222,10 @@ def plan_memory(
                         ddp=distributed not in ("zero2", "zero3"), stock=stock, kernels=device,
                         attention=attention)  # fmt: skip
     seconds = time.perf_counter() - started
-    phase, (parts, terms, peak) = _combine(traced, distributed, world_size, device)
     sp = 1 if stock else getattr(training_args, "sequence_parallel_size", 1) or 1
+    groups = communicator_sizes(world_size, sp, getattr(training_args, "sequence_parallel_mode", "ring") or "ring",
+                                getattr(training_args, "ulysses_size", None))  # fmt: skip
+    phase, (parts, terms, peak) = _combine(traced, distributed, world_size, device, len(groups))
     return MemoryPlan(
         stage=stage,
         trainer=_trainer_name(stage, stock),

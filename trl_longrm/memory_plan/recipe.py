@@ -7,6 +7,7 @@ from pathlib import Path
 
 import yaml
 
+from trl_longrm.memory_plan.devices import device_memory_bytes
 from trl_longrm.memory_plan.plan import GIB, load_model_config, plan_memory
 from trl_longrm.memory_plan.trace import GroupShape, fresh_args
 from trl_longrm.trainers.common import uses_shared_prefix
@@ -103,11 +104,13 @@ def recipe_memory_plans(script_args, training_args, model_args, world_size: int,
         return plans
 
     plans = plans_for(shape)
-    device_bytes = int(script_args.device_memory_gib * GIB)
+    device_bytes = device_memory_bytes(script_args.plan_device, script_args.device_memory_gib)
+    device_name = script_args.plan_device if script_args.device_memory_gib is None else "device_memory_gib"
     summary = {
         "trainer": plans[0].trainer,
         "model_config": str(path),
-        "device_memory_gib": script_args.device_memory_gib,
+        "plan_device": device_name,
+        "device_memory_gib": round(device_bytes / GIB, 2),
         "group": plans[0].group,
         "peak_gib": round(max(p.peak for p in plans) / GIB, 2),
         "fits": all(p.fits(device_bytes) for p in plans),
@@ -117,8 +120,8 @@ def recipe_memory_plans(script_args, training_args, model_args, world_size: int,
         summary["longest_group"] = longest_group(plans_for, training_args, stage, shape, plans, device_bytes)
     verdict = "fits" if summary["fits"] else "does NOT fit"
     last = (
-        f"peak of the traced ranks {summary['peak_gib']:.2f} GiB: {verdict} {script_args.device_memory_gib:g} GiB per "
-        f"device ({distributed}, {world_size} processes, groups of {shape.prompt_tokens:,} prompt tokens + "
+        f"peak of the traced ranks {summary['peak_gib']:.2f} GiB: {verdict} {device_bytes / GIB:.2f} GiB per "
+        f"device ({device_name}, {distributed}, {world_size} processes, groups of {shape.prompt_tokens:,} prompt tokens + "
         f"{1 + shape.num_rejected if stage != 'sft' else 1} x {shape.response_tokens:,})"
     )
     lines = [*(p.describe(device_bytes) for p in plans), last]

@@ -108,6 +108,25 @@ class SequenceParallelGroups:
         return self.sequence_parallel_size > 1
 
 
+def communicator_sizes(world_size: int, sequence_parallel_size: int = 1, mode: str = "ring",
+                       ulysses_size: int | None = None) -> dict[str, int]:
+    """The process groups of more than one rank that each rank of a layout belongs to, by name, and their sizes: the
+    world, and those `init_sequence_parallel_groups` creates (each one NCCL communicator on a GPU).
+
+    Example:
+    ```python
+    >>> communicator_sizes(8, 4, "hybrid", ulysses_size=2)
+    {'world': 8, 'sequence_parallel': 4, 'data_parallel': 2, 'ulysses': 2, 'ring_attention': 2}
+    ```
+    """
+    sizes = {"world": world_size}
+    if sequence_parallel_size > 1:
+        local = ulysses_group_size(mode, sequence_parallel_size, ulysses_size)
+        sizes.update(sequence_parallel=sequence_parallel_size, data_parallel=world_size // sequence_parallel_size,
+                     ulysses=local, ring_attention=sequence_parallel_size // local if 1 < local < sequence_parallel_size else 1)  # fmt: skip
+    return {name: size for name, size in sizes.items() if size > 1}
+
+
 def init_sequence_parallel_groups(
     sequence_parallel_size: int, mode: str = "ring", ulysses_size: int | None = None
 ) -> SequenceParallelGroups:
