@@ -212,6 +212,24 @@ def collectives_hold_their_tensors(gloo: bool):
             setattr(ProcessGroup, name, method)
 
 
+@contextlib.contextmanager
+def rng_states_tracked():
+    """Within it, `torch.get_rng_state()` returns its state through a dispatched copy, which the tracker sees. Every
+    `torch.utils.checkpoint` call keeps the CPU generator's state (5,056 bytes) until its backward, made by the
+    generator outside torch's dispatch: a CPU run holds one per checkpointed call in memory (a tiled MLP has one per
+    slice, per layer), which a CUDA run holds in host memory, not on the device."""
+    original = torch.get_rng_state
+
+    def get_rng_state():
+        return original().clone()
+
+    torch.get_rng_state = get_rng_state
+    try:
+        yield
+    finally:
+        torch.get_rng_state = original
+
+
 def _memory_tracker(gradient_buckets: bool = False):
     """torch's `MemTracker`, except that (1) gradient hooks go on trainable parameters only: it registers one on every
     parameter a module uses, which raises for frozen ones (LoRA's base weights); (2) only the whole step's peak is
@@ -563,7 +581,8 @@ def _trace_step(stage: str, training_args, model_config, shape: GroupShape, *, p
                 cuda_paths = cuda_code_paths() if kernels == "cuda" else contextlib.nullcontext()
                 # (A CPU plan of several ranks stands for a gloo run, the one it is checked against.)
                 works = collectives_hold_their_tensors(gloo=kernels == "cpu")
-                with use_host_store(CountingHostStore()) as host, cuda_paths, works:
+                rng_states = rng_states_tracked() if kernels == "cpu" else contextlib.nullcontext()
+                with use_host_store(CountingHostStore()) as host, cuda_paths, works, rng_states:
                     trainer.train()
             finally:
                 callback.close()
