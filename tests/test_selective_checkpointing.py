@@ -77,6 +77,20 @@ def test_trainers_train_the_same_weights_with_each_attention_run_once(tmp_path, 
 
 
 @pytest.mark.parametrize("kind", KINDS)
+def test_selective_false_is_plain_checkpointing(tmp_path, tokenizer, plain, kind):
+    """`{"selective": False}` (which TRL takes) is plain checkpointing in every trainer: the key is taken out before
+    torch's `checkpoint` (which refuses it: "Unexpected keyword arguments: selective"), the recompute runs, and the
+    weights are those of no key."""
+    want, plain_calls = plain[kind]
+    trainer = two_steps(kind, tmp_path, tokenizer, gradient_checkpointing=True,
+                        gradient_checkpointing_kwargs={"selective": False})  # fmt: skip
+    got, calls = counted_weights(trainer)
+    assert (calls.forward, calls.backward) == (plain_calls.forward, plain_calls.backward), vars(calls)
+    assert_state_close(got, want, f"{kind} selective=False", atol=0)
+    assert trainer.args.gradient_checkpointing_kwargs == {"selective": False}
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_selective_with_the_long_row_settings(tmp_path, tokenizer, plain, kind):
     """With checkpoint offload and the tiled MLP (the `*_1m.yaml` settings; the tiled MLP's own checkpoints nest in
     the layer's): the same weights (to the tiled MLP's summation order), attention still run once."""
