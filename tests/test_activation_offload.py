@@ -11,10 +11,10 @@ import sp_trainer_worker as worker
 import torch
 from test_sequence_parallel_trainers import PRELOAD, assert_state_close
 from test_tiled_mlp import trained_weights
-from trainer_helpers import cpu_args
+from trainer_helpers import cpu_args, random_groups
 from trl import RewardConfig
 
-from trl_longrm import LongSFTConfig, SimPODisRMConfig, SimPOGRMConfig
+from trl_longrm import LongSFTConfig, SimPODisRMConfig, SimPODisRMTrainer, SimPOGRMConfig
 from trl_longrm.activation_offload import (
     CountingHostStore,
     HostStore,
@@ -186,6 +186,28 @@ def test_checkpoint_offload_kwarg_moves_the_layer_inputs(tmp_path, tokenizer, pl
     assert [tuple(copy.shape) for copy in store.copied] == [(1, t, hidden) for t in tokens for _ in range(layers)]
     assert store.peak_bytes == layers * max(tokens) * hidden * 4 and store.current_bytes == 0
     assert trainer.activation_offload_store.copies == 0  # `use_host_store` took them all
+
+
+@pytest.mark.parametrize("selective", [False, True], ids=["selective=False", "selective=True"])
+def test_a_second_trainer_on_the_model_offloads_to_its_own_store(tmp_path, tokenizer, selective):
+    """A trainer built on a model another trainer already set up (its checkpointing wrapped for the offload, and for
+    `selective` around that) moves the layer inputs to its own store, not to the first trainer's."""
+    settings = dict(gradient_checkpointing=True, gradient_checkpointing_kwargs={"offload": True, "selective": selective},
+                    max_steps=1)  # fmt: skip
+    first = two_steps("disrm", tmp_path / "first", tokenizer, **settings)
+    first.train()
+    moved = first.activation_offload_store.copies
+    assert moved == first.model.config.num_hidden_layers  # one micro-batch: each layer's input
+    second = SimPODisRMTrainer(
+        model=first.model,
+        args=SimPODisRMConfig(**cpu_args(tmp_path / "second", per_device_train_batch_size=worker.TRAIN_BATCH, **settings)),
+        train_dataset=random_groups(tokenizer, worker.TRAIN_GROUPS, 3, seed=worker.TRAIN_SEED),
+        processing_class=tokenizer,
+    )
+    assert second.activation_offload_store is not first.activation_offload_store
+    second.train()
+    assert second.activation_offload_store.copies == moved
+    assert first.activation_offload_store.copies == moved  # nothing more went to the first trainer's store
 
 
 def test_configs_take_the_field_and_refuse_an_offload_without_checkpointing(tmp_path):

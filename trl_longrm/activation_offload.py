@@ -247,6 +247,13 @@ def _checkpoint_offloaded(offload: OffloadActivations, checkpoint_func, function
         return checkpoint_func(function, *args, **kwargs)
 
 
+# On the backbone whose `activation_checkpointing_enable` was wrapped: the hooks its checkpointed layers use now. Held
+# by the model, not by the wrapper function: `functools.wraps` copies a function's `__dict__` into any wrapper made
+# around it (ours for `selective`, TRL's), so a mark stored on the function would be found on the outer wrapper, and
+# a second trainer would set it there while the inner wrapper kept reading the first trainer's hooks.
+_OFFLOAD_HOOKS = "_longrm_checkpoint_offload"
+
+
 def offload_checkpointed_inputs(model: nn.Module, offload: OffloadActivations) -> None:
     """Make transformers' checkpoint offload (`activation_checkpointing_enable(offload=True)`, which the HF Trainer calls
     for `gradient_checkpointing_kwargs={"offload": True}`) hold the checkpointed layers' inputs through `offload`
@@ -254,13 +261,15 @@ def offload_checkpointed_inputs(model: nn.Module, offload: OffloadActivations) -
 
     As TRL's selective checkpointing does, the model instance's method is wrapped, which covers every call that
     enables checkpointing: it enables checkpointing without transformers' offload, then wraps the checkpoint function
-    of every checkpointed module (whatever it is: `use_reentrant`, `context_fn` kept) in `offload`. Idempotent.
+    of every checkpointed module (whatever it is: `use_reentrant`, `context_fn` kept) in `offload`. Idempotent; called
+    again (a second trainer on the same model) the next enabling call uses the new `offload`.
     """
     base = model.get_base_model() if hasattr(model, "get_base_model") else model  # a PEFT model's backbone
-    enable = base.activation_checkpointing_enable
-    if getattr(enable, "_longrm_offload", None) is not None:
-        enable._longrm_offload = offload
+    installed = _OFFLOAD_HOOKS in vars(base)
+    vars(base)[_OFFLOAD_HOOKS] = offload
+    if installed:
         return
+    enable = base.activation_checkpointing_enable
 
     @functools.wraps(enable)
     def activation_checkpointing_enable(activation_checkpointing_kwargs=None, every_n_layers: int = 1,
@@ -268,11 +277,13 @@ def offload_checkpointed_inputs(model: nn.Module, offload: OffloadActivations) -
         enable(activation_checkpointing_kwargs=activation_checkpointing_kwargs, every_n_layers=every_n_layers)
         if not offload:
             return
-        hooks = activation_checkpointing_enable._longrm_offload
+        hooks = vars(base)[_OFFLOAD_HOOKS]
         for module in base.modules():
             func = getattr(module, "_gradient_checkpointing_func", None)
-            if func is not None and getattr(func, "func", None) is not _checkpoint_offloaded:
-                module._gradient_checkpointing_func = functools.partial(_checkpoint_offloaded, hooks, func)
+            if func is None:
+                continue
+            if getattr(func, "func", None) is _checkpoint_offloaded:  # wrapped by an earlier call: the new hooks
+                func = func.args[1]
+            module._gradient_checkpointing_func = functools.partial(_checkpoint_offloaded, hooks, func)
 
-    activation_checkpointing_enable._longrm_offload = offload
     base.activation_checkpointing_enable = activation_checkpointing_enable
