@@ -32,8 +32,8 @@ KINDS = [kind for kind, _ in worker.TILED_RUNS]
 class RecordingStore(HostStore):
     """A `HostStore` that also keeps each host copy, to see what was offloaded."""
 
-    def __init__(self):
-        super().__init__()
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
         self.copied = []
 
     def to_host(self, tensor):
@@ -142,6 +142,54 @@ def test_offload_context_holds_every_saved_activation(tokenizer):
     # Under checkpointing, the layers' own activations are left to the recompute: far less is held.
     config = model.config
     assert config.num_hidden_layers * row[0].shape[1] * config.hidden_size * 4 < peaks[True] < peaks[False] / 3
+
+
+class SavesItsInput(torch.autograd.Function):
+    """Saves its input for backward, where it records what autograd hands back."""
+
+    @staticmethod
+    def forward(ctx, x, restored):
+        ctx.save_for_backward(x)
+        ctx.restored = restored
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        ctx.restored.append(x)
+        return grad * 2, None
+
+
+@pytest.mark.parametrize("use_streams", [False, True], ids=["compute_stream", "use_streams"])
+def test_offload_gives_back_the_strides_of_a_saved_tensor(use_streams):
+    """A saved view keeps its layout through host memory (as TRL's `OffloadActivations` restores strides): a
+    transposed or permuted tensor comes back with its strides, from a real host copy; a view with gaps (a strided
+    slice), whose strides would need its whole storage copied, comes back dense in the same dimension order. The
+    side-stream copies (`use_streams`, CUDA tensors only) leave a CPU run as it is; their CUDA path needs a GPU and is
+    not run here."""
+
+    def run(context):
+        base, cube = torch.randn(40, 24, generator=torch.Generator().manual_seed(0)), torch.randn(6, 10, 8)
+        base.requires_grad_(), cube.requires_grad_()
+        views = [base.t(), cube.permute(2, 0, 1), base[:, ::2], base.t()[::2]]
+        restored = []
+        with context:
+            outputs = [SavesItsInput.apply(view, restored) for view in views]
+        sum(out.square().sum() for out in outputs).backward()
+        return views, restored[::-1], base.grad  # backward runs the last forward first
+
+    store = RecordingStore(use_streams=use_streams)
+    views, restored, grad = run(OffloadActivations(device="cpu", store=store))
+    assert store.copies == len(views) and store.current_bytes == 0
+    for view, back, copy in zip(views, restored, store.copied):
+        assert back.untyped_storage().data_ptr() != view.untyped_storage().data_ptr()  # the host copy
+        assert back.data_ptr() == copy.data_ptr()
+        torch.testing.assert_close(back, view.detach(), rtol=0, atol=0)
+    assert [back.stride() for back in restored] == [(1, 24), (1, 80, 8), (12, 1), (1, 12)]
+    assert [view.stride() for view in views[:2]] == [(1, 24), (1, 80, 8)]
+    _, plain, want = run(torch.enable_grad())
+    assert [back.stride() for back in plain] == [view.stride() for view in views]
+    torch.testing.assert_close(grad, want, rtol=0, atol=0)
 
 
 # ---------------------------------------------------------------------------------------------------- the trainers
