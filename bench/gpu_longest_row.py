@@ -92,6 +92,18 @@ VARIANTS = {
 }
 
 
+def run_settings(long_rows: bool = False, variant: str = "default") -> dict:
+    """The training arguments a run adds to `common.build_trainer`'s: the long-row settings (`long_rows`) and the
+    variant's, their `gradient_checkpointing_kwargs` merged (a selective variant at long rows offloads and keeps the
+    attention outputs both)."""
+    settings = {**(LONG_ROWS if long_rows else {}), **VARIANTS[variant]}
+    key = "gradient_checkpointing_kwargs"
+    kwargs = {**((LONG_ROWS if long_rows else {}).get(key) or {}), **(VARIANTS[variant].get(key) or {})}
+    if kwargs:
+        settings[key] = kwargs
+    return settings
+
+
 # bf16 dense peak of the GPUs this runs on (tensor cores, no sparsity), for the MFU.
 PEAK_BF16_FLOPS = {"H100": 989.4e12, "H200": 989.4e12, "A100": 312e12}
 
@@ -201,11 +213,13 @@ def attempt(trainer: str, impl: str, prompt_length: int, steps: int, response_le
             with tempfile.TemporaryDirectory() as output_dir:
                 instance = common.build_trainer(trainer, impl, model, tokenizer, groups, output_dir, steps, callbacks,
                                                 peft_config=lora_config(trainer, lora_r), use_cpu=not cuda, bf16=cuda,
-                                                **(LONG_ROWS if long_rows else {}), **VARIANTS[variant])
+                                                **run_settings(long_rows, variant))
                 shared = bool(getattr(instance.args, "shared_prefix", False) and instance.args.padding_free)
                 instance.train()
                 if VARIANTS[variant].get("use_liger_kernel"):  # the modules whose forward Liger replaced
-                    record["liger_modules"] = sum(getattr(m.forward, "__qualname__", "").startswith("Liger")
+                    from trl_longrm.tiled_mlp import untiled_forward  # (with long rows, Liger's tiled again)
+
+                    record["liger_modules"] = sum(getattr(untiled_forward(m), "__qualname__", "").startswith("Liger")
                                                   for m in instance.model.modules())  # fmt: skip
         except torch.OutOfMemoryError:
             record.update(status="oom", peak_mem_bytes=torch.cuda.max_memory_allocated() - base,

@@ -34,7 +34,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import common  # noqa: E402
-from gpu_longest_row import LONG_ROWS, VARIANTS, lora_config, model_shape  # noqa: E402
+from gpu_longest_row import VARIANTS, lora_config, model_shape, run_settings  # noqa: E402
 
 
 STAGES = {"grm": "simpo_grm", "disrm": "simpo_disrm"}
@@ -52,8 +52,7 @@ def model_config_of(record: dict):
 def training_args(trainer: str, impl: str, max_length: int, long_rows: bool = False, variant: str = "default"):
     """The arguments `common.build_trainer` gives the run (bf16 on the GPU; `long_rows`: checkpoint offload and the
     tiled MLP; `variant`: `gpu_longest_row.VARIANTS`' settings), as a config object the plan reads."""
-    args = common.base_args("/tmp/plan", 2, max_length=max_length, bf16=True, **(LONG_ROWS if long_rows else {}),
-                            **VARIANTS[variant])  # fmt: skip
+    args = common.base_args("/tmp/plan", 2, max_length=max_length, bf16=True, **run_settings(long_rows, variant))
     if impl == "ours":
         from trl_longrm import SimPODisRMConfig, SimPOGRMConfig
 

@@ -11,10 +11,10 @@ import sp_trainer_worker as worker
 import torch
 from test_sequence_parallel_trainers import PRELOAD, assert_state_close
 from test_tiled_mlp import trained_weights
-from trainer_helpers import cpu_args
+from trainer_helpers import cpu_args, random_groups
 from trl import RewardConfig
 
-from trl_longrm import LongSFTConfig, SimPODisRMConfig, SimPOGRMConfig
+from trl_longrm import LongSFTConfig, SimPODisRMConfig, SimPODisRMTrainer, SimPOGRMConfig
 from trl_longrm.activation_offload import (
     CountingHostStore,
     HostStore,
@@ -32,8 +32,8 @@ KINDS = [kind for kind, _ in worker.TILED_RUNS]
 class RecordingStore(HostStore):
     """A `HostStore` that also keeps each host copy, to see what was offloaded."""
 
-    def __init__(self):
-        super().__init__()
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
         self.copied = []
 
     def to_host(self, tensor):
@@ -144,6 +144,54 @@ def test_offload_context_holds_every_saved_activation(tokenizer):
     assert config.num_hidden_layers * row[0].shape[1] * config.hidden_size * 4 < peaks[True] < peaks[False] / 3
 
 
+class SavesItsInput(torch.autograd.Function):
+    """Saves its input for backward, where it records what autograd hands back."""
+
+    @staticmethod
+    def forward(ctx, x, restored):
+        ctx.save_for_backward(x)
+        ctx.restored = restored
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        ctx.restored.append(x)
+        return grad * 2, None
+
+
+@pytest.mark.parametrize("use_streams", [False, True], ids=["compute_stream", "use_streams"])
+def test_offload_gives_back_the_strides_of_a_saved_tensor(use_streams):
+    """A saved view keeps its layout through host memory (as TRL's `OffloadActivations` restores strides): a
+    transposed or permuted tensor comes back with its strides, from a real host copy; a view with gaps (a strided
+    slice), whose strides would need its whole storage copied, comes back dense in the same dimension order. The
+    side-stream copies (`use_streams`, CUDA tensors only) leave a CPU run as it is; their CUDA path needs a GPU and is
+    not run here."""
+
+    def run(context):
+        base, cube = torch.randn(40, 24, generator=torch.Generator().manual_seed(0)), torch.randn(6, 10, 8)
+        base.requires_grad_(), cube.requires_grad_()
+        views = [base.t(), cube.permute(2, 0, 1), base[:, ::2], base.t()[::2]]
+        restored = []
+        with context:
+            outputs = [SavesItsInput.apply(view, restored) for view in views]
+        sum(out.square().sum() for out in outputs).backward()
+        return views, restored[::-1], base.grad  # backward runs the last forward first
+
+    store = RecordingStore(use_streams=use_streams)
+    views, restored, grad = run(OffloadActivations(device="cpu", store=store))
+    assert store.copies == len(views) and store.current_bytes == 0
+    for view, back, copy in zip(views, restored, store.copied):
+        assert back.untyped_storage().data_ptr() != view.untyped_storage().data_ptr()  # the host copy
+        assert back.data_ptr() == copy.data_ptr()
+        torch.testing.assert_close(back, view.detach(), rtol=0, atol=0)
+    assert [back.stride() for back in restored] == [(1, 24), (1, 80, 8), (12, 1), (1, 12)]
+    assert [view.stride() for view in views[:2]] == [(1, 24), (1, 80, 8)]
+    _, plain, want = run(torch.enable_grad())
+    assert [back.stride() for back in plain] == [view.stride() for view in views]
+    torch.testing.assert_close(grad, want, rtol=0, atol=0)
+
+
 # ---------------------------------------------------------------------------------------------------- the trainers
 
 
@@ -186,6 +234,28 @@ def test_checkpoint_offload_kwarg_moves_the_layer_inputs(tmp_path, tokenizer, pl
     assert [tuple(copy.shape) for copy in store.copied] == [(1, t, hidden) for t in tokens for _ in range(layers)]
     assert store.peak_bytes == layers * max(tokens) * hidden * 4 and store.current_bytes == 0
     assert trainer.activation_offload_store.copies == 0  # `use_host_store` took them all
+
+
+@pytest.mark.parametrize("selective", [False, True], ids=["selective=False", "selective=True"])
+def test_a_second_trainer_on_the_model_offloads_to_its_own_store(tmp_path, tokenizer, selective):
+    """A trainer built on a model another trainer already set up (its checkpointing wrapped for the offload, and for
+    `selective` around that) moves the layer inputs to its own store, not to the first trainer's."""
+    settings = dict(gradient_checkpointing=True, gradient_checkpointing_kwargs={"offload": True, "selective": selective},
+                    max_steps=1)  # fmt: skip
+    first = two_steps("disrm", tmp_path / "first", tokenizer, **settings)
+    first.train()
+    moved = first.activation_offload_store.copies
+    assert moved == first.model.config.num_hidden_layers  # one micro-batch: each layer's input
+    second = SimPODisRMTrainer(
+        model=first.model,
+        args=SimPODisRMConfig(**cpu_args(tmp_path / "second", per_device_train_batch_size=worker.TRAIN_BATCH, **settings)),
+        train_dataset=random_groups(tokenizer, worker.TRAIN_GROUPS, 3, seed=worker.TRAIN_SEED),
+        processing_class=tokenizer,
+    )
+    assert second.activation_offload_store is not first.activation_offload_store
+    second.train()
+    assert second.activation_offload_store.copies == moved
+    assert first.activation_offload_store.copies == moved  # nothing more went to the first trainer's store
 
 
 def test_configs_take_the_field_and_refuse_an_offload_without_checkpointing(tmp_path):

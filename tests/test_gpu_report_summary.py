@@ -126,6 +126,24 @@ def test_plan_comparison_plans_a_variant_with_its_settings():
     assert not training_args("grm", "ours", 1024).activation_checkpointing_kwargs
 
 
+def test_long_rows_and_a_selective_variant_merge_their_checkpointing_kwargs():
+    """`--long-rows` with a selective variant: both set `gradient_checkpointing_kwargs` (offload, selective), which are
+    merged into one dict (a TypeError for a keyword given twice before), in the run's plan and in its arguments."""
+    from gpu_plan_vs_measured import training_args
+
+    merged = {"use_reentrant": False, "offload": True, "selective": True}
+    args = training_args("grm", "ours", 1024, long_rows=True, variant="selective")
+    assert args.activation_checkpointing_kwargs == merged and args.mlp_tile_tokens == 16384
+
+    from gpu_longest_row import run_settings  # what `attempt` gives `common.build_trainer`
+
+    settings = run_settings(long_rows=True, variant="selective_liger")
+    assert settings == dict(gradient_checkpointing_kwargs=merged, mlp_tile_tokens=16384, use_liger_kernel=True)
+    assert run_settings(long_rows=False, variant="selective") == dict(gradient_checkpointing_kwargs={"selective": True})
+    assert run_settings(long_rows=True, variant="default")["gradient_checkpointing_kwargs"] == {
+        "use_reentrant": False, "offload": True}
+
+
 def test_lora_model_flops_count_no_weight_gradients_of_the_frozen_layers():
     """MFU with LoRA (issue 55's convention): frozen matmuls 4 x parameters per token (no weight gradient), the
     adapters 6 x r x (in + out), attention unchanged. By hand for a one-layer shape and one unshared group."""

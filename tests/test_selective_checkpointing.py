@@ -8,6 +8,7 @@ peak in tests/test_memory_plan.py) and that is at most the layers' attention out
 from __future__ import annotations
 
 import itertools
+import types
 
 import pytest
 import sp_trainer_worker as worker
@@ -23,9 +24,11 @@ from upstream_attention import flash_attn_source, install_flash_attn, torch_varl
 
 from trl_longrm import LongSFTConfig, SimPODisRMConfig, SimPOGRMConfig
 from trl_longrm.selective_checkpointing import is_attention_forward_op, selective_context_fn
+from trl_longrm.sequence_parallel import kernels
 from trl_longrm.sequence_parallel.kernels import (
     FlashAttnVarlenOps,
     SharedPrefixVarlenKernel,
+    TorchCpuFlashOps,
     TorchVarlenOps,
     VarlenKernel,
     _flash_attn_varlen,
@@ -74,6 +77,20 @@ def test_trainers_train_the_same_weights_with_each_attention_run_once(tmp_path, 
     # The key stays where the user put it (saved with the run's arguments); TRL's own SFT wrapper was not installed.
     assert trainer.args.gradient_checkpointing_kwargs == {"selective": True}
     assert not getattr(trainer.model.gradient_checkpointing_enable, "_is_sac_wrapped", False)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_selective_false_is_plain_checkpointing(tmp_path, tokenizer, plain, kind):
+    """`{"selective": False}` (which TRL takes) is plain checkpointing in every trainer: the key is taken out before
+    torch's `checkpoint` (which refuses it: "Unexpected keyword arguments: selective"), the recompute runs, and the
+    weights are those of no key."""
+    want, plain_calls = plain[kind]
+    trainer = two_steps(kind, tmp_path, tokenizer, gradient_checkpointing=True,
+                        gradient_checkpointing_kwargs={"selective": False})  # fmt: skip
+    got, calls = counted_weights(trainer)
+    assert (calls.forward, calls.backward) == (plain_calls.forward, plain_calls.backward), vars(calls)
+    assert_state_close(got, want, f"{kind} selective=False", atol=0)
+    assert trainer.args.gradient_checkpointing_kwargs == {"selective": False}
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -206,6 +223,46 @@ def test_the_kernels_forward_ops_are_kept(request, library, layout):
     assert plain.forward == 2 * calls_per_pass and plain.backward == calls_per_pass, vars(plain)
     assert selective.forward == selective.backward == calls_per_pass, vars(selective)
     assert {name.split("::")[0] + "::" for name in selective.ops} == {op}
+    for name, g, w in zip(["out", "dq", "dk", "dv"], got, want):
+        torch.testing.assert_close(g, w, rtol=0, atol=0, msg=lambda m, name=name: f"{library} {name}: {m}")
+
+
+@pytest.mark.parametrize("library", ["torch_cpu_flash", "torch_varlen"])
+def test_the_shared_prefix_merge_copies_only_the_kept_outputs(request, monkeypatch, library):
+    """Under selective checkpointing the shared-prefix merge writes into a copy of its first call's `out` and `lse`
+    only where they are the attention op's outputs, which the checkpoint keeps for the recompute (torch's
+    `varlen_attn`); PyTorch's CPU flash kernel returns buffers it filled itself, merged in place as under plain
+    checkpointing. The same results, bit for bit."""
+    if library == "torch_varlen":
+        request.getfixturevalue("torch_varlen")
+        ops = TorchVarlenOps.load()
+    else:
+        ops = TorchCpuFlashOps.load()
+    first_outputs, merged_in_place = [], []  # per merge: whether it returned its first call's `out` itself
+    call = ops.forward
+
+    def recorded_call(*args):
+        out, lse = call(*args)
+        first_outputs.append(out.data_ptr())
+        return out, lse
+
+    merge = kernels._SharedPrefixLayout.forward
+
+    def recorded_merge(self, ops, q, k, v, scale):
+        first = len(first_outputs)
+        out, lse = merge(self, ops, q, k, v, scale)
+        merged_in_place.append(out.data_ptr() == first_outputs[first])
+        return out, lse
+
+    monkeypatch.setattr(ops, "forward", recorded_call)
+    monkeypatch.setattr(kernels._SharedPrefixLayout, "forward", recorded_merge)
+    kernel = types.SimpleNamespace(ops=ops)
+    want, plain = checkpointed_attention(kernel, "shared")
+    assert merged_in_place == [True, True]  # the forward and its recompute
+    merged_in_place.clear()
+    got, selective = checkpointed_attention(kernel, "shared", selective_context_fn)
+    assert selective.forward == selective.backward == plain.backward > 0, vars(selective)  # each attention op once
+    assert merged_in_place == [library == "torch_cpu_flash"] * 2
     for name, g, w in zip(["out", "dq", "dk", "dv"], got, want):
         torch.testing.assert_close(g, w, rtol=0, atol=0, msg=lambda m, name=name: f"{library} {name}: {m}")
 

@@ -10,7 +10,7 @@ from test_sequence_parallel_trainers import PRELOAD, assert_state_close
 
 from trl_longrm.sequence_parallel.launch import run_on_gloo_ranks
 from trl_longrm.testing_utils import build_chat_tokenizer, build_tiny_model
-from trl_longrm.tiled_mlp import TILED_MARK, apply_tiled_mlp, decoder_mlps, decoder_norms
+from trl_longrm.tiled_mlp import apply_tiled_mlp, decoder_mlps, decoder_norms, tiled_tokens, untiled_forward
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +43,7 @@ def test_tiled_model_has_the_same_logits_and_gradients(tokenizer, checkpointing)
     # The layers' RMSNorms are per token too (Qwen3: input, post-attention, and the per-head q/k norms), and the
     # backbone's final norm: tiled alike.
     norms = decoder_norms(model)
-    assert len(norms) == 4 * model.config.num_hidden_layers + 1 and all(hasattr(n, TILED_MARK) for n in norms)
+    assert len(norms) == 4 * model.config.num_hidden_layers + 1 and all(tiled_tokens(n) == 8 for n in norms)
     assert norms[-1] is model.model.norm
     got_logits, got_grads = forward_backward(model, input_ids, position_ids)
     torch.testing.assert_close(got_logits, want_logits, rtol=1e-5, atol=1e-6)
@@ -62,6 +62,39 @@ def test_tiled_model_has_the_same_logits_and_gradients(tokenizer, checkpointing)
     # every recompute in backward (of the slices, and of the layer under gradient checkpointing, which autograd may
     # stop early) sees one slice at a time.
     assert sizes[:7] == [8] * 6 + [5] and max(sizes) == 8 and len(sizes) >= 14, sizes
+
+
+def test_a_forward_bound_after_the_tiling_is_tiled_again(tokenizer):
+    """A `forward` bound to a tiled module afterwards (as Liger's kernels are, in `Trainer.train()`) replaces the tiled
+    one: the module no longer counts as tiled, and the decoder stack's next forward tiles the new forward (which then
+    runs over slices), with the same logits and gradients."""
+    model = build_tiny_model("qwen3", tokenizer=tokenizer, seed=1)
+    model.train()
+    generator = torch.Generator().manual_seed(0)
+    input_ids = torch.randint(10, len(tokenizer), (1, 53), generator=generator)
+    position_ids = torch.cat([torch.arange(30), torch.arange(23)]).unsqueeze(0)
+    want_logits, want_grads = forward_backward(model, input_ids, position_ids)
+
+    apply_tiled_mlp(model, 8)
+    modules = [*decoder_mlps(model), *decoder_norms(model)]
+    seen = []  # (module, tokens) of each call of the forwards bound afterwards
+
+    def bound_forward(self, hidden_states):  # what the module computes, as a kernel bound to the instance would
+        seen.append((self, hidden_states.shape[1]))
+        return type(self).forward(self, hidden_states)
+
+    for module in modules:
+        module.__dict__["forward"] = bound_forward.__get__(module, type(module))  # Liger's `_bind_method_to_module`
+    assert not any(tiled_tokens(module) for module in modules)  # the mark does not claim what no longer holds
+    got_logits, got_grads = forward_backward(model, input_ids, position_ids)
+    assert all(tiled_tokens(module) == 8 for module in modules)
+    assert all(untiled_forward(module).__func__ is bound_forward for module in modules)
+    assert {module for module, _ in seen} == set(modules) and max(tokens for _, tokens in seen) == 8
+    torch.testing.assert_close(got_logits, want_logits, rtol=1e-5, atol=1e-6)
+    assert_state_close(got_grads, want_grads, "tiled again", atol=1e-5)
+    # Applying again changes the size, around the same forward.
+    apply_tiled_mlp(model, 16)
+    assert all(tiled_tokens(module) == 16 and untiled_forward(module).__func__ is bound_forward for module in modules)
 
 
 def test_bad_values_are_refused(tokenizer):

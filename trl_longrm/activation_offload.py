@@ -10,8 +10,12 @@ offload context around the forward moves the checkpointed inputs, while the tens
 the recompute. Without checkpointing it moves every saved activation, as TRL's `activation_offloading` does.
 
 On an accelerator the host copies are pinned and made with non-blocking copies on the compute stream (the stream
-orders each copy before the device memory it reads is reused, and before the copy back); a CPU run still makes a real
-host copy, which saves nothing but lets the offloaded run be checked against the plain one on CPU.
+orders each copy before the device memory it reads is reused, and before the copy back); with
+`HostStore(use_streams=True)` the copies to host of CUDA tensors run on a side stream instead, overlapping the forward's
+compute, as TRL's `OffloadActivations(use_streams=True)` does. A CPU run still makes a real host copy, which saves
+nothing but lets the offloaded run be checked against the plain one on CPU. A saved tensor comes back with its strides
+(a transposed weight-like view, a permuted attention layout): its host copy has them (a view with gaps, such as a
+strided slice, is copied dense in the same order of dimensions: only its elements are copied).
 
 The host memory itself sits behind a small store (`HostStore`: `to_host(tensor)` / `to_device(packed)`, current and
 peak host bytes). `use_host_store(store)` swaps in another store for whatever runs inside it, e.g. `CountingHostStore`,
@@ -50,40 +54,91 @@ class HostCopy:
     """A saved tensor held by a `HostStore`: its host copy and the device it returns to. The store's current host
     bytes drop when autograd releases it (after its backward, or with the graph)."""
 
-    __slots__ = ("store", "tensor", "device", "nbytes", "__weakref__")
+    __slots__ = ("store", "tensor", "device", "nbytes", "ready", "__weakref__")
 
-    def __init__(self, store: HostStore, tensor: torch.Tensor, device: torch.device, nbytes: int):
-        self.store, self.tensor, self.device, self.nbytes = store, tensor, device, nbytes
+    def __init__(self, store: HostStore, tensor: torch.Tensor, device: torch.device, nbytes: int, ready=None):
+        # `ready`: the event recorded after the copy to host when it ran on a side stream (None: the compute stream's).
+        self.store, self.tensor, self.device, self.nbytes, self.ready = store, tensor, device, nbytes, ready
         store._hold(nbytes)
 
     def __del__(self):
         self.store._release(self.nbytes)
 
 
+def host_strides(tensor: torch.Tensor) -> tuple[int, ...]:
+    """The strides of `tensor`'s host copy: its own when its elements fill their span of storage exactly (contiguous,
+    transposed, permuted), else dense strides in the same order of dimensions (a view with gaps: only its elements
+    are copied, as `torch.empty_like` lays it out)."""
+    shape, strides = tuple(tensor.shape), tensor.stride()
+    dense, step = [0] * len(shape), 1
+    for dim in sorted(range(len(shape)), key=lambda d: (strides[d], -d)):  # innermost first
+        dense[dim] = step
+        step *= shape[dim]
+    if all(shape[d] == 1 or strides[d] == dense[d] for d in range(len(shape))):
+        return strides
+    return tuple(dense)
+
+
 class HostStore:
     """Host memory of offloaded activations, with byte counters: `current_bytes` (held now), `peak_bytes` (most held
-    at once), `moved_bytes` and `copies` (everything copied to host so far)."""
+    at once), `moved_bytes` and `copies` (everything copied to host so far).
 
-    def __init__(self):
+    Args:
+        use_streams (`bool`, *optional*, defaults to `False`):
+            Copy CUDA tensors to host on a side stream (one per device), which overlaps the copies with the forward's
+            compute, as TRL's `OffloadActivations(use_streams=True)`; the copy back waits for it. Without it (and for
+            any tensor off CUDA: a CPU run is unchanged) the copies are queued on the compute stream.
+    """
+
+    def __init__(self, use_streams: bool = False):
         self.current_bytes = 0
         self.peak_bytes = 0
         self.moved_bytes = 0
         self.copies = 0
+        self.use_streams = use_streams
+        self._streams = {}  # device -> the side stream of the copies to host
 
     def to_host(self, tensor: torch.Tensor) -> HostCopy:
-        """A host copy of `tensor`: pinned, copied without blocking, when it lives on an accelerator."""
-        return HostCopy(self, self._host_tensor(tensor), tensor.device, tensor.numel() * tensor.element_size())
+        """A host copy of `tensor`, with its strides (`host_strides`): pinned, copied without blocking, when it lives
+        on an accelerator."""
+        nbytes = tensor.numel() * tensor.element_size()
+        stream = self._copy_stream(tensor)
+        if stream is None:
+            return HostCopy(self, self._host_tensor(tensor), tensor.device, nbytes)
+        # Not exercised by the test suite (no GPU here); the same scheme as TRL's streams: the side stream waits for
+        # the compute stream that wrote the tensor, the allocator keeps the tensor's memory until the side stream has
+        # read it (`record_stream`), and the copy back waits for the event recorded after the copy.
+        stream.wait_stream(torch.cuda.current_stream(tensor.device))
+        with torch.cuda.stream(stream):
+            host = self._host_tensor(tensor)
+            ready = stream.record_event()
+        tensor.record_stream(stream)
+        return HostCopy(self, host, tensor.device, nbytes, ready)
 
     def to_device(self, packed: HostCopy) -> torch.Tensor:
-        """The tensor back on its device (on CPU the host copy itself, as `torch.autograd.graph.save_on_cpu`)."""
+        """The tensor back on its device, with its strides (on CPU the host copy itself, as
+        `torch.autograd.graph.save_on_cpu`)."""
+        if packed.ready is not None:  # copied to host on a side stream: not before that copy is done
+            torch.cuda.current_stream(packed.device).wait_event(packed.ready)
+        # `to` keeps the strides of a dense tensor, which the host copy is.
         return packed.tensor.to(packed.device, non_blocking=packed.device.type != "cpu")
 
     def reset_peak(self) -> None:
         self.peak_bytes = self.current_bytes
 
+    def _copy_stream(self, tensor: torch.Tensor):
+        """The side stream `tensor` is copied to host on, None for the compute stream."""
+        if not self.use_streams or tensor.device.type != "cuda" or type(tensor) is not torch.Tensor:
+            return None
+        device = tensor.device if tensor.device.index is not None else torch.device("cuda", torch.cuda.current_device())
+        if device not in self._streams:
+            self._streams[device] = torch.cuda.Stream(device)
+        return self._streams[device]
+
     def _host_tensor(self, tensor: torch.Tensor) -> torch.Tensor:
         on_accelerator = tensor.device.type != "cpu"
-        host = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=on_accelerator)
+        host = torch.empty_strided(tensor.shape, host_strides(tensor), dtype=tensor.dtype, device="cpu",
+                                   pin_memory=on_accelerator)  # fmt: skip
         return host.copy_(tensor, non_blocking=on_accelerator)
 
     def _hold(self, nbytes: int) -> None:
@@ -105,12 +160,16 @@ class CountingHostStore(HostStore):
         if not (tensor.is_floating_point() or tensor.is_complex()):
             # Integer tensors (indices, lengths) decide shapes in backward: their values are kept (they are small).
             return tensor
-        return torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
+        return torch.empty_strided(tensor.shape, host_strides(tensor), dtype=tensor.dtype, device="meta")
 
     def to_device(self, packed: HostCopy) -> torch.Tensor:
         if packed.tensor.device.type != "meta":
             return packed.tensor.clone()
-        return torch.empty(packed.tensor.shape, dtype=packed.tensor.dtype, device=packed.device)
+        return torch.empty_strided(packed.tensor.shape, packed.tensor.stride(), dtype=packed.tensor.dtype,
+                                   device=packed.device)  # fmt: skip
+
+    def _copy_stream(self, tensor: torch.Tensor):
+        return None  # nothing is copied
 
 
 _store_overrides: list[HostStore] = []
@@ -247,6 +306,13 @@ def _checkpoint_offloaded(offload: OffloadActivations, checkpoint_func, function
         return checkpoint_func(function, *args, **kwargs)
 
 
+# On the backbone whose `activation_checkpointing_enable` was wrapped: the hooks its checkpointed layers use now. Held
+# by the model, not by the wrapper function: `functools.wraps` copies a function's `__dict__` into any wrapper made
+# around it (ours for `selective`, TRL's), so a mark stored on the function would be found on the outer wrapper, and
+# a second trainer would set it there while the inner wrapper kept reading the first trainer's hooks.
+_OFFLOAD_HOOKS = "_longrm_checkpoint_offload"
+
+
 def offload_checkpointed_inputs(model: nn.Module, offload: OffloadActivations) -> None:
     """Make transformers' checkpoint offload (`activation_checkpointing_enable(offload=True)`, which the HF Trainer calls
     for `gradient_checkpointing_kwargs={"offload": True}`) hold the checkpointed layers' inputs through `offload`
@@ -254,13 +320,15 @@ def offload_checkpointed_inputs(model: nn.Module, offload: OffloadActivations) -
 
     As TRL's selective checkpointing does, the model instance's method is wrapped, which covers every call that
     enables checkpointing: it enables checkpointing without transformers' offload, then wraps the checkpoint function
-    of every checkpointed module (whatever it is: `use_reentrant`, `context_fn` kept) in `offload`. Idempotent.
+    of every checkpointed module (whatever it is: `use_reentrant`, `context_fn` kept) in `offload`. Idempotent; called
+    again (a second trainer on the same model) the next enabling call uses the new `offload`.
     """
     base = model.get_base_model() if hasattr(model, "get_base_model") else model  # a PEFT model's backbone
-    enable = base.activation_checkpointing_enable
-    if getattr(enable, "_longrm_offload", None) is not None:
-        enable._longrm_offload = offload
+    installed = _OFFLOAD_HOOKS in vars(base)
+    vars(base)[_OFFLOAD_HOOKS] = offload
+    if installed:
         return
+    enable = base.activation_checkpointing_enable
 
     @functools.wraps(enable)
     def activation_checkpointing_enable(activation_checkpointing_kwargs=None, every_n_layers: int = 1,
@@ -268,11 +336,13 @@ def offload_checkpointed_inputs(model: nn.Module, offload: OffloadActivations) -
         enable(activation_checkpointing_kwargs=activation_checkpointing_kwargs, every_n_layers=every_n_layers)
         if not offload:
             return
-        hooks = activation_checkpointing_enable._longrm_offload
+        hooks = vars(base)[_OFFLOAD_HOOKS]
         for module in base.modules():
             func = getattr(module, "_gradient_checkpointing_func", None)
-            if func is not None and getattr(func, "func", None) is not _checkpoint_offloaded:
-                module._gradient_checkpointing_func = functools.partial(_checkpoint_offloaded, hooks, func)
+            if func is None:
+                continue
+            if getattr(func, "func", None) is _checkpoint_offloaded:  # wrapped by an earlier call: the new hooks
+                func = func.args[1]
+            module._gradient_checkpointing_func = functools.partial(_checkpoint_offloaded, hooks, func)
 
-    activation_checkpointing_enable._longrm_offload = offload
     base.activation_checkpointing_enable = activation_checkpointing_enable

@@ -163,6 +163,9 @@ def check_selective_checkpointing_setup(args, model, peft_config) -> None:
         )
 
 
+_SELECTIVE_MARK = "_longrm_selective_checkpointing"  # on a backbone whose `activation_checkpointing_enable` is wrapped
+
+
 def enable_selective_checkpointing(model: nn.Module) -> None:
     """Make the model's `activation_checkpointing_enable` (what the HF Trainer calls in `train()`, and PEFT's k-bit
     preparation through its deprecated alias) honour `selective`: the key is taken out of the checkpoint kwargs (torch's
@@ -173,9 +176,11 @@ def enable_selective_checkpointing(model: nn.Module) -> None:
     PEFT model reaches the base model's method), which covers every call that enables checkpointing. Idempotent.
     """
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    enable = base.activation_checkpointing_enable
-    if getattr(enable, "_longrm_selective", False):
+    # Marked on the model, not on the wrapper: `functools.wraps` copies a function's `__dict__` into every wrapper
+    # made around it, so a mark on a function is found on wrappers that are not ours (`activation_offload`'s).
+    if vars(base).get(_SELECTIVE_MARK, False):
         return
+    enable = base.activation_checkpointing_enable
 
     @functools.wraps(enable)
     def activation_checkpointing_enable(activation_checkpointing_kwargs=None, *args, **kwargs):
@@ -185,5 +190,5 @@ def enable_selective_checkpointing(model: nn.Module) -> None:
             activation_checkpointing_kwargs["context_fn"] = selective_context_fn
         return enable(activation_checkpointing_kwargs or None, *args, **kwargs)
 
-    activation_checkpointing_enable._longrm_selective = True
+    vars(base)[_SELECTIVE_MARK] = True
     base.activation_checkpointing_enable = activation_checkpointing_enable

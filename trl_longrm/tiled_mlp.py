@@ -17,6 +17,12 @@ slice's.
 
 Gradients reach the parameters through autograd as usual (DDP's and DeepSpeed's hooks see them), so the tiled model
 trains the same weights, to rounding of the summation order of each weight's gradient over the slices.
+
+The tiling wraps each module's instance `forward`. Whatever binds another `forward` to the instance later replaces it:
+Liger's kernels (`use_liger_kernel=True`) are bound to the MLPs and RMSNorms in `Trainer.train()`, after the trainer
+tiled them. A module is tiled only while its `forward` is the tiled one (`tiled_tokens`), and a forward pre-hook on the
+decoder stack tiles again, around the new forward, every module whose `forward` was replaced since: Liger's kernels
+then run over the slices.
 """
 
 from __future__ import annotations
@@ -28,7 +34,10 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 
-TILED_MARK = "_longrm_mlp_tile_tokens"
+TILED_MARK = "_longrm_mlp_tile_tokens"  # on a module tiled once: the size of its slices
+_TILED_FORWARD = "_longrm_tiled_forward"  # the `forward` the tiling bound to the module (tiled while it is its forward)
+_UNTILED_FORWARD = "_longrm_untiled_forward"  # the `forward` that one slices
+_TILED_MODULES = "_longrm_tiled_modules"  # on the decoder stack: (module, token dim) of every module tiled
 
 
 def tiled_mlp_forward(forward, hidden_states: torch.Tensor, tile_tokens: int, dim: int = -2) -> torch.Tensor:
@@ -82,10 +91,59 @@ def decoder_mlps(model: nn.Module) -> list[nn.Module]:
     return mlps
 
 
+def tiled_tokens(module: nn.Module) -> int | None:
+    """The size of the slices `module` computes over, None when it is not tiled: never tiled, or its `forward` was
+    replaced since (Liger's kernels bound in `train()`; the decoder stack's next forward tiles it again)."""
+    forward = vars(module).get(_TILED_FORWARD)
+    if forward is None or vars(module).get("forward") is not forward:
+        return None
+    return getattr(module, TILED_MARK)
+
+
+def untiled_forward(module: nn.Module):
+    """The `forward` a tiled module computes each slice with (Liger's when it was bound after the tiling and tiled
+    again); the module's `forward` when it is not tiled."""
+    return vars(module)[_UNTILED_FORWARD] if tiled_tokens(module) is not None else module.forward
+
+
+def _tile(module: nn.Module, dim: int) -> None:
+    """Bind to `module` a forward that slices its current `forward` along `dim` (the size read from `TILED_MARK`)."""
+    untiled = module.forward
+
+    def forward(self, hidden_states, *args, _untiled=untiled, _dim=dim, **kwargs):
+        if args or kwargs or hidden_states.dim() < 3:  # not a per-token call we know how to slice
+            return _untiled(hidden_states, *args, **kwargs)
+        return tiled_mlp_forward(_untiled, hidden_states, getattr(self, TILED_MARK), _dim)
+
+    module.forward = types.MethodType(forward, module)
+    vars(module)[_TILED_FORWARD], vars(module)[_UNTILED_FORWARD] = module.forward, untiled
+
+
+def _tile_again(stack: nn.Module, args) -> None:
+    """Forward pre-hook of the decoder stack: tile again every module whose `forward` was replaced since it was tiled
+    (one identity check per module when none was)."""
+    for module, dim in vars(stack)[_TILED_MODULES]:
+        if vars(module).get("forward") is not vars(module)[_TILED_FORWARD]:
+            _tile(module, dim)
+
+
+def _decoder_stack(model: nn.Module) -> nn.Module | None:
+    """The module holding the decoder layers (`decoder_mlps`' `layers`)."""
+    for module in model.modules():
+        layers = getattr(module, "layers", None)
+        if isinstance(layers, nn.ModuleList) and any(
+            isinstance(getattr(layer, "mlp", None), nn.Module) for layer in layers
+        ):
+            return module
+    return None
+
+
 def apply_tiled_mlp(model: nn.Module, tile_tokens: int | None) -> int:
     """Compute every decoder layer's MLP and RMSNorms over slices of at most `tile_tokens` tokens (None: leave the
     model as it is).
     Returns the number of MLPs tiled; raises if `model` has no decoder MLP to tile. Applying again changes the size.
+    A module whose `forward` is replaced later (Liger's kernels, bound in `Trainer.train()`) is tiled again, around
+    its new forward, when the decoder stack next runs.
 
     Example:
     ```python
@@ -103,15 +161,13 @@ def apply_tiled_mlp(model: nn.Module, tile_tokens: int | None) -> int:
         )
     # MLPs take [..., tokens, hidden]; the norms [batch, tokens, hidden] or, per head, [batch, tokens, heads, dim]:
     # tokens on dim 1 (transformers' decoder layers are batch first).
-    for module, dim in [*((mlp, -2) for mlp in mlps), *((norm, 1) for norm in decoder_norms(model))]:
-        if not hasattr(module, TILED_MARK):
-            untiled = module.forward
-
-            def forward(self, hidden_states, *args, _untiled=untiled, _dim=dim, **kwargs):
-                if args or kwargs or hidden_states.dim() < 3:  # not a per-token call we know how to slice
-                    return _untiled(hidden_states, *args, **kwargs)
-                return tiled_mlp_forward(_untiled, hidden_states, getattr(self, TILED_MARK), _dim)
-
-            module.forward = types.MethodType(forward, module)
+    modules = [*((mlp, -2) for mlp in mlps), *((norm, 1) for norm in decoder_norms(model))]
+    for module, dim in modules:
         setattr(module, TILED_MARK, tile_tokens)
+        if tiled_tokens(module) is None:  # never tiled, or its forward replaced since: tile the forward it has now
+            _tile(module, dim)
+    stack = _decoder_stack(model)
+    if _TILED_MODULES not in vars(stack):
+        stack.register_forward_pre_hook(_tile_again)
+    vars(stack)[_TILED_MODULES] = modules
     return len(mlps)

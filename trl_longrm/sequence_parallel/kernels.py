@@ -217,6 +217,13 @@ class VarlenOps:
     def forward(self, q, k, v, cu_q, cu_k, max_q, max_k, scale, causal):
         raise NotImplementedError
 
+    def forward_fills_own_buffers(self, q) -> bool:
+        """Whether `forward` on these queries returns buffers it allocated and filled itself (the attention ops'
+        outputs copied into them), not an attention op's own outputs or views of them: selective checkpointing keeps
+        those for the recompute, and a caller must not write into them (the shared-prefix merge copies them first).
+        False unless the library knows better."""
+        return False
+
     def backward(self, grad_out, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, causal):
         raise NotImplementedError
 
@@ -419,6 +426,9 @@ class TorchCudnnOps(VarlenOps):
         nondeterministic)."""
         return q.shape[-1] % 8 == 0 and q.shape[-1] <= 128 and not _deterministic()
 
+    def forward_fills_own_buffers(self, q) -> bool:
+        return self.serves(q)  # else the fallback's outputs as they are
+
     def forward(self, q, k, v, cu_q, cu_k, max_q, max_k, scale, causal):
         if not self.serves(q):
             return self.fallback.forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal)
@@ -552,6 +562,9 @@ class TorchCpuFlashOps(VarlenOps):
     def _heads_first(t):
         return t.transpose(0, 1).unsqueeze(0)  # [T, H, D] -> [1, H, T, D]
 
+    def forward_fills_own_buffers(self, q) -> bool:
+        return True  # each block's outputs are copied into `out` and `lse`
+
     def forward(self, q, k, v, cu_q, cu_k, max_q, max_k, scale, causal):
         out = q.new_empty(q.shape[0], q.shape[1], v.shape[2])
         lse = torch.empty(q.shape[1], q.shape[0], dtype=torch.float32, device=q.device)
@@ -645,7 +658,11 @@ class _SharedPrefixLayout:
             return out, lse
         idx = self.queries_b
         out_b, lse_b = ops.forward(q[idx], self.keys_b(k), self.keys_b(v), *self.call_b, scale, False)
-        if keeps_attention_outputs():  # `out` and `lse` are selective checkpointing's kept tensors: not ours to write
+        if keeps_attention_outputs() and not ops.forward_fills_own_buffers(q):
+            # `out` and `lse` are (views of) the attention op's outputs, which selective checkpointing keeps for the
+            # recompute: torch refuses a kept tensor that was changed, and the recompute would read the merged values.
+            # The merge writes into copies (flash-attn's and torch's varlen outputs; buffers the ops filled themselves,
+            # PyTorch's CPU flash kernel's and cuDNN's, are nobody else's and merged in place).
             out, lse = out.clone(), lse.clone()
         lse_a = lse[:, idx]
         merged = torch.logaddexp(lse_a, lse_b)

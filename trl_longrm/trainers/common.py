@@ -23,7 +23,7 @@ from trl_longrm.data.stock_columns import (
     is_group_row,
     with_stock_columns,
 )
-from trl_longrm.selective_checkpointing import SELECTIVE_KEY, enable_selective_checkpointing, wants_selective
+from trl_longrm.selective_checkpointing import SELECTIVE_KEY, enable_selective_checkpointing
 from trl_longrm.sequence_parallel.kernels import FlashAttnVarlenOps, is_flash_attn_available
 
 
@@ -205,8 +205,11 @@ def install_activation_offload(trainer) -> None:
 def install_selective_checkpointing(trainer) -> None:
     """`gradient_checkpointing_kwargs={"selective": True}` (TRL's key, which SFTTrainer alone takes) in every trainer,
     after TRL's `__init__`: the model's checkpointing keeps the attention kernels' outputs
-    (`trl_longrm.selective_checkpointing`) when the HF Trainer enables it in `train()`."""
-    if wants_selective(trainer.args):
+    (`trl_longrm.selective_checkpointing`) when the HF Trainer enables it in `train()`.
+
+    `{"selective": False}` (which TRL takes too) is plain checkpointing: the wrapper is installed for it as well, since
+    it is what takes the key out before torch's `checkpoint` sees it (which refuses keys it does not know)."""
+    if SELECTIVE_KEY in (trainer.args.activation_checkpointing_kwargs or {}):
         enable_selective_checkpointing(trainer.model)
 
 
