@@ -29,6 +29,7 @@ from transformers import TrainerCallback
 from trl_longrm.activation_offload import CountingHostStore, use_host_store
 from trl_longrm.memory_plan.cuda_paths import cuda_code_paths
 from trl_longrm.memory_plan.fake_mode import HybridFakeMode
+from trl_longrm.memory_plan.workspaces import KernelWorkspaces
 from trl_longrm.sequence_parallel.kernels import planned_kernels
 
 
@@ -309,9 +310,11 @@ def _forward_mod_tracker():
 
 class _TraceStep(TrainerCallback):
     """Primes the optimizer's states (as after a first step: they are alive through every later one), then tracks
-    the first optimizer step with a `MemTracker`."""
+    the first optimizer step with a `MemTracker`; with `workspaces`, kernels' in-call buffers (`KernelWorkspaces`)
+    are allocated above it."""
 
-    def __init__(self):
+    def __init__(self, workspaces: bool = False):
+        self.workspaces = KernelWorkspaces() if workspaces else None
         self.tracker = None
         self.at_start = None
         self.peak = None
@@ -353,6 +356,8 @@ class _TraceStep(TrainerCallback):
         self.tracker = _memory_tracker(gradient_buckets=buckets)
         self.tracker.track_external(model, inner)
         self.tracker.__enter__()
+        if self.workspaces is not None:
+            self.workspaces.__enter__()
         self.at_start = _by_kind(self.tracker.get_tracker_snapshot("current"))
 
     def on_substep_end(self, args, state, control, **kwargs):
@@ -369,12 +374,18 @@ class _TraceStep(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         if self.tracker is not None and self.peak is None:
-            self.tracker.__exit__(None, None, None)
+            self._exit()
             self.peak = self.tracker.get_tracker_snapshot("peak")
 
     def close(self):
         if self.tracker is not None and self.peak is None:
-            self.tracker.__exit__(None, None, None)
+            self._exit()
+
+    def _exit(self):
+        if self.workspaces is not None:
+            self.workspaces.__exit__(None, None, None)
+            self.workspaces = None
+        self.tracker.__exit__(None, None, None)
 
 
 def _bucket_as_reduced(state, bucket):
@@ -529,7 +540,7 @@ def _trace_step(stage: str, training_args, model_config, shape: GroupShape, *, p
             group_tokens *= 2
     groups_per_row = max(row_budget // group_tokens, 1) if row_budget else per_device
     num_rows = groups_per_row * accumulation * (world_size // sp)
-    callback = _TraceStep()
+    callback = _TraceStep(workspaces=kernels == "cpu")
     with fake_world(rank, world_size), tempfile.TemporaryDirectory() as tmp:
         overrides = dict(
             output_dir=tmp, max_steps=1, num_train_epochs=1, gradient_accumulation_steps=accumulation,
