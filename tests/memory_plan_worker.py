@@ -22,18 +22,40 @@ from trl_longrm.stages import stage_classes  # noqa: E402
 from trl_longrm.testing_utils import build_chat_tokenizer  # noqa: E402
 
 
+def load_4bit(stage: str, path: str, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, BitsAndBytesConfig
+
+    quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype,
+                                      bnb_4bit_use_double_quant=True)  # fmt: skip
+    cls = AutoModelForSequenceClassification if stage == "simpo_disrm" else AutoModelForCausalLM
+    return cls.from_pretrained(path, quantization_config=quantization, dtype=dtype, device_map="cpu")
+
+
 def measure_step(stage, training_args, model_config, shape: GroupShape, peft_config=None, dtype=None,
                  num_rows_per_step: int = 1, host_store: CountingHostStore | None = None,
-                 stock: bool = False) -> int:  # fmt: skip
+                 stock: bool = False, load_in_4bit: bool = False) -> int:  # fmt: skip
     """Peak live tensor bytes of the second optimizer step (the first that starts with the optimizer's states, as
     every later one does) of `stage`'s trainer (`stock`: stock TRL's, on its pairs), on this process; the memory plan
-    traces that step."""
+    traces that step. `load_in_4bit`: the model saved and loaded again in 4 bits by bitsandbytes (NF4, nested
+    absmax, the compute dtype `dtype`), as a QLoRA recipe loads it. It is loaded before the recorder starts (the
+    profiler sees the load's file-backed storage allocated but never freed), and the bytes of the loaded tensors the
+    model still holds at the step are added to the recorded peak (the 4-bit weights, their quantization states, and
+    whatever k-bit preparation did not replace)."""
     tokenizer = build_chat_tokenizer()
     accumulation = min(training_args.gradient_accumulation_steps, 2)
+    saved = tempfile.TemporaryDirectory()
+    if load_in_4bit:
+        torch.manual_seed(0)
+        build_model(stage, model_config, dtype).save_pretrained(saved.name)
+    loaded = {}
+    if load_in_4bit:
+        model = load_4bit(stage, saved.name, dtype)
+        loaded = model_tensor_bytes(model)
     recorder = TensorMemoryRecorder()
     recorder.start()  # before the model exists: its weights are live tensors of every step
     torch.manual_seed(0)
-    model = build_model(stage, model_config, dtype)
+    if not load_in_4bit:
+        model = build_model(stage, model_config, dtype)
     rows = 2 * accumulation * num_rows_per_step
     with tempfile.TemporaryDirectory() as tmp:
         overrides = dict(output_dir=tmp, max_steps=2, gradient_accumulation_steps=accumulation, save_strategy="no",
@@ -61,7 +83,20 @@ def measure_step(stage, training_args, model_config, shape: GroupShape, peft_con
         with use_host_store(host_store or CountingHostStore()):
             trainer.train()
     report = recorder.finish(2)
-    return report[1]["peak_bytes"]
+    held = model_tensor_bytes(trainer.model)
+    return report[1]["peak_bytes"] + sum(size for ptr, size in loaded.items() if ptr in held)
+
+
+def model_tensor_bytes(model) -> dict[int, int]:
+    """Bytes of the storages a model holds (parameters, buffers, and bitsandbytes' quantization states), by address."""
+    tensors = [*model.parameters(), *model.buffers()]
+    states = [getattr(p, "quant_state", None) for p in model.parameters()]
+    while states:
+        state = states.pop()
+        if state is not None:
+            tensors += [t for t in (state.absmax, state.code, state.offset) if isinstance(t, torch.Tensor)]
+            states.append(state.state2)
+    return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
 
 
 def measure_on_rank(rank: int, world_size: int, out_dir: str, case: dict) -> None:

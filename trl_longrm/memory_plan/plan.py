@@ -184,6 +184,8 @@ def plan_memory(
     max_traced_layers: int | None = DEFAULT_MAX_TRACED_LAYERS,
     stock: bool = False,
     attention: str | None = None,
+    load_in_4bit: bool = False,
+    nested_quant: bool = True,
 ) -> MemoryPlan:
     """The memory plan of rank `rank` of a `world_size`-process run of `stage` ('sft', 'simpo_grm', 'simpo_disrm') with
     `training_args` (the stage's config, as a recipe builds it) on a model of `model_config` (a transformers config, or
@@ -197,7 +199,9 @@ def plan_memory(
     (`trl_longrm.memory_plan.stock`: pairs of whole rows, no sequence parallelism). `attention` (device 'cuda'): the
     attention kernels our trainers' run takes, 'flash_attn' or 'cudnn' (cuDNN's fused attention, its grouped-query
     heads repeated per call); default: those `training_args.ring_attn_backend` resolves to
-    (`trl_longrm.sequence_parallel.kernels.planned_cuda_attention`).
+    (`trl_longrm.sequence_parallel.kernels.planned_cuda_attention`). `load_in_4bit` (QLoRA; `nested_quant`: bitsandbytes'
+    double quantization): the model as a 4-bit load trains it, its 4-bit layers traced in `dtype` (their compute
+    dtype, default bfloat16) and their weights then counted in 4 bits (`trl_longrm.memory_plan.quantized`).
 
     Example:
     ```python
@@ -216,17 +220,19 @@ def plan_memory(
         raise ValueError(f"distributed={distributed!r}: expected 'single', 'ddp', 'zero2' or 'zero3'.")
     if attention is None:
         attention = planned_cuda_attention(getattr(training_args, "ring_attn_backend", "auto") or "auto")
+    if load_in_4bit:
+        dtype = dtype or torch.bfloat16
     started = time.perf_counter()
     traced = trace_step(stage, training_args, model_config, shape, peft_config=peft_config, dtype=dtype,
                         world_size=world_size, rank=rank, max_traced_layers=max_traced_layers,
                         ddp=distributed not in ("zero2", "zero3"), stock=stock, kernels=device,
-                        attention=attention)  # fmt: skip
+                        attention=attention, load_in_4bit=load_in_4bit, nested_quant=nested_quant)  # fmt: skip
     seconds = time.perf_counter() - started
     sp = 1 if stock else getattr(training_args, "sequence_parallel_size", 1) or 1
     groups = communicator_sizes(world_size, sp, getattr(training_args, "sequence_parallel_mode", "ring") or "ring",
                                 getattr(training_args, "ulysses_size", None))  # fmt: skip
     phase, (parts, terms, peak) = _combine(traced, distributed, world_size, device, len(groups))
-    return MemoryPlan(
+    plan = MemoryPlan(
         stage=stage,
         trainer=_trainer_name(stage, stock),
         rank=rank,
@@ -254,6 +260,11 @@ def plan_memory(
         trace_seconds=round(seconds, 2),
         notes=[*traced.notes, *_kernel_notes(device, attention)],
     )
+    if load_in_4bit:
+        from trl_longrm.memory_plan.quantized import quantize_plan
+
+        plan = quantize_plan(plan, stage, model_config, nested_quant, torch.empty((), dtype=dtype).element_size())
+    return plan
 
 
 def _trainer_name(stage: str, stock: bool) -> str:

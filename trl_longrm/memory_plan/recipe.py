@@ -81,10 +81,6 @@ def recipe_memory_plans(script_args, training_args, model_args, world_size: int,
     dtype = None
     if model_args.dtype not in (None, "auto"):
         dtype = getattr(torch, model_args.dtype)
-    if model_args.load_in_4bit:
-        # Traced with the frozen weights in the 4-bit layers' compute dtype (TRL's: the model's `dtype`), then those
-        # weights put in 4 bits (`quantize_plan`).
-        dtype = dtype or torch.bfloat16
     sp = getattr(training_args, "sequence_parallel_size", 1) or 1
     ranks = [0] if stock else sorted({0, sp - 1})
     peft_config = peft_config_for(stage, model_args)
@@ -92,15 +88,11 @@ def recipe_memory_plans(script_args, training_args, model_args, world_size: int,
     def plans_for(shape: GroupShape, args=training_args):
         plans = [
             plan_memory(stage, args, config, shape, peft_config=peft_config, dtype=dtype, world_size=world_size,
-                        rank=rank, distributed=distributed, device=device, stock=stock)  # fmt: skip
+                        rank=rank, distributed=distributed, device=device, stock=stock,
+                        load_in_4bit=bool(model_args.load_in_4bit),
+                        nested_quant=bool(model_args.use_bnb_nested_quant))  # fmt: skip
             for rank in ranks
         ]
-        if model_args.load_in_4bit:
-            from trl_longrm.memory_plan.quantized import quantize_plan
-
-            element = torch.empty((), dtype=dtype).element_size()
-            nested = bool(model_args.use_bnb_nested_quant)
-            plans = [quantize_plan(plan, stage, config, nested, element) for plan in plans]
         return plans
 
     plans = plans_for(shape)

@@ -29,6 +29,7 @@ from transformers import TrainerCallback
 from trl_longrm.activation_offload import CountingHostStore, use_host_store
 from trl_longrm.memory_plan.cuda_paths import cuda_code_paths
 from trl_longrm.memory_plan.fake_mode import HybridFakeMode
+from trl_longrm.memory_plan.quantized import as_4bit_layers, loaded_in_4bit
 from trl_longrm.memory_plan.workspaces import KernelWorkspaces
 from trl_longrm.sequence_parallel.kernels import planned_kernels
 
@@ -477,7 +478,8 @@ def _extrapolate(small: TracedStep, large: TracedStep, small_layers: int, large_
 def trace_step(stage: str, training_args, model_config, shape: GroupShape, *, peft_config=None,
                dtype: torch.dtype | None = None, world_size: int = 1, rank: int = 0,
                max_traced_layers: int | None = None, ddp: bool = True, stock: bool = False,
-               kernels: str = "cpu", attention: str = "flash_attn") -> TracedStep:  # fmt: skip
+               kernels: str = "cpu", attention: str = "flash_attn", load_in_4bit: bool = False,
+               nested_quant: bool = True) -> TracedStep:  # fmt: skip
     """Trace one optimizer step of `stage`'s trainer on rank `rank` of `world_size` (see the module docstring).
 
     `max_traced_layers`: a model with more decoder layers is traced with `max_traced_layers - 1` and
@@ -487,7 +489,10 @@ def trace_step(stage: str, training_args, model_config, shape: GroupShape, *, pe
     trainer of the stage instead, on the same model, group and training arguments (`trl_longrm.memory_plan.stock`).
     `kernels`: the device whose attention kernels are traced ('cuda': flash-attn's allocations,
     `trl_longrm.sequence_parallel.kernels.planned_kernels`; 'cpu': the CPU kernels a CPU run uses). `attention`: on
-    'cuda', whose attention kernels: 'flash_attn' (what 'auto' takes with flash-attn installed) or 'cudnn' (without)."""
+    'cuda', whose attention kernels: 'flash_attn' (what 'auto' takes with flash-attn installed) or 'cudnn' (without).
+    `load_in_4bit`: the model goes through the trainer as a bitsandbytes 4-bit load does, its quantized layers in
+    `dtype` (`quantized.loaded_in_4bit`, `as_4bit_layers`; `quantized.quantize_plan` then puts their weights in 4
+    bits)."""
     layers = model_config.num_hidden_layers
     if max_traced_layers is not None and layers > max_traced_layers:
         if max_traced_layers < 2:
@@ -495,18 +500,20 @@ def trace_step(stage: str, training_args, model_config, shape: GroupShape, *, pe
         traces = [
             _trace_step(stage, training_args, with_layers(model_config, n), shape, peft_config=peft_config,
                         dtype=dtype, world_size=world_size, rank=rank, ddp=ddp, stock=stock,
-                        kernels=kernels, attention=attention)  # fmt: skip
+                        kernels=kernels, attention=attention, load_in_4bit=load_in_4bit,
+                        nested_quant=nested_quant)  # fmt: skip
             for n in (max_traced_layers - 1, max_traced_layers)
         ]
         return _extrapolate(*traces, max_traced_layers - 1, max_traced_layers, layers)
     return _trace_step(stage, training_args, model_config, shape, peft_config=peft_config, dtype=dtype,
                        world_size=world_size, rank=rank, ddp=ddp, stock=stock, kernels=kernels,
-                       attention=attention)  # fmt: skip
+                       attention=attention, load_in_4bit=load_in_4bit, nested_quant=nested_quant)  # fmt: skip
 
 
 def _trace_step(stage: str, training_args, model_config, shape: GroupShape, *, peft_config=None,
                 dtype: torch.dtype | None = None, world_size: int = 1, rank: int = 0, ddp: bool = True,
-                stock: bool = False, kernels: str = "cpu", attention: str = "flash_attn") -> TracedStep:  # fmt: skip
+                stock: bool = False, kernels: str = "cpu", attention: str = "flash_attn",
+                load_in_4bit: bool = False, nested_quant: bool = True) -> TracedStep:  # fmt: skip
     """One trace of `trace_step`: the trainer built on fake weights and `trainer.train()` for one optimizer step.
 
     The dataset holds the rows of that step for every data-parallel replica (the sampler gives this rank its
@@ -567,6 +574,8 @@ def _trace_step(stage: str, training_args, model_config, shape: GroupShape, *, p
         with HybridFakeMode(), warnings.catch_warnings(), planned_kernels(kernels, attention):
             warnings.simplefilter("ignore")
             model = build_model(stage, model_config, dtype)
+            if load_in_4bit:
+                loaded_in_4bit(model)
             if stock:
                 from trl_longrm.trainers.common import install_activation_offload, stock_activation_offloading_off
 
@@ -584,6 +593,8 @@ def _trace_step(stage: str, training_args, model_config, shape: GroupShape, *, p
                     callbacks=[callback],
                 )  # fmt: skip
             callback.trainer = trainer
+            if load_in_4bit:
+                as_4bit_layers(trainer.model, dtype, nested_quant, kernels)
             if not ddp:
                 # A ZeRO run: DeepSpeed (which does not run on fake tensors) takes the place of DDP's wrapper.
                 trainer.accelerator.prepare_model = lambda model, *args, **kwargs: model
