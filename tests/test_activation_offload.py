@@ -280,3 +280,18 @@ def test_offloaded_on_a_ring_and_a_ulysses_group_of_two(tmp_path, plain):
         for kind in KINDS:
             got = torch.load(tmp_path / f"offload_{mode}_{kind}_world2.pt", weights_only=False)
             assert_state_close(got, plain[kind], f"{kind} offloaded on a {mode} of 2")
+
+
+def test_pinned_host_copies_are_counted_as_the_pinned_allocator_holds_them():
+    """torch's caching host allocator rounds every pinned request up to a power of two (`CachingHostAllocator`:
+    `c10::llvm::PowerOf2Ceil`), so a CUDA run's offloaded layer input of 2 GiB + 2 MiB holds 4 GiB of host memory:
+    the store counts that for pinned copies (a CUDA plan's `CountingHostStore(pinned=True)`), and exact bytes on CPU."""
+    from trl_longrm.activation_offload import CountingHostStore, HostStore, pinned_host_bytes
+
+    assert [pinned_host_bytes(n) for n in (1, 4096, 4097, 2**31 + 2**21)] == [1, 4096, 8192, 2**32]
+    tensor = torch.empty(4097, dtype=torch.uint8)
+    for store, held in ((CountingHostStore(pinned=True), 8192), (CountingHostStore(), 4097), (HostStore(), 4097)):
+        copy = store.to_host(tensor)
+        assert store.current_bytes == store.peak_bytes == held
+        del copy
+        assert store.current_bytes == 0

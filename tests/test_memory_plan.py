@@ -551,3 +551,16 @@ def test_each_communicator_of_a_layout_is_one_nccl_term(monkeypatch):
             mine = sorted(len(g) for g in created if rank in g and len(g) > 1)  # a group per call, same ranks or not
             assert sorted(communicator_sizes(world, sp, mode, ulysses).values()) == sorted([world, *mine])
     assert groups_module.communicator_sizes(1) == {}
+
+
+def test_a_cuda_plan_counts_offloaded_inputs_as_pinned_host_memory():
+    """A CUDA run's checkpoint offload pins each layer input: the CUDA plan's host memory is each input rounded up to a
+    power of two (`pinned_host_bytes`), the CPU plan's (a CPU run pins nothing) the inputs' own bytes."""
+    from trl_longrm.activation_offload import pinned_host_bytes
+
+    stage, args, config, shape, peft_config, dtype, _ = build_case("grm_checkpoint_offload_fp32")
+    on_cpu = plan_memory(stage, args, config, shape, peft_config=peft_config, dtype=dtype)
+    on_cuda = plan_memory(stage, args, config, shape, peft_config=peft_config, dtype=dtype, device="cuda")
+    per_layer = on_cpu.host_memory // config.num_hidden_layers
+    assert per_layer == on_cpu.rank_tokens * config.hidden_size * 4  # one float32 layer input per layer
+    assert on_cuda.host_memory == config.num_hidden_layers * pinned_host_bytes(per_layer) > on_cpu.host_memory

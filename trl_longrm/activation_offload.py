@@ -50,6 +50,13 @@ logger = logging.getLogger(__name__)
 MIN_OFFLOAD_BYTES = 1024
 
 
+def pinned_host_bytes(nbytes: int) -> int:
+    """Host bytes a pinned copy of `nbytes` holds: torch's caching host allocator (`CachingHostAllocator`, which
+    `pin_memory=True` allocates from) rounds each request up to a power of two (`c10::llvm::PowerOf2Ceil`), so a
+    2.002 GiB layer input holds 4 GiB of host memory."""
+    return 1 << (nbytes - 1).bit_length() if nbytes > 0 else 0
+
+
 class HostCopy:
     """A saved tensor held by a `HostStore`: its host copy and the device it returns to. The store's current host
     bytes drop when autograd releases it (after its backward, or with the graph)."""
@@ -88,9 +95,14 @@ class HostStore:
             Copy CUDA tensors to host on a side stream (one per device), which overlaps the copies with the forward's
             compute, as TRL's `OffloadActivations(use_streams=True)`; the copy back waits for it. Without it (and for
             any tensor off CUDA: a CPU run is unchanged) the copies are queued on the compute stream.
+        pinned (`bool`, *optional*):
+            Count each copy as the pinned memory it holds (`pinned_host_bytes`: rounded up to a power of two). Default
+            (None): the copies of accelerator tensors, which are pinned; a CUDA run's memory plan, traced on CPU, sets
+            True.
     """
 
-    def __init__(self, use_streams: bool = False):
+    def __init__(self, use_streams: bool = False, pinned: bool | None = None):
+        self.pinned = pinned
         self.current_bytes = 0
         self.peak_bytes = 0
         self.moved_bytes = 0
@@ -102,6 +114,8 @@ class HostStore:
         """A host copy of `tensor`, with its strides (`host_strides`): pinned, copied without blocking, when it lives
         on an accelerator."""
         nbytes = tensor.numel() * tensor.element_size()
+        if self.pinned or (self.pinned is None and tensor.device.type != "cpu"):
+            nbytes = pinned_host_bytes(nbytes)
         stream = self._copy_stream(tensor)
         if stream is None:
             return HostCopy(self, self._host_tensor(tensor), tensor.device, nbytes)

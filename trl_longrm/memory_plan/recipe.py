@@ -45,6 +45,17 @@ def distribution(script_args, world_size: int) -> tuple[str, str]:
     return ("single" if world_size == 1 else "ddp"), device
 
 
+def processes_per_node(script_args, world_size: int) -> int:
+    """Processes on one machine: the world over the accelerate config's `num_machines` (1 without a config)."""
+    from trl_longrm.launch import find_accelerate_config
+
+    machines = 1
+    if script_args.accelerate_config:
+        with open(find_accelerate_config(str(script_args.accelerate_config)), encoding="utf-8") as handle:
+            machines = int((yaml.safe_load(handle) or {}).get("num_machines") or 1)
+    return max(world_size // max(machines, 1), 1)
+
+
 def group_shape(script_args, training_args, stage: str) -> GroupShape:
     """The planned group: `plan_prompt_tokens` (default: what `max_length` leaves beside the longest response),
     `plan_response_tokens` and `plan_num_rejected`; an SFT example is `max_length` tokens of which the response's."""
@@ -106,6 +117,9 @@ def recipe_memory_plans(script_args, training_args, model_args, world_size: int,
         "group": plans[0].group,
         "peak_gib": round(max(p.peak for p in plans) / GIB, 2),
         "fits": all(p.fits(device_bytes) for p in plans),
+        # Offloaded activations are host memory: every process of a machine holds its own (the traced ranks' most).
+        "host_memory_per_node_gib": round(max(p.host_memory for p in plans) * processes_per_node(script_args, world_size)
+                                          / GIB, 2),
         "ranks": [p.to_dict() for p in plans],
     }
     if script_args.plan_longest_group:
@@ -117,6 +131,9 @@ def recipe_memory_plans(script_args, training_args, model_args, world_size: int,
         f"{1 + shape.num_rejected if stage != 'sft' else 1} x {shape.response_tokens:,})"
     )
     lines = [*(p.describe(device_bytes) for p in plans), last]
+    if summary["host_memory_per_node_gib"]:
+        lines.append(f"host memory per machine ({processes_per_node(script_args, world_size)} processes, offloaded "
+                     f"activations): {summary['host_memory_per_node_gib']:.2f} GiB")
     if "longest_group" in summary:
         found = summary["longest_group"]
         lines.append(

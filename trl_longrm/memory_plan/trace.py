@@ -604,7 +604,8 @@ def _trace_step(stage: str, training_args, model_config, shape: GroupShape, *, p
                 # (A CPU plan of several ranks stands for a gloo run, the one it is checked against.)
                 works = collectives_hold_their_tensors(gloo=kernels == "cpu")
                 rng_states = rng_states_tracked() if kernels == "cpu" else contextlib.nullcontext()
-                with use_host_store(CountingHostStore()) as host, cuda_paths, works, rng_states:
+                # A CUDA run's host copies are pinned: each holds its size rounded up to a power of two.
+                with use_host_store(CountingHostStore(pinned=kernels == "cuda")) as host, cuda_paths, works, rng_states:
                     trainer.train()
             finally:
                 callback.close()
