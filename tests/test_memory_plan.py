@@ -419,7 +419,7 @@ def test_dry_run_prints_the_memory_plan_of_a_recipe(tmp_path, capsys):
     model_config(layers=2).to_json_file(config_path)
     argv = [str(RECIPES / "tiny" / "simpo_disrm.yaml"), "--dry_run", "--model_config", str(config_path),
             "--max_length", "2048", "--plan_response_tokens", "256", "--plan_num_rejected", "2",
-            "--output_dir", str(tmp_path / "out"), "--device_memory_gib", "0.05"]  # fmt: skip
+            "--output_dir", str(tmp_path / "out"), "--device_memory_gib", "0.05", "--dry_run_output", "json"]  # fmt: skip
     main(argv)  # exit 1: the recipe's data and model are not on disk here (reported), the plan is printed anyway
     out = capsys.readouterr().out
     start = out.index('{\n  "memory_plan"')
@@ -441,7 +441,7 @@ def test_dry_run_of_the_paper_grm_recipe_plans_qwen3_8b_in_a_minute(capsys):
     from the shipped config.json in under 60 s each."""
     from trl_longrm.train import main
 
-    main([str(RECIPES / "simpo_grm.yaml"), "--dry_run"])
+    main([str(RECIPES / "simpo_grm.yaml"), "--dry_run", "--dry_run_output", "json"])
     out = capsys.readouterr().out
     start = out.index('{\n  "memory_plan"')
     summary = json.loads(out[start : out.index("\n}\n", start) + 3])["memory_plan"]
@@ -450,6 +450,21 @@ def test_dry_run_of_the_paper_grm_recipe_plans_qwen3_8b_in_a_minute(capsys):
         assert plan["distributed"] == "zero2" and plan["device"] == "cuda"
         assert plan["total_parameters"] > 8e9 and plan["rank_tokens"] * 8 == plan["row_tokens"]
         assert plan["trace_seconds"] < 60
+
+
+def test_dry_run_shows_the_plan_first_and_quietly(capsys):
+    """What a newcomer reads from `--dry_run`: a few lines of layout and settings, then the memory plan's table, and
+    nothing of the traced steps (their logs read as a failed run: loss 0, rewards NaN), no JSON unless asked."""
+    from trl_longrm.train import main
+
+    main([str(RECIPES / "simpo_grm.yaml"), "--dry_run"])
+    captured = capsys.readouterr()
+    lines = captured.out.splitlines()
+    assert lines[0].startswith("simpo_grm of outputs/longrm-sft-qwen3-8b on 8 process(es): rows split over groups of 8")
+    assert "--dry_run_output json" in captured.out and "{" not in captured.out
+    assert lines[-1].startswith("peak of the traced ranks") and len(lines) < 40
+    for noise in ("'loss'", "nan", "Map:", "PAD/BOS/EOS", "FutureWarning", "Warning"):
+        assert noise not in captured.out + captured.err, noise
 
 
 def test_dry_run_names_a_missing_model_config(tmp_path, capsys):

@@ -30,8 +30,9 @@ def test_recipe_dry_run_matches_the_paper(name, capsys):
 
     # The memory plan (tests/test_memory_plan.py) traces an 8B step: not what this test checks.
     assert main([str(RECIPES / name), "--dry_run", "--memory_plan", "false"]) == 0
-    assert '"plan"' in capsys.readouterr().out
+    out = capsys.readouterr().out
     script, args, model = parse_args([str(RECIPES / name), "--dry_run"])
+    assert out.startswith(f"{script.stage} of {model.model_name_or_path} on ")  # the summary of the plan
     plan = training_plan(script, args, model)
     # The LongRM paper's appendix: shared by every stage.
     assert args.learning_rate == (2e-6 if name in PAPER + LONG_ROWS else 1e-5)
@@ -466,6 +467,8 @@ def test_dry_run_prints_tokens_per_row_shared_and_unshared(tiny_assets, tmp_path
         "--output_dir",
         str(tmp_path / "grm"),
         "--dry_run",
+        "--dry_run_output",
+        "json",
     ]
     assert main(argv) == 0
     out = capsys.readouterr().out

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import signal
 import subprocess
@@ -197,6 +198,9 @@ def run_launch(command: list[str], env: dict[str, str] | None = None) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    # bitsandbytes warns at import on CPUs with AVX512-BF16 that an optional kernels package for 4-bit inference on
+    # CPU is missing; nothing of ours uses it.
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
     # `python -m trl_longrm recipe.yaml ...` (what `accelerate launch -m trl_longrm` runs) trains one stage.
     if argv and argv[0].endswith((".yaml", ".yml")):
         from trl_longrm.train import main as train_main

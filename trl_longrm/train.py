@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import sys
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -57,8 +58,17 @@ class LongRMScriptArguments(ScriptArguments):
     dry_run: bool = field(
         default=False,
         metadata={
-            "help": "Print the resolved configuration and the plan (world size, ring groups, batch sizes, tokens "
-            "per step, and with `memory_plan` each rank's memory) and exit without loading weights. Default False."
+            "help": "Print the plan (world size, ring groups, batch sizes, tokens per step, and with `memory_plan` "
+            "each rank's memory) and exit without loading weights. Default False."
+        },
+    )
+    dry_run_output: str = field(
+        default="summary",
+        metadata={
+            "help": "What --dry_run prints: 'summary' (the layout, the few settings that decide the memory, and the "
+            "memory plan's table) or 'json' (the whole plan, the resolved training arguments and the memory plan as "
+            "JSON, then the table). Default 'summary'.",
+            "choices": ["summary", "json"],
         },
     )
     memory_plan: bool = field(
@@ -181,7 +191,11 @@ def parse_args(argv: list[str] | None = None, check_only: bool = False):
     if (check_only or _wants_dry_run(argv)) and flag_value(argv, "--use_cpu") is None and not _has_accelerator():
         # TrainingArguments refuses bf16 without a GPU; a dry run only validates and prints, so validate as CPU.
         argv = [*argv, "--use_cpu", "true"]
-    return parser.parse_args_and_config(argv)
+    with warnings.catch_warnings():
+        # TRL's configs (and our recipes) spell it `gradient_checkpointing`, which transformers 5 renames with a
+        # FutureWarning on every parse; the setting itself is honoured.
+        warnings.filterwarnings("ignore", message="`gradient_checkpointing` is deprecated", category=FutureWarning)
+        return parser.parse_args_and_config(argv)
 
 
 def _wants_dry_run(argv: list[str]) -> bool:
@@ -626,16 +640,52 @@ def typical_group_layout(script_args, training_args, model_args, sample: int = 6
     }
 
 
-def print_memory_plan(script_args, training_args, model_args, world_size: int, recipe_dir: Path | None) -> None:
-    """`--dry_run`'s memory plan (`trl_longrm.memory_plan.recipe`): as JSON (`{"memory_plan": ...}`), then as a table."""
+def print_memory_plan(script_args, training_args, model_args, world_size: int, recipe_dir: Path | None,
+                      as_json: bool = False) -> None:  # fmt: skip
+    """`--dry_run`'s memory plan (`trl_longrm.memory_plan.recipe`) as a table; with `as_json`, as JSON
+    (`{"memory_plan": ...}`) first."""
     from trl_longrm.memory_plan.recipe import recipe_memory_plans
 
     summary, text = recipe_memory_plans(script_args, training_args, model_args, world_size, recipe_dir)
     if summary is None:
         print(f"note: {text}", file=sys.stderr, flush=True)
         return
-    print(json.dumps({"memory_plan": summary}, indent=2, default=str))
+    if as_json:
+        print(json.dumps({"memory_plan": summary}, indent=2, default=str))
     print(text, flush=True)
+
+
+def describe_plan(plan: dict, training_args) -> str:
+    """`--dry_run`'s summary of `training_plan`: the layout and the settings that decide a step's memory, a line each
+    (the whole configuration: `--dry_run_output json`)."""
+    sp, dp = plan["sequence_parallel_size"], plan["data_parallel_size"]
+    layout = "one process per row" if sp == 1 else (
+        f"rows split over groups of {sp} ({plan['sequence_parallel_mode']}"
+        + (f", Ulysses groups of {plan['ulysses_size']}" if plan["sequence_parallel_mode"] == "hybrid" else "") + ")")
+    checkpointing = "off"
+    if training_args.gradient_checkpointing:
+        kwargs = training_args.gradient_checkpointing_kwargs or {}
+        checkpointing = "selective" if kwargs.get("selective") else "on"
+        checkpointing += ", inputs offloaded to host" if kwargs.get("offload") else ""
+    precision = "bf16" if training_args.bf16 else ("fp16" if training_args.fp16 else "fp32")
+    lines = [
+        f"{plan['stage']} of {plan['model']} on {plan['world_size']} process(es): {layout}, {dp} data-parallel "
+        f"replica(s); global batch {plan['global_batch_size']} {plan['batch_unit']} "
+        f"({plan['per_device_train_batch_size']} x {plan['gradient_accumulation_steps']} accumulation x {dp})",
+        f"  max_length {plan['max_length']:,}"
+        + (f", {plan['max_tokens_per_row']:,} tokens per packed row" if plan["max_tokens_per_row"] else "")
+        + (", shared prefix" if plan["shared_prefix"] else "")
+        + f"; {precision}; gradient checkpointing {checkpointing}"
+        + (f"; tiled MLP ({training_args.mlp_tile_tokens:,} tokens)" if getattr(training_args, "mlp_tile_tokens", None)
+           else "")
+        + ("; LoRA" if plan["use_peft"] else "; full parameters")
+        + (f" ({plan['quantization']})" if plan["quantization"] else ""),
+    ]
+    if plan.get("typical_group"):
+        lines.append(f"  typical group: {json.dumps(plan['typical_group'], default=str)}")
+    lines.append(f"  output: {plan['output_dir']} ({plan['start']})")
+    lines.append("  (the whole configuration: --dry_run_output json)")
+    return "\n".join(lines)
 
 
 def _main(script_args, training_args, model_args, notes: list[str] = (), recipe_dir: Path | None = None) -> int:
@@ -650,11 +700,15 @@ def _main(script_args, training_args, model_args, notes: list[str] = (), recipe_
         if script_args.stage != "sft" and local and not problems:
             # What one group occupies in a row, with its prompt once (shared_prefix) and once per response.
             plan["typical_group"] = typical_group_layout(script_args, training_args, model_args)
-        print(json.dumps({"plan": plan}, indent=2, default=str))
-        print(json.dumps({"training_args": training_args.to_dict()}, indent=2, default=str))
+        as_json = script_args.dry_run_output == "json"
+        if as_json:
+            print(json.dumps({"plan": plan}, indent=2, default=str))
+            print(json.dumps({"training_args": training_args.to_dict()}, indent=2, default=str))
+        else:
+            print(describe_plan(plan, training_args), flush=True)
         if script_args.memory_plan and is_main_process():
             try:
-                print_memory_plan(script_args, training_args, model_args, plan["world_size"], recipe_dir)
+                print_memory_plan(script_args, training_args, model_args, plan["world_size"], recipe_dir, as_json)
             except (FileNotFoundError, ValueError) as error:  # a model_config that is not there, a bad shape
                 problems.append(f"memory plan: {error}")
         if problems:

@@ -3,6 +3,9 @@ distribution (DDP or ZeRO stage) read from the recipe and its accelerate config,
 
 from __future__ import annotations
 
+import contextlib
+import io
+import warnings
 from pathlib import Path
 
 import yaml
@@ -43,6 +46,27 @@ def distribution(script_args, world_size: int) -> tuple[str, str]:
             raise ValueError(f"The memory plan covers ZeRO stages 2 and 3, not {stage}.")
         return f"zero{stage}", device
     return ("single" if world_size == 1 else "ddp"), device
+
+
+@contextlib.contextmanager
+def quiet_trace():
+    """What a traced step prints, silenced: the trainers' logs and progress bars, datasets' map bars, transformers'
+    and accelerate's warnings about the fake run (a traced loss is 0, a metric NaN: they would read as a failed run)."""
+    import datasets
+    import transformers
+
+    verbosity = transformers.logging.get_verbosity()
+    bars = datasets.utils.logging.is_progress_bar_enabled()
+    transformers.logging.set_verbosity_error()
+    datasets.disable_progress_bars()
+    try:
+        with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+        if bars:
+            datasets.enable_progress_bars()
 
 
 def processes_per_node(script_args, world_size: int) -> int:
@@ -106,7 +130,8 @@ def recipe_memory_plans(script_args, training_args, model_args, world_size: int,
         ]
         return plans
 
-    plans = plans_for(shape)
+    with quiet_trace():
+        plans = plans_for(shape)
     device_bytes = device_memory_bytes(script_args.plan_device, script_args.device_memory_gib)
     device_name = script_args.plan_device if script_args.device_memory_gib is None else "device_memory_gib"
     summary = {
@@ -123,7 +148,8 @@ def recipe_memory_plans(script_args, training_args, model_args, world_size: int,
         "ranks": [p.to_dict() for p in plans],
     }
     if script_args.plan_longest_group:
-        summary["longest_group"] = longest_group(plans_for, training_args, stage, shape, plans, device_bytes)
+        with quiet_trace():
+            summary["longest_group"] = longest_group(plans_for, training_args, stage, shape, plans, device_bytes)
     verdict = "fits" if summary["fits"] else "does NOT fit"
     last = (
         f"peak of the traced ranks {summary['peak_gib']:.2f} GiB: {verdict} {device_bytes / GIB:.2f} GiB per "

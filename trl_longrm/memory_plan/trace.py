@@ -553,6 +553,7 @@ def _trace_step(stage: str, training_args, model_config, shape: GroupShape, *, p
             output_dir=tmp, max_steps=1, num_train_epochs=1, gradient_accumulation_steps=accumulation,
             save_strategy="no", eval_strategy="no", report_to=[], logging_steps=1, disable_tqdm=True,
             dataloader_num_workers=0, use_cpu=True, push_to_hub=False, resume_from_checkpoint=None,
+            log_level="error", log_level_replica="error",  # the trainer's own logger level: a traced run's notes
         )  # fmt: skip
         if stock and stage != "sft":  # (stock SFTTrainer takes the same examples as ours)
             from trl_longrm.memory_plan.stock import stock_args, stock_dataset
