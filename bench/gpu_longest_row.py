@@ -217,7 +217,7 @@ def attempt(trainer: str, impl: str, prompt_length: int, steps: int, response_le
                 shared = bool(getattr(instance.args, "shared_prefix", False) and instance.args.padding_free)
                 instance.train()
                 if VARIANTS[variant].get("use_liger_kernel"):  # the modules whose forward Liger replaced
-                    from trl_longrm.tiled_mlp import untiled_forward  # (with long rows, Liger's tiled again)
+                    from trl_longrm.memory.tiled_mlp import untiled_forward  # (with long rows, Liger's tiled again)
 
                     record["liger_modules"] = sum(getattr(untiled_forward(m), "__qualname__", "").startswith("Liger")
                                                   for m in instance.model.modules())  # fmt: skip

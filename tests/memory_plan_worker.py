@@ -16,8 +16,9 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from tensor_memory import TensorMemoryRecorder, allocator_events  # noqa: E402
 
-from trl_longrm.activation_offload import CountingHostStore, use_host_store  # noqa: E402
-from trl_longrm.memory_plan.trace import GroupShape, build_model, fresh_args, synthetic_dataset  # noqa: E402
+from trl_longrm.memory.activation_offload import CountingHostStore, use_host_store  # noqa: E402
+from trl_longrm.memory_plan.model import build_model  # noqa: E402
+from trl_longrm.memory_plan.trace import GroupShape, fresh_args, synthetic_dataset  # noqa: E402
 from trl_longrm.stages import stage_classes  # noqa: E402
 from trl_longrm.testing_utils import build_chat_tokenizer  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""Activation offload (`trl_longrm.activation_offload`; `activation_offloading=True`, or transformers' checkpoint
+"""Activation offload (`trl_longrm.memory.activation_offload`; `activation_offloading=True`, or transformers' checkpoint
 offload `gradient_checkpointing_kwargs={"offload": True}`): with the saved activations held in host memory, each
 trainer trains the same weights as without (fp32, 1e-5) over two optimizer steps, with and without gradient
 checkpointing, on one process and on a gloo ring and a Ulysses group of 2; the host store's counters show what moved,
@@ -15,7 +15,7 @@ from trainer_helpers import cpu_args, random_groups
 from trl import RewardConfig
 
 from trl_longrm import LongSFTConfig, SimPODisRMConfig, SimPODisRMTrainer, SimPOGRMConfig
-from trl_longrm.activation_offload import (
+from trl_longrm.memory.activation_offload import (
     CountingHostStore,
     HostStore,
     OffloadActivations,
@@ -286,7 +286,7 @@ def test_pinned_host_copies_are_counted_as_the_pinned_allocator_holds_them():
     """torch's caching host allocator rounds every pinned request up to a power of two (`CachingHostAllocator`:
     `c10::llvm::PowerOf2Ceil`), so a CUDA run's offloaded layer input of 2 GiB + 2 MiB holds 4 GiB of host memory:
     the store counts that for pinned copies (a CUDA plan's `CountingHostStore(pinned=True)`), and exact bytes on CPU."""
-    from trl_longrm.activation_offload import CountingHostStore, HostStore, pinned_host_bytes
+    from trl_longrm.memory.activation_offload import CountingHostStore, HostStore, pinned_host_bytes
 
     assert [pinned_host_bytes(n) for n in (1, 4096, 4097, 2**31 + 2**21)] == [1, 4096, 8192, 2**32]
     tensor = torch.empty(4097, dtype=torch.uint8)

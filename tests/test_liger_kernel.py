@@ -30,8 +30,8 @@ from trl_longrm import (
     SimPOGRMConfig,
     SimPOGRMTrainer,
 )
+from trl_longrm.memory.tiled_mlp import decoder_mlps, decoder_norms, tiled_tokens
 from trl_longrm.testing_utils import build_tiny_model
-from trl_longrm.tiled_mlp import decoder_mlps, decoder_norms, tiled_tokens
 
 
 class Applied(list):

@@ -1,4 +1,4 @@
-"""`skip_lora_input_casts_under_autocast` (trl_longrm/lora_input_cast.py): under autocast, LoRA layers without PEFT's
+"""`skip_lora_input_casts_under_autocast` (trl_longrm/memory/lora_input_cast.py): under autocast, LoRA layers without PEFT's
 float32 copy of their input give the same loss and gradients bit for bit as PEFT's own, make two copies of each LoRA
 projection's input fewer (PEFT's float32 one and autocast's bf16 one of it) and keep less for the backward. Without
 autocast, or with dropout, PEFT's cast stays."""
@@ -12,7 +12,7 @@ from peft import LoraConfig, get_peft_model
 from peft.tuners.lora import Linear as LoraLinear
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from trl_longrm.lora_input_cast import HOOKED_MARK, skip_lora_input_casts_under_autocast
+from trl_longrm.memory.lora_input_cast import HOOKED_MARK, skip_lora_input_casts_under_autocast
 from trl_longrm.testing_utils import build_chat_tokenizer, build_tiny_model
 
 

@@ -18,7 +18,7 @@ import torch
 from transformers import Qwen3Config
 
 from trl_longrm import LongSFTConfig, SimPODisRMConfig, SimPOGRMConfig
-from trl_longrm.activation_offload import CountingHostStore
+from trl_longrm.memory.activation_offload import CountingHostStore
 from trl_longrm.memory_plan import GroupShape, plan_memory
 
 
@@ -210,12 +210,13 @@ def test_qlora_plan_matches_measured_peak(stage):
 def test_cuda_plans_trace_flash_attn_allocations(monkeypatch):
     """A plan on CUDA traces our attention with flash-attn's kernels as allocations (`PlannedFlashAttnOps`, the same
     contract and output shapes as the CPU kernels a CPU run uses), a CPU plan with the CPU kernels."""
+    from trl_longrm.memory_plan import planned_kernels as planned_module
     from trl_longrm.sequence_parallel import kernels
 
     q, k, v = (torch.randn(n, h, 16, dtype=torch.bfloat16) for n, h in ((24, 4), (40, 2), (40, 2)))
     cu_q, cu_k = torch.tensor([0, 10, 24], dtype=torch.int32), torch.tensor([0, 16, 40], dtype=torch.int32)
     layout = (cu_q, cu_k, 14, 24, 0.25, True)
-    cpu, planned = kernels.TorchCpuFlashOps.load(), kernels.PlannedFlashAttnOps()
+    cpu, planned = kernels.TorchCpuFlashOps.load(), planned_module.PlannedFlashAttnOps()
     for got, want in zip(planned.forward(q, k, v, *layout), cpu.forward(q, k, v, *layout)):
         assert (got.shape, got.dtype) == (want.shape, want.dtype)
     out, lse = cpu.forward(q, k, v, *layout)
@@ -223,16 +224,16 @@ def test_cuda_plans_trace_flash_attn_allocations(monkeypatch):
              cpu.backward(torch.ones_like(out), q, k, v, out, lse, *layout))  # fmt: skip
     for got, want in zip(*grads):
         assert got.shape == want.shape
-    with kernels.planned_kernels("cuda"):
+    with planned_module.planned_kernels("cuda"):
         assert isinstance(kernels.resolve_kernel("auto", torch.device("cpu"), torch.bfloat16).ops,
-                          kernels.PlannedFlashAttnOps)  # fmt: skip
+                          planned_module.PlannedFlashAttnOps)  # fmt: skip
     assert not isinstance(getattr(kernels.resolve_kernel("auto", torch.device("cpu"), torch.bfloat16), "ops", None),
-                          kernels.PlannedFlashAttnOps)  # fmt: skip
+                          planned_module.PlannedFlashAttnOps)  # fmt: skip
 
     calls = []
     for name in ("forward", "backward"):
-        original = getattr(kernels.PlannedFlashAttnOps, name)
-        monkeypatch.setattr(kernels.PlannedFlashAttnOps, name,
+        original = getattr(planned_module.PlannedFlashAttnOps, name)
+        monkeypatch.setattr(planned_module.PlannedFlashAttnOps, name,
                             lambda self, *a, _f=original, _n=name: calls.append(_n) or _f(self, *a))  # fmt: skip
     stage, args, config, shape, peft_config, _, _ = build_case("grm_lora_accumulation_bf16")
     args.bf16 = True
@@ -245,17 +246,18 @@ def test_cuda_plans_trace_cudnn_where_the_run_takes_it(monkeypatch):
     key/value heads per call: a plan of such a run (`ring_attn_backend='cudnn'`, or 'auto' resolved on a CUDA machine
     without flash-attn) traces those ops, torch's cuDNN attention ops running their meta kernels on the fake tensors,
     and so plans more than with flash-attn's kernels, which take grouped heads as they are."""
+    from trl_longrm.memory_plan import planned_kernels as planned_module
     from trl_longrm.sequence_parallel import kernels
 
-    assert [kernels.planned_cuda_attention(b) for b in ("cudnn", "flash_attn", "torch")] == ["cudnn", "flash_attn",
+    assert [planned_module.planned_cuda_attention(b) for b in ("cudnn", "flash_attn", "torch")] == ["cudnn", "flash_attn",
                                                                                                "flash_attn"]
     if not torch.cuda.is_available():  # planned away from the GPUs: as with flash-attn installed
-        assert kernels.planned_cuda_attention("auto") == "flash_attn"
-    with kernels.planned_kernels("cuda", "cudnn"):
+        assert planned_module.planned_cuda_attention("auto") == "flash_attn"
+    with planned_module.planned_kernels("cuda", "cudnn"):
         ops = kernels.resolve_kernel("auto", torch.device("cpu"), torch.bfloat16).ops
-        assert isinstance(ops, kernels.TorchCudnnOps) and isinstance(ops.fallback, kernels.PlannedFlashAttnOps)
+        assert isinstance(ops, kernels.TorchCudnnOps) and isinstance(ops.fallback, planned_module.PlannedFlashAttnOps)
     with pytest.raises(ValueError, match="attention='sdpa'"):
-        with kernels.planned_kernels("cuda", "sdpa"):
+        with planned_module.planned_kernels("cuda", "sdpa"):
             pass
 
     calls = []
@@ -571,7 +573,7 @@ def test_each_communicator_of_a_layout_is_one_nccl_term(monkeypatch):
 def test_a_cuda_plan_counts_offloaded_inputs_as_pinned_host_memory():
     """A CUDA run's checkpoint offload pins each layer input: the CUDA plan's host memory is each input rounded up to a
     power of two (`pinned_host_bytes`), the CPU plan's (a CPU run pins nothing) the inputs' own bytes."""
-    from trl_longrm.activation_offload import pinned_host_bytes
+    from trl_longrm.memory.activation_offload import pinned_host_bytes
 
     stage, args, config, shape, peft_config, dtype, _ = build_case("grm_checkpoint_offload_fp32")
     on_cpu = plan_memory(stage, args, config, shape, peft_config=peft_config, dtype=dtype)

@@ -1,5 +1,5 @@
 """Selective activation checkpointing (`gradient_checkpointing_kwargs={"selective": True}`, TRL's key;
-`trl_longrm.selective_checkpointing`): every trainer trains the same weights as under plain gradient checkpointing
+`trl_longrm.memory.selective_checkpointing`): every trainer trains the same weights as under plain gradient checkpointing
 (fp32, bitwise on one process; 1e-5 on a gloo ring and a Ulysses group of 2 against one process), while each attention
 kernel's forward runs once instead of twice (counted at the dispatcher); the kernels our paths call through flash-attn's
 real interface and torch's `varlen_attn` are matched too; the memory plan traces what it keeps (against the measured
@@ -23,7 +23,8 @@ from trainer_helpers import AttentionCallCounter, cpu_args
 from upstream_attention import flash_attn_source, install_flash_attn, torch_varlen_cpu_kernels, uninstall_flash_attn
 
 from trl_longrm import LongSFTConfig, SimPODisRMConfig, SimPOGRMConfig
-from trl_longrm.selective_checkpointing import is_attention_forward_op, selective_context_fn
+from trl_longrm.memory.selective_checkpointing import is_attention_forward_op, selective_context_fn
+from trl_longrm.memory_plan.planned_kernels import planned_flash_attn_forward
 from trl_longrm.sequence_parallel import kernels
 from trl_longrm.sequence_parallel.kernels import (
     FlashAttnVarlenOps,
@@ -33,7 +34,6 @@ from trl_longrm.sequence_parallel.kernels import (
     VarlenKernel,
     _flash_attn_varlen,
     _torch_varlen_function,
-    planned_flash_attn_forward,
 )
 from trl_longrm.sequence_parallel.launch import run_on_gloo_ranks
 from trl_longrm.sequence_parallel.sharding import RingAttentionMetadata, packed_row_metadata

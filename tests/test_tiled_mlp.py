@@ -1,4 +1,4 @@
-"""Sequence-tiled MLPs (`mlp_tile_tokens`, `trl_longrm.tiled_mlp`) compute what the untiled model computes: the same
+"""Sequence-tiled MLPs (`mlp_tile_tokens`, `trl_longrm.memory.tiled_mlp`) compute what the untiled model computes: the same
 logits and gradients of a packed row (with and without gradient checkpointing), the same weights after two optimizer
 steps of each trainer (fp32, 1e-5) on one process, and on a gloo ring and a Ulysses group of 2 against one untiled
 process."""
@@ -8,9 +8,9 @@ import sp_trainer_worker as worker
 import torch
 from test_sequence_parallel_trainers import PRELOAD, assert_state_close
 
+from trl_longrm.memory.tiled_mlp import apply_tiled_mlp, decoder_mlps, decoder_norms, tiled_tokens, untiled_forward
 from trl_longrm.sequence_parallel.launch import run_on_gloo_ranks
 from trl_longrm.testing_utils import build_chat_tokenizer, build_tiny_model
-from trl_longrm.tiled_mlp import apply_tiled_mlp, decoder_mlps, decoder_norms, tiled_tokens, untiled_forward
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ from trl_longrm import (
     SimPOGRMConfig,
     SimPOGRMTrainer,
 )
-from trl_longrm.lora_input_cast import HOOKED_MARK
+from trl_longrm.memory.lora_input_cast import HOOKED_MARK
 from trl_longrm.testing_utils import save_tiny_model
 
 

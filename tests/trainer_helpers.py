@@ -6,7 +6,7 @@ import random
 from datasets import Dataset
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from trl_longrm.selective_checkpointing import is_attention_forward_op
+from trl_longrm.memory.selective_checkpointing import is_attention_forward_op
 
 
 # The device the trainer tests train on: CPU here and in CI; `TRL_LONGRM_TEST_DEVICE=cuda` runs the same comparisons
@@ -95,7 +95,7 @@ def write_longrm_jsonl(path, num_rows, num_rejected=2, seed=0, sft=False):
 
 
 class AttentionCallCounter(TorchDispatchMode):
-    """Counts the attention kernels' forward and backward ops run under it (`trl_longrm.selective_checkpointing`'s
+    """Counts the attention kernels' forward and backward ops run under it (`trl_longrm.memory.selective_checkpointing`'s
     definition of a forward op): under plain gradient checkpointing each forward runs twice per backward (the
     recompute), under selective checkpointing once."""
 

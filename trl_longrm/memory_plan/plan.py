@@ -23,9 +23,9 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from trl_longrm.memory_plan.planned_kernels import planned_cuda_attention
 from trl_longrm.memory_plan.trace import GroupShape, TracedStep, trace_step
 from trl_longrm.sequence_parallel.groups import communicator_sizes
-from trl_longrm.sequence_parallel.kernels import planned_cuda_attention
 
 
 GIB = 2**30
@@ -199,7 +199,7 @@ def plan_memory(
     (`trl_longrm.memory_plan.stock`: pairs of whole rows, no sequence parallelism). `attention` (device 'cuda'): the
     attention kernels our trainers' run takes, 'flash_attn' or 'cudnn' (cuDNN's fused attention, its grouped-query
     heads repeated per call); default: those `training_args.ring_attn_backend` resolves to
-    (`trl_longrm.sequence_parallel.kernels.planned_cuda_attention`). `load_in_4bit` (QLoRA; `nested_quant`: bitsandbytes'
+    (`trl_longrm.memory_plan.planned_kernels.planned_cuda_attention`). `load_in_4bit` (QLoRA; `nested_quant`: bitsandbytes'
     double quantization): the model as a 4-bit load trains it, its 4-bit layers traced in `dtype` (their compute
     dtype, default bfloat16) and their weights then counted in 4 bits (`trl_longrm.memory_plan.quantized`).
 
@@ -263,7 +263,8 @@ def plan_memory(
     if load_in_4bit:
         from trl_longrm.memory_plan.quantized import quantize_plan
 
-        plan = quantize_plan(plan, stage, model_config, nested_quant, torch.empty((), dtype=dtype).element_size())
+        plan = quantize_plan(plan, stage, model_config, nested_quant, torch.empty((), dtype=dtype).element_size(),
+                             CUDA_FRAGMENTATION_FRACTION)
     return plan
 
 

@@ -35,7 +35,7 @@ def bnb_4bit_bytes(numel: int, nested: bool) -> int:
 def quantized_weight_numels(stage: str, model_config) -> list[int]:
     """The sizes of the weights a 4-bit load quantizes: every `nn.Linear` but those transformers keeps in full
     precision (the output head, `get_keys_to_not_convert`), from a skeleton on the meta device."""
-    from trl_longrm.memory_plan.trace import build_model
+    from trl_longrm.memory_plan.model import build_model
 
     with torch.device("meta"):
         model = build_model(stage, model_config, torch.bfloat16)
@@ -144,16 +144,14 @@ def as_4bit_layers(model, compute_dtype: torch.dtype, nested: bool = True, devic
             module.forward = types.MethodType(_lora_4bit_forward, module)
 
 
-def quantize_plan(plan, stage: str, model_config, nested: bool, element_size: int):
+def quantize_plan(plan, stage: str, model_config, nested: bool, element_size: int, fragmentation: float = 0.0):
     """`plan` (traced with the quantized weights in a dtype of `element_size` bytes) with those weights in 4 bits."""
     numels = quantized_weight_numels(stage, model_config)
     saved = sum(numels) * element_size - sum(bnb_4bit_bytes(n, nested) for n in numels)
     extra = dict(plan.extra)
     peak = plan.peak - saved
-    if "allocator_fragmentation" in extra:  # a fraction of the rest (plan.CUDA_FRAGMENTATION_FRACTION)
-        from trl_longrm.memory_plan.plan import CUDA_FRAGMENTATION_FRACTION
-
-        change = -int(CUDA_FRAGMENTATION_FRACTION * saved)
+    if "allocator_fragmentation" in extra:  # `fragmentation` of the rest (plan.CUDA_FRAGMENTATION_FRACTION)
+        change = -int(fragmentation * saved)
         extra["allocator_fragmentation"] += change
         peak += change
     note = (f"{len(numels)} weights in 4 bits ({'nested' if nested else 'plain'} absmax): traced in the compute dtype, "

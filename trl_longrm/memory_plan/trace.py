@@ -26,12 +26,13 @@ from dataclasses import dataclass, field
 import torch
 from transformers import TrainerCallback
 
-from trl_longrm.activation_offload import CountingHostStore, use_host_store
+from trl_longrm.memory.activation_offload import CountingHostStore, use_host_store
 from trl_longrm.memory_plan.cuda_paths import cuda_code_paths
 from trl_longrm.memory_plan.fake_mode import HybridFakeMode
+from trl_longrm.memory_plan.model import build_model
+from trl_longrm.memory_plan.planned_kernels import planned_kernels
 from trl_longrm.memory_plan.quantized import as_4bit_layers, loaded_in_4bit
 from trl_longrm.memory_plan.workspaces import KernelWorkspaces
-from trl_longrm.sequence_parallel.kernels import planned_kernels
 
 
 logger = logging.getLogger(__name__)
@@ -415,27 +416,6 @@ def _by_kind(snapshot) -> dict[str, int]:
     return kinds
 
 
-def build_model(stage: str, model_config, dtype: torch.dtype | None):
-    """The stage's model (causal LM, or a 1-label sequence classifier) built from `model_config` with fake weights
-    (call under `HybridFakeMode`), in `dtype` (None: the config's `dtype`, else float32)."""
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
-
-    config = copy.deepcopy(model_config)
-    if dtype is None:
-        dtype = getattr(config, "dtype", None) or torch.float32
-        dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-    previous = torch.get_default_dtype()
-    # Built in its dtype: `.to(dtype)` on fake weights cannot swap the parameters (platform notes, 2026-11-26).
-    torch.set_default_dtype(dtype)
-    try:
-        if stage == "simpo_disrm":
-            config.num_labels = 1
-            return AutoModelForSequenceClassification.from_config(config, dtype=dtype)
-        return AutoModelForCausalLM.from_config(config, dtype=dtype)
-    finally:
-        torch.set_default_dtype(previous)
-
-
 def with_layers(model_config, layers: int):
     """A copy of `model_config` with its first `layers` decoder layers (per-layer lists cut to match)."""
     config = copy.deepcopy(model_config)
@@ -488,7 +468,7 @@ def trace_step(stage: str, training_args, model_config, shape: GroupShape, *, pe
     ZeRO run: DeepSpeed, not DDP, holds its gradients; `plan.zero_terms` adds them). `stock=True` traces stock TRL's
     trainer of the stage instead, on the same model, group and training arguments (`trl_longrm.memory_plan.stock`).
     `kernels`: the device whose attention kernels are traced ('cuda': flash-attn's allocations,
-    `trl_longrm.sequence_parallel.kernels.planned_kernels`; 'cpu': the CPU kernels a CPU run uses). `attention`: on
+    `trl_longrm.memory_plan.planned_kernels`; 'cpu': the CPU kernels a CPU run uses). `attention`: on
     'cuda', whose attention kernels: 'flash_attn' (what 'auto' takes with flash-attn installed) or 'cudnn' (without).
     `load_in_4bit`: the model goes through the trainer as a bitsandbytes 4-bit load does, its quantized layers in
     `dtype` (`quantized.loaded_in_4bit`, `as_4bit_layers`; `quantized.quantize_plan` then puts their weights in 4

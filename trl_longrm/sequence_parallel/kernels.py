@@ -23,7 +23,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from ..selective_checkpointing import keeps_attention_outputs
+from ..memory.selective_checkpointing import keeps_attention_outputs
 from .sharding import RingAttentionMetadata
 
 
@@ -753,111 +753,26 @@ class SharedPrefixVarlenKernel:
         return self.backward_from(q, k, v, out, lse, grad_out, meta, scaling)
 
 
-@torch.library.custom_op("trl_longrm::planned_flash_attn_forward", mutates_args=())
-def planned_flash_attn_forward(q: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The tensors flash-attn's varlen forward allocates (`out [Tq, H, Dv]`, float32 `softmax_lse [H, Tq]`), as one
-    operator: a plan's trace sees it where a run sees flash-attn's own op (`flash_attn::_flash_attn_varlen_forward`),
-    so that what keeps the op's outputs (selective checkpointing) keeps these."""
-    return q.new_empty(q.shape[0], q.shape[1], v.shape[2]), q.new_empty(q.shape[1], q.shape[0], dtype=torch.float32)
-
-
-@planned_flash_attn_forward.register_fake
-def _planned_flash_attn_forward_fake(q, v):
-    return q.new_empty(q.shape[0], q.shape[1], v.shape[2]), q.new_empty(q.shape[1], q.shape[0], dtype=torch.float32)
-
-
-class PlannedFlashAttnOps(VarlenOps):
-    """flash-attn 2's varlen kernels as a memory plan sees them: every tensor a call allocates, none computed.
-
-    A memory plan of a CUDA run traces it on CPU fake tensors (`trl_longrm.memory_plan`), where flash-attn cannot
-    run; these ops allocate what `mha_varlen_fwd` / `mha_varlen_bwd` (csrc/flash_attn/flash_api.cpp) do: the forward
-    `out` and its float32 `softmax_lse [H, Tq]`; the backward `dq`/`dk`/`dv`, and for the kernel's duration a float32
-    `dq_accum [Tq + 128, H, D rounded up to 32]`, a float32 `softmax_d [H, Tq + 128]` and, with grouped-query heads,
-    `dk`/`dv` expanded to the query heads. Values are never read (fake tensors have none)."""
-
-    name = "flash_attn"
-
-    def forward(self, q, k, v, cu_q, cu_k, max_q, max_k, scale, causal):
-        return planned_flash_attn_forward(q, v)
-
-    def backward(self, grad_out, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, causal):
-        batch = len(cu_q) - 1
-        tokens, heads, head_dim = q.shape
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        workspace = [
-            torch.empty(tokens + 128 * batch, heads, -(-head_dim // 32) * 32, dtype=torch.float32, device=q.device),
-            torch.empty(heads, tokens + 128 * batch, dtype=torch.float32, device=q.device),
-        ]
-        if k.shape[1] != heads:
-            workspace += [k.new_empty(k.shape[0], heads, k.shape[2]), v.new_empty(v.shape[0], heads, v.shape[2])]
-        del workspace  # freed when the kernel returns
-        return dq, dk, dv
-
-
-class _PlannedFlashAttnFunction(torch.autograd.Function):
-    """`flash_attn_varlen_func` as a memory plan sees it: `PlannedFlashAttnOps`, saving q, k, v, out and lse for the
-    backward as flash-attn's autograd function does."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, cu_q, cu_k, max_q, max_k, scale):
-        ops = PlannedFlashAttnOps()
-        out, lse = ops.forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, True)
-        ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
-        ctx.layout = (max_q, max_k, scale)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
-        dq, dk, dv = PlannedFlashAttnOps().backward(grad_out, q, k, v, out, lse, cu_q, cu_k, *ctx.layout, True)
-        return dq, dk, dv, None, None, None, None, None
-
-
-def _planned_flash_attn_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale):
-    return _PlannedFlashAttnFunction.apply(q, k, v, cu_q, cu_k, max_q, max_k, scale)
-
-
-# `(device, attention kernels)` whose kernels `resolve_kernel` gives while `planned_kernels` is active (innermost last).
-_planned_devices: list[tuple[str, str]] = []
-
-# The CUDA attention kernels a plan can trace: what `resolve_kernel('auto', cuda)` picks with flash-attn installed,
-# and without it.
-PLANNED_CUDA_ATTENTION = ("flash_attn", "cudnn")
-
-
-def planned_cuda_attention(backend: str) -> str:
-    """The attention kernels (`PLANNED_CUDA_ATTENTION`) a CUDA run with `ring_attn_backend=backend` takes, as
-    `resolve_kernel` resolves it on half-precision CUDA tensors: 'cudnn' for 'cudnn'; flash-attn's allocations for
-    'flash_attn' and 'torch' (torch's `varlen_attn` allocates as flash-attn's); for 'auto', flash-attn where it is
-    importable, else cuDNN where this machine has CUDA and torch's cuDNN ops. On a machine without CUDA (a plan made
-    away from the GPUs) 'auto' is planned as with flash-attn installed; `ring_attn_backend='cudnn'` plans the other."""
-    if backend == "cudnn":
-        return "cudnn"
-    if backend == "auto" and not is_flash_attn_available() and torch.cuda.is_available() and TorchCudnnOps.load():
-        return "cudnn"
-    return "flash_attn"
-
-
-def planning_cuda() -> bool:
-    """Whether a memory plan of a CUDA run is being traced here (`planned_kernels('cuda')`): its kernels are
-    allocations only, so flash-attn need not be importable where the plan is made."""
-    return bool(_planned_devices) and _planned_devices[-1][0] == "cuda"
+# Resolvers that take the place of the device's own kernels, innermost last: a memory plan of a CUDA run, traced on CPU
+# fake tensors, gives our attention the CUDA kernels as allocations (`trl_longrm.memory_plan.planned_kernels`). A
+# resolver returns a kernel, or None where the device's own applies.
+_kernel_overrides: list = []
 
 
 @contextlib.contextmanager
-def planned_kernels(device_type: str, attention: str = "flash_attn"):
-    """Within this context, attention kernels are resolved as on `device_type`: on 'cuda', half-precision attention
-    gets, whatever device the (fake) tensors are on, `attention`'s kernels: 'flash_attn' as `PlannedFlashAttnOps`
-    (allocations only), 'cudnn' as `TorchCudnnOps` over torch's cuDNN attention ops (their meta kernels run on fake
-    tensors) with `PlannedFlashAttnOps` for the sequences it leaves to torch's `varlen_attn` (which allocates as
-    flash-attn's). What a memory plan of a CUDA run uses to trace on CPU (`trl_longrm.memory_plan.trace`)."""
-    if attention not in PLANNED_CUDA_ATTENTION:
-        raise ValueError(f"attention={attention!r}: expected one of {PLANNED_CUDA_ATTENTION}.")
-    _planned_devices.append((device_type, attention))
+def kernels_resolved_by(resolver):
+    """Within this context `resolve_kernel` asks `resolver(backend, device, dtype)` first."""
+    _kernel_overrides.append(resolver)
     try:
         yield
     finally:
-        _planned_devices.pop()
+        _kernel_overrides.pop()
+
+
+def kernels_overridden() -> bool:
+    """Whether attention kernels are resolved by an override here (`kernels_resolved_by`): a plan's kernels are
+    allocations only, so flash-attn need not be importable where the plan is made."""
+    return bool(_kernel_overrides)
 
 
 def _flash_attn_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale):
@@ -911,13 +826,10 @@ def resolve_kernel(backend: str, device: torch.device, dtype: torch.dtype):
     'torch'
     ```
     """
-    if _planned_devices and _planned_devices[-1][0] == "cuda" and dtype in _HALF_DTYPES:
-        # A memory plan of a CUDA run: the kernels 'auto' picks there (torch's varlen kernels allocate the same out
-        # and lse as flash-attn's), as allocations.
-        if _planned_devices[-1][1] == "cudnn":
-            ops = TorchCudnnOps(PlannedFlashAttnOps())
-            return VarlenKernel(ops.name, varlen_function_of(ops), ops)
-        return VarlenKernel("flash_attn", _planned_flash_attn_varlen, PlannedFlashAttnOps())
+    if _kernel_overrides:
+        kernel = _kernel_overrides[-1](backend, device, dtype)
+        if kernel is not None:
+            return kernel
     if backend == "flash_attn":
         if not is_flash_attn_available():
             raise ImportError(

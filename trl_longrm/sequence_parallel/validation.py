@@ -78,11 +78,11 @@ def check_ring_attention_backend(backend: str) -> None:
     >>> check_ring_attention_backend("torch")  # fine
     ```
     """
-    from .kernels import is_flash_attn_available, planning_cuda
+    from .kernels import is_flash_attn_available, kernels_overridden
 
     if backend not in RING_ATTENTION_BACKENDS:
         raise ValueError(f"ring_attn_backend must be one of {RING_ATTENTION_BACKENDS}, got {backend!r}.")
-    if backend == "flash_attn" and not is_flash_attn_available() and not planning_cuda():
+    if backend == "flash_attn" and not is_flash_attn_available() and not kernels_overridden():
         raise ImportError(
             "ring_attn_backend='flash_attn' needs the flash-attn package, which is not importable here "
             "(`pip install flash-attn --no-build-isolation` on a CUDA machine), or use ring_attn_backend='torch'."

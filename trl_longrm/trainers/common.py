@@ -23,7 +23,7 @@ from trl_longrm.data.stock_columns import (
     is_group_row,
     with_stock_columns,
 )
-from trl_longrm.selective_checkpointing import SELECTIVE_KEY, enable_selective_checkpointing
+from trl_longrm.memory.selective_checkpointing import SELECTIVE_KEY, enable_selective_checkpointing
 from trl_longrm.sequence_parallel.kernels import FlashAttnVarlenOps, is_flash_attn_available
 
 
@@ -77,7 +77,7 @@ class LongContextDataArguments:
         default=None,
         metadata={
             "help": "If set, each decoder layer's MLP and RMSNorms run over slices of at most this many of a rank's "
-            "tokens, each recomputed in backward (`trl_longrm.tiled_mlp`, ALST's TiledMLP): the MLP's intermediate "
+            "tokens, each recomputed in backward (`trl_longrm.memory.tiled_mlp`, ALST's TiledMLP): the MLP's intermediate "
             "activations (3 x intermediate_size per token) and the norms' float32 copies of the hidden states are "
             "then held for one slice at a time instead of the whole row, for one more MLP forward per step; the same "
             "gradients. Worth it when a rank holds tens of thousands of "
@@ -177,7 +177,7 @@ def stock_activation_offloading_off(args):
 
 
 def install_activation_offload(trainer) -> None:
-    """The trainer's activation offload (`trl_longrm.activation_offload`), after TRL's `__init__`:
+    """The trainer's activation offload (`trl_longrm.memory.activation_offload`), after TRL's `__init__`:
 
     - `activation_offloading=True`: `trainer.maybe_activation_offload_context`, which TRL's `training_step` enters
       around forward and backward (SimPOGRMTrainer's does the same), offloads every saved activation: with gradient
@@ -186,7 +186,7 @@ def install_activation_offload(trainer) -> None:
       inputs only, through the same hooks instead of transformers' pinned `save_on_cpu` (which fails on CPU).
 
     Both hold the host copies in `trainer.activation_offload_store` (None when off; `use_host_store` overrides it)."""
-    from trl_longrm.activation_offload import HostStore, OffloadActivations, offload_checkpointed_inputs
+    from trl_longrm.memory.activation_offload import HostStore, OffloadActivations, offload_checkpointed_inputs
 
     args = trainer.args
     offload_all = bool(getattr(args, "activation_offloading", False))
@@ -205,7 +205,7 @@ def install_activation_offload(trainer) -> None:
 def install_selective_checkpointing(trainer) -> None:
     """`gradient_checkpointing_kwargs={"selective": True}` (TRL's key, which SFTTrainer alone takes) in every trainer,
     after TRL's `__init__`: the model's checkpointing keeps the attention kernels' outputs
-    (`trl_longrm.selective_checkpointing`) when the HF Trainer enables it in `train()`.
+    (`trl_longrm.memory.selective_checkpointing`) when the HF Trainer enables it in `train()`.
 
     `{"selective": False}` (which TRL takes too) is plain checkpointing: the wrapper is installed for it as well, since
     it is what takes the key out before torch's `checkpoint` sees it (which refuses keys it does not know)."""

@@ -16,11 +16,14 @@ from trl_longrm.data.errors import DataFormatError
 from trl_longrm.data.records import resolve_sft_layout
 from trl_longrm.data.sources import holds_json_feature
 from trl_longrm.heads import add_token_logprob_head
-from trl_longrm.lora_input_cast import skip_lora_input_casts_under_autocast
+from trl_longrm.memory.lora_input_cast import skip_lora_input_casts_under_autocast
+from trl_longrm.memory.selective_checkpointing import (
+    check_selective_checkpointing_args,
+    check_selective_checkpointing_setup,
+)
+from trl_longrm.memory.tiled_mlp import apply_tiled_mlp
 from trl_longrm.packing import SFTCollator
-from trl_longrm.selective_checkpointing import check_selective_checkpointing_args, check_selective_checkpointing_setup
 from trl_longrm.sequence_parallel import SequenceParallelConfig
-from trl_longrm.tiled_mlp import apply_tiled_mlp
 from trl_longrm.trainers.common import (
     LongContextDataArguments,
     attention_reasons,

@@ -17,7 +17,8 @@ import torch
 from accelerate.data_loader import BatchSamplerShard
 
 from trl_longrm.heads import shift_labels_left
-from trl_longrm.lora_input_cast import skip_lora_input_casts_under_autocast
+from trl_longrm.memory.lora_input_cast import skip_lora_input_casts_under_autocast
+from trl_longrm.memory.tiled_mlp import apply_tiled_mlp
 from trl_longrm.packing import is_shared_prefix_batch
 from trl_longrm.sequence_parallel import (
     RING_META_KWARG,
@@ -30,7 +31,6 @@ from trl_longrm.sequence_parallel import (
 from trl_longrm.sequence_parallel.collectives import all_reduce_autograd, destroy_process_groups
 from trl_longrm.sequence_parallel.metrics_gather import gather_for_metrics
 from trl_longrm.sequence_parallel.sharding import packed_row_metadata, shared_row_metadata
-from trl_longrm.tiled_mlp import apply_tiled_mlp
 from trl_longrm.trainers.common import model_inputs
 
 

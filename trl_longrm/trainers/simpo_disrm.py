@@ -10,9 +10,12 @@ from trl import RewardConfig, RewardTrainer
 from trl_longrm.data.stock_columns import GROUP_COLUMNS, REWARD_COLUMNS
 from trl_longrm.heads import add_last_token_score_head
 from trl_longrm.losses import bradley_terry_loss, center_rewards_penalty, group_values
+from trl_longrm.memory.selective_checkpointing import (
+    check_selective_checkpointing_args,
+    check_selective_checkpointing_setup,
+)
 from trl_longrm.packing import PreferenceCollator
 from trl_longrm.scoring import ensure_distinct_pad_token
-from trl_longrm.selective_checkpointing import check_selective_checkpointing_args, check_selective_checkpointing_setup
 from trl_longrm.sequence_parallel import SequenceParallelConfig
 from trl_longrm.trainers.common import (
     SHARED_PREFIX_HELP,

@@ -17,13 +17,13 @@ from trl.experimental.cpo import CPOConfig, CPOTrainer  # noqa: E402
 from trl_longrm.data.stock_columns import CPO_COLUMNS, GROUP_COLUMNS  # noqa: E402
 from trl_longrm.heads import add_token_logprob_head  # noqa: E402
 from trl_longrm.losses import AVERAGED_LOSS_TYPES, CPO_LOSS_TYPES, cpo_loss, group_values  # noqa: E402
-from trl_longrm.packing import PreferenceCollator, is_shared_prefix_batch  # noqa: E402
-from trl_longrm.selective_checkpointing import (  # noqa: E402
+from trl_longrm.memory.selective_checkpointing import (  # noqa: E402
     check_selective_checkpointing_args,
     check_selective_checkpointing_setup,
 )
+from trl_longrm.memory.tiled_mlp import apply_tiled_mlp  # noqa: E402
+from trl_longrm.packing import PreferenceCollator, is_shared_prefix_batch  # noqa: E402
 from trl_longrm.sequence_parallel import SequenceParallelConfig  # noqa: E402
-from trl_longrm.tiled_mlp import apply_tiled_mlp  # noqa: E402
 from trl_longrm.trainers.common import (  # noqa: E402
     SHARED_PREFIX_HELP,
     LongContextDataArguments,
@@ -99,7 +99,7 @@ class SimPOGRMConfig(CPOConfig, LongContextDataArguments, SequenceParallelConfig
     )
     learning_rate: float = field(default=2e-6, metadata={"help": "Initial AdamW learning rate. Default 2e-6."})
     shared_prefix: bool = field(default=True, metadata={"help": SHARED_PREFIX_HELP.format(default="True")})
-    # TRL's RewardConfig / SFTConfig field, which CPOConfig lacks (`trl_longrm.activation_offload`).
+    # TRL's RewardConfig / SFTConfig field, which CPOConfig lacks (`trl_longrm.memory.activation_offload`).
     activation_offloading: bool = field(
         default=False,
         metadata={"help": "Whether to offload the activations to the CPU."},

@@ -23,7 +23,7 @@ which counts host bytes without keeping values (a memory plan traced on fake ten
 
 Example:
 ```python
->>> from trl_longrm.activation_offload import HostStore, OffloadActivations
+>>> from trl_longrm.memory.activation_offload import HostStore, OffloadActivations
 >>> offload = OffloadActivations(model=model, store=HostStore())
 >>> with offload:
 ...     loss = model(**batch).loss

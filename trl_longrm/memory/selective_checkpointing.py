@@ -51,9 +51,15 @@ _ATEN_ATTENTION_OPS = (
 )
 # torch's varlen attention (`torch.nn.attention.varlen`), a custom op over aten's flash kernel.
 _TORCH_VARLEN_OPS = ("_varlen_attn", "_varlen_attn_out")
-# What a memory plan of a CUDA run traces in place of flash-attn's forward (`sequence_parallel.kernels`, which imports
-# this module): kept as flash-attn's would be. Matched by name: an import would make a circle.
-_PLANNED_OPS = ("trl_longrm::planned_flash_attn_forward",)
+# Other operators that stand for an attention forward (`register_attention_forward_op`): a memory plan's stand-in for
+# flash-attn's forward (`trl_longrm.memory_plan.planned_kernels`).
+_REGISTERED_OPS: set = set()
+
+
+def register_attention_forward_op(op) -> None:
+    """Have selective checkpointing keep the outputs of `op` (an `OpOverload`) as an attention kernel's."""
+    _REGISTERED_OPS.add(op)
+    is_attention_forward_op.cache_clear()
 
 
 @functools.cache
@@ -79,7 +85,7 @@ def _torch_attention_ops() -> frozenset:
 def is_attention_forward_op(op) -> bool:
     """Whether `op` (an `OpOverload`) is the forward of an attention kernel whose outputs selective checkpointing
     keeps."""
-    if op in _torch_attention_ops() or op.name() in _PLANNED_OPS:
+    if op in _torch_attention_ops() or op in _REGISTERED_OPS:
         return True
     # flash-attn registers its kernels as custom ops: `flash_attn::_flash_attn_varlen_forward` (2.7+),
     # `flash_attn_3::fwd`, or a hashed namespace such as `_flash_attn2_cuda_f12afc9::varlen_fwd`.

@@ -1,0 +1,140 @@
+"""The CUDA attention kernels a memory plan traces on CPU fake tensors, where they cannot run: every tensor a kernel
+call allocates, none computed. `planned_kernels('cuda', attention)` gives our attention these kernels in place of the
+device's own (`trl_longrm.sequence_parallel.kernels.kernels_resolved_by`) while a plan is traced
+(`trl_longrm.memory_plan.trace`); the runtime knows nothing of them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from trl_longrm.memory.selective_checkpointing import register_attention_forward_op
+from trl_longrm.sequence_parallel.kernels import (
+    _HALF_DTYPES,
+    TorchCudnnOps,
+    VarlenKernel,
+    VarlenOps,
+    is_flash_attn_available,
+    kernels_resolved_by,
+    varlen_function_of,
+)
+
+
+@torch.library.custom_op("trl_longrm::planned_flash_attn_forward", mutates_args=())
+def planned_flash_attn_forward(q: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tensors flash-attn's varlen forward allocates (`out [Tq, H, Dv]`, float32 `softmax_lse [H, Tq]`), as one
+    operator: a plan's trace sees it where a run sees flash-attn's own op (`flash_attn::_flash_attn_varlen_forward`),
+    so that what keeps the op's outputs (selective checkpointing) keeps these."""
+    return q.new_empty(q.shape[0], q.shape[1], v.shape[2]), q.new_empty(q.shape[1], q.shape[0], dtype=torch.float32)
+
+
+@planned_flash_attn_forward.register_fake
+def _planned_flash_attn_forward_fake(q, v):
+    return q.new_empty(q.shape[0], q.shape[1], v.shape[2]), q.new_empty(q.shape[1], q.shape[0], dtype=torch.float32)
+
+
+class PlannedFlashAttnOps(VarlenOps):
+    """flash-attn 2's varlen kernels as a memory plan sees them: every tensor a call allocates, none computed.
+
+    A memory plan of a CUDA run traces it on CPU fake tensors (`trl_longrm.memory_plan`), where flash-attn cannot
+    run; these ops allocate what `mha_varlen_fwd` / `mha_varlen_bwd` (csrc/flash_attn/flash_api.cpp) do: the forward
+    `out` and its float32 `softmax_lse [H, Tq]`; the backward `dq`/`dk`/`dv`, and for the kernel's duration a float32
+    `dq_accum [Tq + 128, H, D rounded up to 32]`, a float32 `softmax_d [H, Tq + 128]` and, with grouped-query heads,
+    `dk`/`dv` expanded to the query heads. Values are never read (fake tensors have none)."""
+
+    name = "flash_attn"
+
+    def forward(self, q, k, v, cu_q, cu_k, max_q, max_k, scale, causal):
+        return planned_flash_attn_forward(q, v)
+
+    def backward(self, grad_out, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, causal):
+        batch = len(cu_q) - 1
+        tokens, heads, head_dim = q.shape
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        workspace = [
+            torch.empty(tokens + 128 * batch, heads, -(-head_dim // 32) * 32, dtype=torch.float32, device=q.device),
+            torch.empty(heads, tokens + 128 * batch, dtype=torch.float32, device=q.device),
+        ]
+        if k.shape[1] != heads:
+            workspace += [k.new_empty(k.shape[0], heads, k.shape[2]), v.new_empty(v.shape[0], heads, v.shape[2])]
+        del workspace  # freed when the kernel returns
+        return dq, dk, dv
+
+
+class _PlannedFlashAttnFunction(torch.autograd.Function):
+    """`flash_attn_varlen_func` as a memory plan sees it: `PlannedFlashAttnOps`, saving q, k, v, out and lse for the
+    backward as flash-attn's autograd function does."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_q, cu_k, max_q, max_k, scale):
+        ops = PlannedFlashAttnOps()
+        out, lse = ops.forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, True)
+        ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
+        ctx.layout = (max_q, max_k, scale)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
+        dq, dk, dv = PlannedFlashAttnOps().backward(grad_out, q, k, v, out, lse, cu_q, cu_k, *ctx.layout, True)
+        return dq, dk, dv, None, None, None, None, None
+
+
+def _planned_flash_attn_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale):
+    return _PlannedFlashAttnFunction.apply(q, k, v, cu_q, cu_k, max_q, max_k, scale)
+
+
+# What selective checkpointing keeps: flash-attn's forward outputs, which this op stands for.
+register_attention_forward_op(planned_flash_attn_forward._opoverload)
+
+# The CUDA attention kernels a plan can trace: what `resolve_kernel('auto', cuda)` picks with flash-attn installed,
+# and without it.
+PLANNED_CUDA_ATTENTION = ("flash_attn", "cudnn")
+
+
+def planned_cuda_attention(backend: str) -> str:
+    """The attention kernels (`PLANNED_CUDA_ATTENTION`) a CUDA run with `ring_attn_backend=backend` takes, as
+    `resolve_kernel` resolves it on half-precision CUDA tensors: 'cudnn' for 'cudnn'; flash-attn's allocations for
+    'flash_attn' and 'torch' (torch's `varlen_attn` allocates as flash-attn's); for 'auto', flash-attn where it is
+    importable, else cuDNN where this machine has CUDA and torch's cuDNN ops. On a machine without CUDA (a plan made
+    away from the GPUs) 'auto' is planned as with flash-attn installed; `ring_attn_backend='cudnn'` plans the other."""
+    if backend == "cudnn":
+        return "cudnn"
+    if backend == "auto" and not is_flash_attn_available() and torch.cuda.is_available() and TorchCudnnOps.load():
+        return "cudnn"
+    return "flash_attn"
+
+
+def _planned_resolver(attention: str):
+    def resolve(backend, device, dtype):
+        if dtype not in _HALF_DTYPES:
+            return None  # float32 runs take the device's own kernels
+        # The kernels 'auto' picks on CUDA (torch's varlen kernels allocate the same out and lse as flash-attn's).
+        if attention == "cudnn":
+            ops = TorchCudnnOps(PlannedFlashAttnOps())
+            return VarlenKernel(ops.name, varlen_function_of(ops), ops)
+        return VarlenKernel("flash_attn", _planned_flash_attn_varlen, PlannedFlashAttnOps())
+
+    return resolve
+
+
+@contextlib.contextmanager
+def planned_kernels(device_type: str, attention: str = "flash_attn"):
+    """Within this context, attention kernels are resolved as on `device_type`: on 'cuda', half-precision attention
+    gets, whatever device the (fake) tensors are on, `attention`'s kernels: 'flash_attn' as `PlannedFlashAttnOps`
+    (allocations only), 'cudnn' as `TorchCudnnOps` over torch's cuDNN attention ops (their meta kernels run on fake
+    tensors) with `PlannedFlashAttnOps` for the sequences it leaves to torch's `varlen_attn` (which allocates as
+    flash-attn's). On 'cpu', the CPU kernels a CPU run uses."""
+    if attention not in PLANNED_CUDA_ATTENTION:
+        raise ValueError(f"attention={attention!r}: expected one of {PLANNED_CUDA_ATTENTION}.")
+    if device_type != "cuda":
+        yield
+        return
+    with kernels_resolved_by(_planned_resolver(attention)):
+        yield
+
+
+__all__ = ["PLANNED_CUDA_ATTENTION", "PlannedFlashAttnOps", "planned_cuda_attention", "planned_flash_attn_forward",
+           "planned_kernels"]
