@@ -30,12 +30,7 @@ def model_config_path(script_args, model_args, recipe_dir: Path | None = None) -
 def distribution(script_args, world_size: int) -> tuple[str, str]:
     """`(distributed, device)` of the run: 'single', 'ddp', 'zero2' or 'zero3', and 'cuda' or 'cpu', from the accelerate
     config the recipe launches with."""
-    from trl_longrm.launch import find_accelerate_config
-
-    settings = {}
-    if script_args.accelerate_config:
-        with open(find_accelerate_config(str(script_args.accelerate_config)), encoding="utf-8") as handle:
-            settings = yaml.safe_load(handle) or {}
+    settings = _accelerate_settings(script_args)
     device = "cpu" if settings.get("use_cpu") else "cuda"
     if settings.get("distributed_type") == "DEEPSPEED":
         stage = int((settings.get("deepspeed_config") or {}).get("zero_stage", 2))
@@ -43,6 +38,31 @@ def distribution(script_args, world_size: int) -> tuple[str, str]:
             raise ValueError(f"The memory plan covers ZeRO stages 2 and 3, not {stage}.")
         return f"zero{stage}", device
     return ("single" if world_size == 1 else "ddp"), device
+
+
+def _accelerate_settings(script_args) -> dict:
+    from trl_longrm.launch import find_accelerate_config
+
+    if not script_args.accelerate_config:
+        return {}
+    with open(find_accelerate_config(str(script_args.accelerate_config)), encoding="utf-8") as handle:
+        return yaml.safe_load(handle) or {}
+
+
+def deepspeed_config(script_args, training_args) -> dict | None:
+    """The DeepSpeed config a ZeRO run of the recipe uses: `training_args.deepspeed` where set, else the one accelerate
+    builds from the accelerate YAML's `deepspeed_config` section (its `deepspeed_config_file`, or its stage and offload
+    devices with DeepSpeed's defaults for the rest: `trl_longrm.memory_plan.deepspeed.accelerate_deepspeed_config`)."""
+    from trl_longrm.launch import find_accelerate_config
+    from trl_longrm.memory_plan.deepspeed import accelerate_deepspeed_config
+
+    if getattr(training_args, "deepspeed", None):
+        return training_args.deepspeed
+    settings = _accelerate_settings(script_args)
+    if settings.get("distributed_type") != "DEEPSPEED":
+        return None
+    base = Path(find_accelerate_config(str(script_args.accelerate_config))).parent
+    return accelerate_deepspeed_config(settings.get("deepspeed_config") or {}, base)
 
 
 def group_shape(script_args, training_args, stage: str) -> GroupShape:
@@ -75,6 +95,7 @@ def recipe_memory_plans(script_args, training_args, model_args, world_size: int,
         return None, "no memory plan: 8-bit weights are not planned (4-bit QLoRA is)"
     config = load_model_config(path)
     distributed, device = distribution(script_args, world_size)
+    zero_config = deepspeed_config(script_args, training_args) if distributed.startswith("zero") else None
     shape = group_shape(script_args, training_args, stage)
     import torch
 
@@ -92,7 +113,8 @@ def recipe_memory_plans(script_args, training_args, model_args, world_size: int,
     def plans_for(shape: GroupShape, args=training_args):
         plans = [
             plan_memory(stage, args, config, shape, peft_config=peft_config, dtype=dtype, world_size=world_size,
-                        rank=rank, distributed=distributed, device=device, stock=stock)  # fmt: skip
+                        rank=rank, distributed=distributed, device=device, stock=stock,
+                        deepspeed_config=zero_config)  # fmt: skip
             for rank in ranks
         ]
         if model_args.load_in_4bit:
