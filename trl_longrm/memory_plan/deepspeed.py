@@ -270,18 +270,26 @@ def _unit_of_module(module: str | None, units: list[str]) -> str | None:
 
 def gathered_at_peak(parameters, persistent: set[int], settings: ZeroSettings, context: dict,
                      checkpointing: bool) -> int:  # fmt: skip
-    """Bytes of the partitioned (not persistent) parameters ZeRO-3 holds gathered at the forward/backward peak.
+    """Bytes of the partitioned (not persistent) parameters ZeRO-3 holds gathered at a forward/backward point.
 
     The module order is that of the model's blocks (its decoder layers, and each other module with parameters, in
     `named_parameters` order): forward through all of them, then backward in reverse, a checkpointed layer recomputed
-    (fetched) right before its backward. At the peak (`context`: the block whose forward or recomputation ran last,
-    and whether in backward) the coordinator holds (partitioned_param_coordinator.py): the block in use, whole (its
-    modules stay gathered from its recomputation to its backward: what the checkpoint recomputed holds them); every
-    block used earlier whose next use comes within `max_reuse_distance` elements of module order after its last one
-    (`__params_to_release` keeps it); and what it prefetched: the next parameters in order not yet gathered, up to
-    `prefetch_bucket_size` elements (the last one whole) and within `max_live_parameters` (`fetch_sub_module`).
-    DeepSpeed works per module where this works per block: within a block, what backward already released is counted
-    (measured: the recomputed block's weights stay referenced until its backward ends)."""
+    (fetched) right before its backward. At the point (`context`: the block whose forward or recomputation ran last,
+    and whether in backward) the coordinator holds (partitioned_param_coordinator.py):
+
+    - the block in use: its trainable parameters whole (fetched by its recomputation, each released when its module's
+      backward ends: `release_sub_module`), of its frozen ones (a LoRA base) only the one whose backward runs (frozen
+      parameters fetched by a recomputation are released at the first backward hook after it and fetched again one
+      module at a time: `update_recompute_parameters`, `ds_recompute_parameters`);
+    - every block used earlier whose next use comes within `max_reuse_distance` elements of module order after its
+      last one (`__params_to_release` keeps it);
+    - a trainable LM head throughout (measured: our trainers run it in checkpointed chunks,
+      `trl_longrm.heads.chunked_token_logprobs`, and its backward never releases it);
+    - in forward, what it prefetched: the next parameters in order not yet gathered, up to `prefetch_bucket_size`
+      elements (the last one whole) within `max_live_parameters` (`fetch_sub_module`); measured, none in backward.
+
+    Measured on the CPU runs of tests/test_memory_plan.py (ZERO_CASES) to within 1 MiB of the gathered buffers live at
+    the peak (DeepSpeed's all-gathers sometimes outlive a released parameter)."""
     units, members = [], {}
     for i, (name, _, _, _) in enumerate(parameters):
         unit = _unit_of(name)
@@ -297,43 +305,52 @@ def gathered_at_peak(parameters, persistent: set[int], settings: ZeroSettings, c
     for unit in reversed(units):
         sequence += [unit, unit] if (checkpointing and unit in layers) else [unit]
     unit_now = _unit_of_module(context.get("module"), units)
-    if not context.get("backward"):
+    in_backward = bool(context.get("backward"))
+    if not in_backward:
         position = units.index(unit_now) if unit_now in units else len(units) - 1
     elif context.get("module_in_backward") and unit_now in layers:
         # after its recomputation: the layer's backward entry
         position = max(k for k in range(backward_start, len(sequence)) if sequence[k] == unit_now)
     else:
         position = backward_start  # backward has not reached a recomputed layer: the head's backward
-    gathered = {sequence[position]}
+    current = sequence[position]
+    held = [i for i in members[current] if i not in persistent and (parameters[i][3] or not in_backward)]
+    frozen = [parameters[i][1] * parameters[i][2] for i in members[current]
+              if i not in persistent and not parameters[i][3]]  # fmt: skip
+    total = sum(parameters[i][1] * parameters[i][2] for i in held)
+    if in_backward and frozen:
+        total += max(frozen)
+    gathered = {current}
     for unit in units:
         if unit in gathered:
             continue
         uses = [k for k, u in enumerate(sequence) if u == unit]
         before = [k for k in uses if k < position]
         after = [k for k in uses if k > position]
-        if not before or not after:
-            continue
-        last, following = before[-1], after[0]
-        distance = sum(numel[sequence[k]] for k in range(last + 1, following))
-        if distance < settings.max_reuse_distance:
-            gathered.add(unit)
-    held = [i for u in gathered for i in members[u] if i not in persistent]
-    available = sum(parameters[i][1] for i in held)
-    total = sum(parameters[i][1] * parameters[i][2] for i in held)
-    # Prefetch: the next parameters in module order not gathered yet.
-    budget = min(settings.prefetch_bucket_size, settings.max_live_parameters - available)
-    prefetched, seen = 0, set(held)
-    for unit in sequence[position + 1:]:
-        if prefetched >= budget:
-            break
-        for i in members[unit]:
-            if prefetched >= budget:
-                break
-            if i in persistent or i in seen:
+        head = unit.endswith("lm_head") and any(parameters[i][3] for i in members[unit])
+        if not (head and before):
+            if not before or not after:
                 continue
-            seen.add(i)
-            prefetched += parameters[i][1]
-            total += parameters[i][1] * parameters[i][2]
+            last, following = before[-1], after[0]
+            if sum(numel[sequence[k]] for k in range(last + 1, following)) >= settings.max_reuse_distance:
+                continue
+        gathered.add(unit)
+        kept = [i for i in members[unit] if i not in persistent]
+        held += kept
+        total += sum(parameters[i][1] * parameters[i][2] for i in kept)
+    if not in_backward:
+        available = sum(parameters[i][1] for i in held)
+        budget = min(settings.prefetch_bucket_size, settings.max_live_parameters - available)
+        prefetched, seen = 0, set(held)
+        for unit in sequence[position + 1:]:
+            for i in members[unit]:
+                if prefetched >= budget:
+                    break
+                if i in persistent or i in seen:
+                    continue
+                seen.add(i)
+                prefetched += parameters[i][1]
+                total += parameters[i][1] * parameters[i][2]
     return total
 
 
