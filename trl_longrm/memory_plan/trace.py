@@ -535,7 +535,7 @@ def _extrapolate(small: TracedStep, large: TracedStep, small_layers: int, large_
         if f.name in ("parameters", "param_groups", "gradient_order", "peak_context"):
             values[f.name] = layout.get(f.name, b)
         elif f.name == "segments":
-            values[f.name] = _extend_segments(small, large, small_layers, large_layers, layers, extend)
+            values[f.name] = _extend_segments(small, large, small_layers, large_layers, layers)
         elif f.name in ("row_tokens", "rank_tokens"):
             values[f.name] = a
         elif f.name == "notes":
@@ -609,26 +609,20 @@ def _extend_layout(large: TracedStep, large_layers: int, layers: int) -> dict:
     return {"parameters": new_params, "param_groups": groups, "gradient_order": order, "peak_context": context}
 
 
-def _extend_segments(small: TracedStep, large: TracedStep, small_layers: int, large_layers: int, layers: int, extend):
-    """The segments of a `layers`-layer model: those of the two traces that match, a module's layer counted from the
-    top (the gradients a backward has accumulated are counted from the top already), each extended per layer."""
-
-    def key(context, traced_layers):
-        module, index = context.get("module"), layer_index(context.get("module"))
-        if index is not None:
-            module = _rename_layer(module, index - traced_layers)  # from the top: -1 is the last layer
-        return tuple({**context, "module": module}.values())
-
-    smaller = {key(context, small_layers): parts for context, parts in small.segments}
+def _extend_segments(small: TracedStep, large: TracedStep, small_layers: int, large_layers: int, layers: int):
+    """The segments of a `layers`-layer model: the larger trace's, each grown by the per-layer growth of the
+    forward/backward peak (so that its peak's segment extends as the peak does: where a segment falls moves with the
+    layers, a peak in the second layer from the top of one trace and the top one of the other, so segments are not
+    matched across the traces), a module's layer counted from the top (as the gradients its backward accumulated)."""
+    scale = (layers - small_layers) / (large_layers - small_layers) - 1
+    growth = {kind: large.forward_backward_peak[kind] - small.forward_backward_peak[kind]
+              for kind in large.forward_backward_peak}  # fmt: skip
     segments = []
     for context, parts in large.segments:
-        match = smaller.get(key(context, large_layers))
-        if match is None:
-            continue
         module, index = context.get("module"), layer_index(context.get("module"))
         if index is not None:
             context = {**context, "module": _rename_layer(module, index + layers - large_layers)}
-        segments.append((context, extend(match, parts)))
+        segments.append((context, {kind: round(value + growth.get(kind, 0) * scale) for kind, value in parts.items()}))
     return segments
 
 
