@@ -361,10 +361,10 @@ def zero_phase(traced, settings: ZeroSettings, world_size: int, rank: int, phase
                checkpointing: bool, context: dict | None = None):  # fmt: skip
     """ZeRO's replacement of `parts` (the traced parts by kind of a peak of `phase`: 'forward/backward' or
     'optimizer step'; in forward/backward, the peak of `context`, a `TracedStep.segments` context), and its terms:
-    `(parts, device_terms, host_terms)`, bytes per rank `rank`. The weights' dtype
-    is the traced model's (DeepSpeed's bf16 casts the model to it: trace it in `dtype=torch.bfloat16`); gradients,
-    buckets and their reductions are in it too (`communication_data_type`, `grad_accum_dtype` unless the config sets
-    `data_types.grad_accum_dtype`); master weights, optimizer states and the step's gradients in fp32."""
+    `(parts, device_terms, host_terms)`, bytes per rank `rank`. The weights' dtype is the traced model's (the trace
+    casts it as DeepSpeed's engine does); gradients, buckets and their reductions are in it too
+    (`communication_data_type`; `grad_accum_dtype` unless the config sets `data_types.grad_accum_dtype`); master
+    weights, optimizer states and the step's gradients in fp32."""
     parameters = traced.parameters
     trainable = [i for i, p in enumerate(parameters) if p[3]]
     element = parameters[trainable[0]][2] if trainable else 4
@@ -384,7 +384,8 @@ def zero_phase(traced, settings: ZeroSettings, world_size: int, rank: int, phase
         device["zero_flat_weights_padding"] = sum(layout.paddings) * element
         device["zero_fp32_weights_partition"] = 4 * layout.partition
         device["zero_optimizer_partition"] = round(states_per_element * 4 * layout.partition)
-        in_partition = sum(parameters[i][1] for i in layout.in_partition) * accum
+        # `grads_in_partition` is in the weights' dtype (`self.dtype`; `copy_grads_in_partition`).
+        in_partition = sum(parameters[i][1] for i in layout.in_partition) * element
         if backward:
             in_backward = context.get("backward") and context.get("produced", 0) > 0
             if settings.contiguous_gradients and in_backward:
