@@ -34,14 +34,17 @@ def load_4bit(stage: str, path: str, dtype: torch.dtype):
 
 def measure_step(stage, training_args, model_config, shape: GroupShape, peft_config=None, dtype=None,
                  num_rows_per_step: int = 1, host_store: CountingHostStore | None = None,
-                 stock: bool = False, load_in_4bit: bool = False) -> int:  # fmt: skip
+                 stock: bool = False, load_in_4bit: bool = False, steps: int = 2, on_trained=None,
+                 with_stack: bool = True) -> int:  # fmt: skip
     """Peak live tensor bytes of the second optimizer step (the first that starts with the optimizer's states, as
     every later one does) of `stage`'s trainer (`stock`: stock TRL's, on its pairs), on this process; the memory plan
-    traces that step. `load_in_4bit`: the model saved and loaded again in 4 bits by bitsandbytes (NF4, nested
-    absmax, the compute dtype `dtype`), as a QLoRA recipe loads it. It is loaded before the recorder starts (the
-    profiler sees the load's file-backed storage allocated but never freed), and the bytes of the loaded tensors the
-    model still holds at the step are added to the recorded peak (the 4-bit weights, their quantization states, and
-    whatever k-bit preparation did not replace)."""
+    traces that step. `steps`: the step measured is the last of `steps` (DeepSpeed ZeRO-3 settles in its third: see
+    `measure_deepspeed_on_rank`). `on_trained(trainer)` is called after training. `with_stack=False`: the recorder
+    keeps no Python callers (same peak, less overhead). `load_in_4bit`: the model saved and loaded again in 4 bits by
+    bitsandbytes (NF4, nested absmax, the compute dtype `dtype`), as a QLoRA recipe loads it. It is loaded before the
+    recorder starts (the profiler sees the load's file-backed storage allocated but never freed), and the bytes of the
+    loaded tensors the model still holds at the step are added to the recorded peak (the 4-bit weights, their
+    quantization states, and whatever k-bit preparation did not replace)."""
     tokenizer = build_chat_tokenizer()
     accumulation = min(training_args.gradient_accumulation_steps, 2)
     saved = tempfile.TemporaryDirectory()
@@ -52,14 +55,14 @@ def measure_step(stage, training_args, model_config, shape: GroupShape, peft_con
     if load_in_4bit:
         model = load_4bit(stage, saved.name, dtype)
         loaded = model_tensor_bytes(model)
-    recorder = TensorMemoryRecorder()
+    recorder = TensorMemoryRecorder(with_stack=with_stack)
     recorder.start()  # before the model exists: its weights are live tensors of every step
     torch.manual_seed(0)
     if not load_in_4bit:
         model = build_model(stage, model_config, dtype)
     rows = 2 * accumulation * num_rows_per_step
     with tempfile.TemporaryDirectory() as tmp:
-        overrides = dict(output_dir=tmp, max_steps=2, gradient_accumulation_steps=accumulation, save_strategy="no",
+        overrides = dict(output_dir=tmp, max_steps=steps, gradient_accumulation_steps=accumulation, save_strategy="no",
                          report_to=[], disable_tqdm=True, logging_steps=1)  # fmt: skip
         if stock:
             from trl_longrm.memory_plan.stock import stock_args, stock_classes, stock_dataset
@@ -83,9 +86,11 @@ def measure_step(stage, training_args, model_config, shape: GroupShape, peft_con
         # in the same allocator as the device tensors; the plan reports host memory apart, so the measure must too.
         with use_host_store(host_store or CountingHostStore()):
             trainer.train()
-    report = recorder.finish(2)
+        if on_trained is not None:
+            on_trained(trainer)
+    report = recorder.finish(steps)
     held = model_tensor_bytes(trainer.model)
-    return report[1]["peak_bytes"] + sum(size for ptr, size in loaded.items() if ptr in held)
+    return report[steps - 1]["peak_bytes"] + sum(size for ptr, size in loaded.items() if ptr in held)
 
 
 def model_tensor_bytes(model) -> dict[int, int]:
@@ -111,6 +116,51 @@ def measure_on_rank(rank: int, world_size: int, out_dir: str, case: dict) -> Non
     stage, args, model_config, shape, peft_config, dtype, rows = build_case(**case)
     peak = measure_step(stage, args, model_config, shape, peft_config, dtype, rows)
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps({"peak_bytes": peak}))
+
+
+def measure_deepspeed_on_rank(rank: int, world_size: int, out_dir: str, case: dict) -> None:
+    """`run_on_gloo_ranks` entry: `measure_step` of ZeRO case `case["name"]` (tests/test_memory_plan.py ZERO_CASES)
+    under DeepSpeed, launched as `accelerate launch` launches it from an accelerate YAML whose `deepspeed_config_file`
+    names the case's DeepSpeed config (ACCELERATE_USE_DEEPSPEED, ACCELERATE_DEEPSPEED_CONFIG_FILE; set before the
+    training arguments are built, which read them). Writes `out_dir/rank{rank}.json`: the peak, and the ZeRO sizes the
+    engine resolved its config to (`"auto"` filled in by the HF Trainer), which the plan must have read the same.
+
+    The step measured is the third under ZeRO-3: its parameter coordinator records the module order in the second
+    (`PartitionedParameterCoordinator.reset_step`: invalid, then recording, then complete) and only then prefetches
+    and keeps parameters by reuse distance, as every later step does. Python's cyclic GC is off, as DeepSpeed's
+    hooks make cycles whose collection would otherwise free tensors at times that vary from run to run."""
+    import gc
+    import os
+
+    from test_memory_plan import ZERO_CASES, build_case
+
+    from trl_longrm.sequence_parallel.launch import set_distributed_env
+
+    gc.disable()
+    set_distributed_env(rank, world_size)
+    _, config, steps = ZERO_CASES[case["name"]]
+    path = Path(out_dir, f"deepspeed_rank{rank}.json")
+    path.write_text(json.dumps(config))
+    os.environ.update(ACCELERATE_USE_DEEPSPEED="true", ACCELERATE_DEEPSPEED_CONFIG_FILE=str(path))
+    stage, args, model_config, shape, peft_config, dtype, rows = build_case(case["name"])
+    resolved = {}
+
+    def read_config(trainer):
+        zero = trainer.deepspeed._config.zero_config
+        resolved.update(stage=int(zero.stage), reduce_bucket_size=int(zero.reduce_bucket_size),
+                        overlap_comm=bool(zero.overlap_comm), contiguous_gradients=bool(zero.contiguous_gradients),
+                        prefetch_bucket_size=int(zero.prefetch_bucket_size),
+                        param_persistence_threshold=int(zero.param_persistence_threshold),
+                        max_reuse_distance=int(zero.max_reuse_distance),
+                        offload_optimizer=device(zero.offload_optimizer), offload_param=device(zero.offload_param))  # fmt: skip
+
+    def device(offload):
+        value = getattr(offload, "device", None)
+        return str(getattr(value, "value", value) or "none")
+
+    peak = measure_step(stage, args, model_config, shape, peft_config, dtype, rows, steps=steps, on_trained=read_config,
+                        with_stack=False)
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps({"peak_bytes": peak, "zero": resolved}))
 
 
 def collectives_on_rank(rank: int, world_size: int, out_dir: str, rounds: int) -> None:

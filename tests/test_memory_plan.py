@@ -76,6 +76,38 @@ CASES = {
 }  # fmt: skip
 
 
+# DeepSpeed ZeRO on gloo groups of 2 (test_zero_plan_matches_measured_peak_gloo_group_of_two): name -> (case as in
+# CASES, less the process count; the DeepSpeed config the run launches with, as an accelerate YAML's
+# `deepspeed_config_file` names it; the step measured). Each config shrinks `reduce_bucket_size` to 2M elements (8 MB
+# in fp32, 4 MB in bf16; DeepSpeed's 5e8 would be 2 GB, all of a CPU peak): a bucket is then a few % of a peak and
+# smaller than the model (the ZeRO-2 full model's backward fills it before the embeddings), while LoRA's trainable
+# parameters are a fraction of it. The rest is DeepSpeed's defaults, or "auto" (sizes from the hidden size, as the HF
+# Trainer fills them in): ZeRO-3 with the defaults (`stage3_param_persistence_threshold` 1e5 keeps this model's
+# attention projections whole on every rank, LoRA's frozen ones too) and with "auto" (10 x hidden: norms only).
+_AUTO = {"train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto", "gradient_accumulation_steps": "auto",
+         "gradient_clipping": "auto"}
+ZERO_CASES = {
+    "zero2_grm_full_fp32": (("simpo_grm", {"gradient_checkpointing": True}, (2048, 256, 4), False, False),
+                            {**_AUTO, "zero_optimization": {"stage": 2, "reduce_bucket_size": 2_000_000}}, 2),
+    "zero2_grm_lora_accumulation_overlap_bf16": (
+        ("simpo_grm", {"gradient_checkpointing": True, "gradient_accumulation_steps": 2}, (1024, 128, 4), True, True),
+        {**_AUTO, "bf16": {"enabled": "auto"},
+         "zero_optimization": {"stage": 2, "reduce_bucket_size": 2_000_000, "overlap_comm": True}}, 2),
+    "zero3_grm_full_auto_fp32": (("simpo_grm", {"gradient_checkpointing": True}, (2048, 256, 4), False, False),
+                                 {**_AUTO, "zero_optimization": {"stage": 3, "reduce_bucket_size": 2_000_000,
+                                                                 "stage3_prefetch_bucket_size": "auto",
+                                                                 "stage3_param_persistence_threshold": "auto"}}, 3),
+    "zero3_disrm_lora_fp32": (("simpo_disrm", {"gradient_checkpointing": True}, (1024, 128, 4), True, False),
+                              {**_AUTO, "zero_optimization": {"stage": 3, "reduce_bucket_size": 2_000_000}}, 3),
+    "zero3_offload_grm_full_fp32": (
+        ("simpo_grm", {"gradient_checkpointing": True}, (1024, 128, 4), False, False),
+        {**_AUTO, "zero_optimization": {"stage": 3, "reduce_bucket_size": 2_000_000,
+                                        "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"},
+                                        "stage3_prefetch_bucket_size": "auto",
+                                        "stage3_param_persistence_threshold": "auto"}}, 3),
+}  # fmt: skip
+
+
 def model_config(layers: int = 2) -> Qwen3Config:
     return Qwen3Config(
         vocab_size=2048, hidden_size=256, intermediate_size=512, num_hidden_layers=layers, num_attention_heads=4,
@@ -87,7 +119,7 @@ def build_case(name: str):
     """`(stage, training_args, model_config, shape, peft_config, dtype, rows_per_step)` of case `name`."""
     from peft import LoraConfig
 
-    stage, overrides, (prompt, response, k), lora, bf16, _ = CASES[name]
+    stage, overrides, (prompt, response, k), lora, bf16, _ = CASES[name] if name in CASES else (*ZERO_CASES[name][0], 2)
     options = dict(output_dir="unused", use_cpu=True, report_to=[], per_device_train_batch_size=1,
                    gradient_accumulation_steps=1, max_length=8192, bf16=bf16, seed=0)  # fmt: skip
     args = CONFIGS[stage](**{**options, **overrides})
@@ -306,6 +338,81 @@ def test_plan_matches_measured_peak_gloo_group_of_two(name, tmp_path):
         plan = plan_memory(stage, args, config, shape, peft_config=peft_config, dtype=dtype, world_size=2, rank=rank)
         assert plan.distributed == "ddp"
         assert_within(plan.peak, measured, f"{name} rank {rank}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(ZERO_CASES))
+def test_zero_plan_matches_measured_peak_gloo_group_of_two(name, tmp_path):
+    """The plan of a DeepSpeed ZeRO run (`distributed='zero2'|'zero3'`, reading the run's DeepSpeed config) against the
+    peak of the same step run under DeepSpeed on 2 gloo processes: every CPU tensor of the training thread counted,
+    DeepSpeed's flat buffers, partitions, buckets and gathered parameters included. The run's engine resolves its
+    config to the sizes the plan read ("auto" included).
+
+    With offload (`zero3_offload_*`: optimizer and parameters to the CPU) DeepSpeed's CPU path runs, but the "device"
+    is the CPU too, so its offloaded states are measured in the same memory as the rest: what is checked is their sum,
+    the plan's device peak plus its host terms (the split between them is DeepSpeed's code, not measured: which of
+    its tensors `stage3.py` puts on `self.device`, the CPU when offloading)."""
+    from memory_plan_worker import measure_deepspeed_on_rank
+
+    from trl_longrm.memory_plan.deepspeed import zero_settings
+    from trl_longrm.sequence_parallel.launch import run_on_gloo_ranks
+
+    _, config, _ = ZERO_CASES[name]
+    stage, args, model, shape, peft_config, dtype, _ = build_case(name)
+    zero = config["zero_optimization"]["stage"]
+    run_on_gloo_ranks(measure_deepspeed_on_rank, 2, str(tmp_path), {"name": name}, timeout=600)
+    settings = zero_settings(config, zero, model.hidden_size)
+    for rank in range(2):
+        result = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert result["zero"] == {key: getattr(settings, key) for key in result["zero"]}, rank
+        plan = plan_memory(stage, args, model, shape, peft_config=peft_config, dtype=dtype, world_size=2, rank=rank,
+                           distributed=f"zero{zero}", deepspeed_config=config)  # fmt: skip
+        assert plan.distributed == f"zero{zero}"
+        offloaded = sum(plan.host_terms.values())
+        assert (offloaded > 0) == (settings.offload_optimizer == "cpu")
+        assert plan.host_memory == offloaded  # (no activation offload here)
+        assert_within(plan.peak + offloaded, result["peak_bytes"], f"{name} rank {rank}")
+
+
+def test_zero_settings_are_deepspeeds_defaults_and_accelerates_config():
+    """What the plan reads of a DeepSpeed config: unset keys take DeepSpeed's own defaults (its config class), "auto"
+    the HF Trainer's sizes from the hidden size; from an accelerate YAML, the config accelerate's DeepSpeed plugin
+    builds (stage and offload devices only)."""
+    from accelerate.utils import DeepSpeedPlugin
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    from trl_longrm.memory_plan.deepspeed import accelerate_deepspeed_config, zero_settings
+
+    for stage in (2, 3):
+        ours, theirs = zero_settings(None, stage, 4096), DeepSpeedZeroConfig(stage=stage)
+        for key, attribute in (("reduce_bucket_size", "reduce_bucket_size"), ("overlap_comm", "overlap_comm"),
+                               ("contiguous_gradients", "contiguous_gradients"),
+                               ("prefetch_bucket_size", "prefetch_bucket_size"),
+                               ("param_persistence_threshold", "param_persistence_threshold"),
+                               ("model_persistence_threshold", "model_persistence_threshold"),
+                               ("max_live_parameters", "max_live_parameters"),
+                               ("max_reuse_distance", "max_reuse_distance"), ("sub_group_size", "sub_group_size")):
+            assert getattr(ours, key) == getattr(theirs, attribute), (stage, key)
+    auto = {"zero_optimization": {"stage": 3, "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
+                                  "stage3_param_persistence_threshold": "auto"}}  # fmt: skip
+    settings = zero_settings(auto, 3, 4096)
+    assert (settings.reduce_bucket_size, settings.prefetch_bucket_size, settings.param_persistence_threshold) == (
+        4096**2, int(0.9 * 4096**2), 40960)
+    for name in ("zero2.yaml", "zero3.yaml", "zero3_offload.yaml"):
+        import yaml
+
+        section = yaml.safe_load((Path(__file__).parents[1] / "accelerate_configs" / name).read_text())["deepspeed_config"]
+        plugin = DeepSpeedPlugin(zero_stage=section["zero_stage"], offload_optimizer_device=section["offload_optimizer_device"],
+                                 offload_param_device=section["offload_param_device"])  # fmt: skip
+        ours = accelerate_deepspeed_config(section)["zero_optimization"]
+        theirs = plugin.deepspeed_config["zero_optimization"]
+        assert ours["stage"] == theirs["stage"]
+        for key in ("offload_optimizer", "offload_param"):
+            assert ours[key]["device"] == theirs[key]["device"], (name, key)
+        assert not {"reduce_bucket_size", "overlap_comm", "stage3_prefetch_bucket_size"} & set(theirs)
+    settings = zero_settings(accelerate_deepspeed_config({"zero_stage": 3, "offload_optimizer_device": "cpu",
+                                                          "offload_param_device": "cpu"}), 3, 4096)  # fmt: skip
+    assert (settings.offload_optimizer, settings.offload_param, settings.overlap_comm) == ("cpu", "cpu", True)
 
 
 @pytest.mark.slow

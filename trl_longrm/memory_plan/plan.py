@@ -7,10 +7,10 @@ What is traced and what is a term:
   its states allocated by its own first step), activations and temporaries of forward, backward (with gradient
   checkpointing as configured) and the optimizer step, for the rank predicted (its slice of the row, its gathered or
   exchanged keys/values), DDP's wrapper included;
-- terms derived from traced sizes where DeepSpeed shards or buffers what the trace holds whole (`zero_terms`): ZeRO
-  replaces the traced gradients and optimizer states with its partitions and buffers, whose sizes follow from the
-  trainable parameter count and DeepSpeed's defaults (the `DEEPSPEED_*` constants: accelerate's DeepSpeed plugin
-  built from an accelerate YAML sets no bucket sizes, so DeepSpeed's own defaults apply);
+- terms where DeepSpeed's ZeRO partitions, flattens, buckets or gathers what the trace holds whole (`zero_terms`, from
+  `trl_longrm.memory_plan.deepspeed`): its partitions and buffers, sized from the traced model's layout and the run's
+  DeepSpeed config as DeepSpeed resolves it (its defaults for what an accelerate YAML leaves unset, "auto" from the
+  hidden size), and with offload the states DeepSpeed keeps in host memory (`host_terms`);
 - on CUDA, constants for what no tensor holds: the CUDA context and library workspaces, NCCL's buffers, and the
   caching allocator's fragmentation (`CUDA_*`, `NCCL_*`); none on CPU, where the plan is checked against the tensor
   bytes a run allocates (`tests/test_memory_plan.py`).
@@ -23,20 +23,13 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from trl_longrm.memory_plan.deepspeed import ZeroSettings, describe_settings, zero_phase, zero_settings
 from trl_longrm.memory_plan.planned_kernels import planned_cuda_attention
 from trl_longrm.memory_plan.trace import GroupShape, TracedStep, trace_step
 from trl_longrm.sequence_parallel.groups import communicator_sizes
 
 
 GIB = 2**30
-
-# DeepSpeed's ZeRO defaults (deepspeed/runtime/zero/config.py) where the run's DeepSpeed config leaves them unset, as
-# accelerate's plugin does when built from an accelerate YAML (accelerate_configs/zero2.yaml, zero3.yaml).
-DEEPSPEED_REDUCE_BUCKET_ELEMENTS = 500_000_000  # `reduce_bucket_size`: the contiguous gradient bucket (ipg buffer)
-DEEPSPEED_PREFETCH_BUCKET_ELEMENTS = 50_000_000  # ZeRO-3 `stage3_prefetch_bucket_size`: parameters fetched ahead
-DEEPSPEED_MAX_LIVE_PARAMETERS = 1_000_000_000  # ZeRO-3 `stage3_max_live_parameters`: gathered parameters kept
-# Adam under ZeRO: an fp32 master copy of the rank's partition plus fp32 exp_avg and exp_avg_sq (12 bytes/parameter).
-DEEPSPEED_OPTIMIZER_BYTES_PER_PARAMETER = 12
 
 # CUDA only (not tensors, so not traced): the CUDA context with cuBLAS / cuDNN workspaces of a PyTorch process on an
 # H100 (the order of what `nvidia-smi` shows for a process that has run one matmul), NCCL's communication buffers of
@@ -46,6 +39,8 @@ DEEPSPEED_OPTIMIZER_BYTES_PER_PARAMETER = 12
 CUDA_CONTEXT_BYTES = 750 * 2**20
 NCCL_BUFFER_BYTES = 256 * 2**20
 CUDA_FRAGMENTATION_FRACTION = 0.05
+
+_TENSOR_KINDS = ("weights", "buffers", "gradients", "optimizer_states", "activations", "temporaries", "other")
 
 # Layers traced before the per-layer extrapolation (`trace_step`): 3 and 2 layers, a few seconds each at 128K tokens.
 DEFAULT_MAX_TRACED_LAYERS = 3
@@ -80,8 +75,9 @@ class MemoryPlan:
     activations: int
     temporaries: int
     extra: dict[str, int] = field(default_factory=dict)
-    # Host (CPU) memory this rank holds for offloaded activations at its peak (0 without offload).
+    # Host (CPU) memory this rank holds at its peak: offloaded activations, and what DeepSpeed offloads (`host_terms`).
     host_memory: int = 0
+    host_terms: dict[str, int] = field(default_factory=dict)
     peak: int = 0
     peak_phase: str = ""
     traced_peak: int = 0
@@ -111,47 +107,52 @@ class MemoryPlan:
                 else f" -> does NOT fit {device_bytes / GIB:.0f} GiB"
             )  # fmt: skip
         lines.append(f"  {'peak (' + self.peak_phase + ')':<34s} {self.peak / GIB:9.2f} GiB{verdict}")
+        lines += [f"  {'host: ' + name:<34s} {value / GIB:9.2f} GiB" for name, value in self.host_terms.items()]
         if self.host_memory:
-            lines.append(f"  {'host memory (offloaded activations)':<34s} {self.host_memory / GIB:9.2f} GiB")
+            lines.append(f"  {'host memory (offloaded)':<34s} {self.host_memory / GIB:9.2f} GiB")
         return "\n".join(lines)
 
 
-def zero_terms(traced: TracedStep, stage: int, world_size: int, phase: dict[str, int]) -> tuple[dict, dict[str, int]]:
-    """ZeRO-`stage` replacements of the traced parts of `phase` (a peak's parts by kind), and its named terms.
+def zero_terms(traced: TracedStep, settings: ZeroSettings, world_size: int, rank: int, phase_name: str,
+               phase: dict[str, int], checkpointing: bool) -> tuple[dict, dict[str, int], dict[str, int]]:  # fmt: skip
+    """ZeRO's replacement of the traced parts of `phase` (a peak's parts by kind, of phase `phase_name`) on rank
+    `rank`, its device terms and its host terms (what it offloads).
 
-    The trace holds every gradient and the torch optimizer's states whole; DeepSpeed holds, per rank: its partition
-    (1/world) of the fp32 master weights and Adam moments, its partition of the gradients (in the weights' dtype), the
-    contiguous gradient bucket(s) a backward fills before reducing, and under ZeRO-3 its partition of the weights plus
-    the gathered parameters of the layers being computed or prefetched."""
-    trainable = traced.trainable_parameters
-    element = traced.trainable_weight_bytes // max(trainable, 1)
-    parts = dict(phase)
-    terms = {}
-    parts["gradients"] = 0
-    parts["optimizer_states"] = 0
-    terms["zero_gradient_partition"] = element * trainable // world_size
-    buckets = 2 if stage == 3 else 1  # overlap_comm: DeepSpeed's default is on for ZeRO-3 only (double buffering)
-    terms["zero_gradient_buckets"] = element * min(DEEPSPEED_REDUCE_BUCKET_ELEMENTS, trainable) * buckets
-    terms["zero_optimizer_partition"] = DEEPSPEED_OPTIMIZER_BYTES_PER_PARAMETER * trainable // world_size
-    if stage == 3:
-        weights = parts["weights"]
-        parts["weights"] = weights - traced.trainable_weight_bytes + traced.trainable_weight_bytes // world_size
-        live = min(DEEPSPEED_MAX_LIVE_PARAMETERS, DEEPSPEED_PREFETCH_BUCKET_ELEMENTS + trainable // max(1, world_size))
-        terms["zero3_gathered_parameters"] = element * min(live, trainable)
-    return parts, terms
+    The trace holds every weight, gradient and torch optimizer state whole; DeepSpeed holds per rank, as its code
+    allocates them (`trl_longrm.memory_plan.deepspeed`, each term with the DeepSpeed function it follows):
+    ZeRO-2: the trainable weights flattened (padded) on every rank, the rank's fp32 partition and the optimizer's
+    states on it, the gradient bucket(s) of `reduce_bucket_size` elements in backward whatever the trainable count (two
+    with `overlap_comm`), and the gradients of the parameters its partition overlaps once a bucket of them is
+    reduced; ZeRO-3: every parameter partitioned (frozen ones too) and those under `stage3_param_persistence_threshold`
+    whole besides, the parameters gathered at the peak (of all parameters, by the coordinator's prefetch and reuse
+    rules), one gradient bucket and the gradient partition allocated once; with offload, the optimizer's states,
+    fp32 weights and gradient partitions (and the parameters' partitions) in host memory.
+
+    What DeepSpeed holds changes within a phase (its buckets from a backward's first gradient on, its gathered
+    parameters with the module), so the forward/backward peak is the largest over the trace's segments (the peak of
+    each context: `TracedStep.segments`) of the traced parts plus DeepSpeed's at that context, not DeepSpeed's at the
+    traced peak."""
+    candidates = [(phase, None)]
+    if phase_name == "forward/backward" and traced.segments:
+        candidates = [(parts, context) for context, parts in traced.segments]
+    best = None
+    for parts, context in candidates:
+        result = zero_phase(traced, settings, world_size, rank, phase_name, parts, checkpointing, context)
+        total = sum(result[0][k] for k in _TENSOR_KINDS) + sum(result[1].values())
+        if best is None or total > best[0]:
+            best = (total, result)
+    return best[1]
 
 
-def _combine(traced: TracedStep, distributed: str, world_size: int, device: str, communicators: int = 1):
-    """Per phase (forward/backward, optimizer step): the parts and terms, and which phase peaks."""
-    phases = {}
+def _combine(traced: TracedStep, distributed: str, world_size: int, device: str, communicators: int = 1,
+             zero: ZeroSettings | None = None, rank: int = 0, checkpointing: bool = False):  # fmt: skip
+    """Per phase (forward/backward, optimizer step): the parts and terms, and which phase peaks; and the host terms."""
+    phases, host_terms = {}, {}
     for name, phase in (("forward/backward", traced.forward_backward_peak), ("optimizer step", traced.optimizer_peak)):
         parts, terms = dict(phase), {}
         if distributed in ("zero2", "zero3"):
-            parts, terms = zero_terms(traced, 3 if distributed == "zero3" else 2, world_size, phase)
-            if name == "optimizer step":
-                # The step's fp32 copy of the gradient partition, and torch's optimizer temporaries on a partition.
-                terms["zero_fp32_gradient_partition"] = 4 * traced.trainable_parameters // world_size
-                parts["temporaries"] = parts["temporaries"] // world_size
+            parts, terms, host = zero_terms(traced, zero, world_size, rank, name, phase, checkpointing)
+            host_terms.update(host)
         elif distributed == "ddp":
             # DDP's gradient buckets (our trainers set gradient_as_bucket_view: the gradients are views of them) are
             # allocated when the model is wrapped and live through every step; the trace counts a bucket as gradients
@@ -161,12 +162,11 @@ def _combine(traced: TracedStep, distributed: str, world_size: int, device: str,
             terms["cuda_context"] = CUDA_CONTEXT_BYTES
             if world_size > 1:
                 terms["nccl_buffers"] = NCCL_BUFFER_BYTES * communicators
-        tensors = sum(parts[k] for k in ("weights", "buffers", "gradients", "optimizer_states", "activations",
-                                          "temporaries", "other"))  # fmt: skip
+        tensors = sum(parts[k] for k in _TENSOR_KINDS)
         if device == "cuda":
             terms["allocator_fragmentation"] = int(CUDA_FRAGMENTATION_FRACTION * (tensors + sum(terms.values())))
         phases[name] = (parts, terms, tensors + sum(terms.values()))
-    return max(phases.items(), key=lambda item: item[1][2])
+    return (*max(phases.items(), key=lambda item: item[1][2]), host_terms)
 
 
 def plan_memory(
@@ -186,6 +186,7 @@ def plan_memory(
     attention: str | None = None,
     load_in_4bit: bool = False,
     nested_quant: bool = True,
+    deepspeed_config=None,
 ) -> MemoryPlan:
     """The memory plan of rank `rank` of a `world_size`-process run of `stage` ('sft', 'simpo_grm', 'simpo_disrm') with
     `training_args` (the stage's config, as a recipe builds it) on a model of `model_config` (a transformers config, or
@@ -199,9 +200,13 @@ def plan_memory(
     (`trl_longrm.memory_plan.stock`: pairs of whole rows, no sequence parallelism). `attention` (device 'cuda'): the
     attention kernels our trainers' run takes, 'flash_attn' or 'cudnn' (cuDNN's fused attention, its grouped-query
     heads repeated per call); default: those `training_args.ring_attn_backend` resolves to
-    (`trl_longrm.memory_plan.planned_kernels.planned_cuda_attention`). `load_in_4bit` (QLoRA; `nested_quant`: bitsandbytes'
-    double quantization): the model as a 4-bit load trains it, its 4-bit layers traced in `dtype` (their compute
-    dtype, default bfloat16) and their weights then counted in 4 bits (`trl_longrm.memory_plan.quantized`).
+    (`trl_longrm.memory_plan.planned_kernels.planned_cuda_attention`). `load_in_4bit` (QLoRA; `nested_quant`:
+    bitsandbytes' double quantization): the model as a 4-bit load trains it, its 4-bit layers traced in `dtype` (their
+    compute dtype, default bfloat16) and their weights then counted in 4 bits (`trl_longrm.memory_plan.quantized`).
+    `deepspeed_config` (ZeRO): the DeepSpeed config
+    the run uses, a dict or a JSON path (default: `training_args.deepspeed`, else what accelerate builds from an
+    accelerate YAML: the stage alone, DeepSpeed's defaults for the rest; `accelerate_deepspeed_config` builds it from
+    a YAML's `deepspeed_config` section, offload devices included).
 
     Example:
     ```python
@@ -222,6 +227,10 @@ def plan_memory(
         attention = planned_cuda_attention(getattr(training_args, "ring_attn_backend", "auto") or "auto")
     if load_in_4bit:
         dtype = dtype or torch.bfloat16
+    zero = None
+    if distributed in ("zero2", "zero3"):
+        config = deepspeed_config if deepspeed_config is not None else getattr(training_args, "deepspeed", None)
+        zero = zero_settings(config, int(distributed[-1]), getattr(model_config, "hidden_size", None))
     started = time.perf_counter()
     traced = trace_step(stage, training_args, model_config, shape, peft_config=peft_config, dtype=dtype,
                         world_size=world_size, rank=rank, max_traced_layers=max_traced_layers,
@@ -231,7 +240,9 @@ def plan_memory(
     sp = 1 if stock else getattr(training_args, "sequence_parallel_size", 1) or 1
     groups = communicator_sizes(world_size, sp, getattr(training_args, "sequence_parallel_mode", "ring") or "ring",
                                 getattr(training_args, "ulysses_size", None))  # fmt: skip
-    phase, (parts, terms, peak) = _combine(traced, distributed, world_size, device, len(groups))
+    checkpointing = bool(getattr(training_args, "gradient_checkpointing", False))
+    phase, (parts, terms, peak), host_terms = _combine(traced, distributed, world_size, device, len(groups), zero, rank,
+                                                       checkpointing)  # fmt: skip
     plan = MemoryPlan(
         stage=stage,
         trainer=_trainer_name(stage, stock),
@@ -253,12 +264,13 @@ def plan_memory(
         activations=parts["activations"],
         temporaries=parts["temporaries"] + parts["other"],
         extra=terms,
-        host_memory=traced.host_bytes,
+        host_memory=traced.host_bytes + sum(host_terms.values()),
+        host_terms=host_terms,
         peak=peak,
         peak_phase=phase,
         traced_peak=traced.peak,
         trace_seconds=round(seconds, 2),
-        notes=[*traced.notes, *_kernel_notes(device, attention)],
+        notes=[*traced.notes, *_kernel_notes(device, attention), *([describe_settings(zero)] if zero else [])],
     )
     if load_in_4bit:
         from trl_longrm.memory_plan.quantized import quantize_plan

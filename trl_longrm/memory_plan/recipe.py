@@ -33,12 +33,7 @@ def model_config_path(script_args, model_args, recipe_dir: Path | None = None) -
 def distribution(script_args, world_size: int) -> tuple[str, str]:
     """`(distributed, device)` of the run: 'single', 'ddp', 'zero2' or 'zero3', and 'cuda' or 'cpu', from the accelerate
     config the recipe launches with."""
-    from trl_longrm.launch import find_accelerate_config
-
-    settings = {}
-    if script_args.accelerate_config:
-        with open(find_accelerate_config(str(script_args.accelerate_config)), encoding="utf-8") as handle:
-            settings = yaml.safe_load(handle) or {}
+    settings = _accelerate_settings(script_args)
     device = "cpu" if settings.get("use_cpu") else "cuda"
     if settings.get("distributed_type") == "DEEPSPEED":
         stage = int((settings.get("deepspeed_config") or {}).get("zero_stage", 2))
@@ -71,13 +66,33 @@ def quiet_trace():
 
 def processes_per_node(script_args, world_size: int) -> int:
     """Processes on one machine: the world over the accelerate config's `num_machines` (1 without a config)."""
+    machines = int(_accelerate_settings(script_args).get("num_machines") or 1)
+    return max(world_size // max(machines, 1), 1)
+
+
+def _accelerate_settings(script_args) -> dict:
     from trl_longrm.launch import find_accelerate_config
 
-    machines = 1
-    if script_args.accelerate_config:
-        with open(find_accelerate_config(str(script_args.accelerate_config)), encoding="utf-8") as handle:
-            machines = int((yaml.safe_load(handle) or {}).get("num_machines") or 1)
-    return max(world_size // max(machines, 1), 1)
+    if not script_args.accelerate_config:
+        return {}
+    with open(find_accelerate_config(str(script_args.accelerate_config)), encoding="utf-8") as handle:
+        return yaml.safe_load(handle) or {}
+
+
+def deepspeed_config(script_args, training_args) -> dict | None:
+    """The DeepSpeed config a ZeRO run of the recipe uses: `training_args.deepspeed` where set, else the one accelerate
+    builds from the accelerate YAML's `deepspeed_config` section (its `deepspeed_config_file`, or its stage and offload
+    devices with DeepSpeed's defaults for the rest: `trl_longrm.memory_plan.deepspeed.accelerate_deepspeed_config`)."""
+    from trl_longrm.launch import find_accelerate_config
+    from trl_longrm.memory_plan.deepspeed import accelerate_deepspeed_config
+
+    if getattr(training_args, "deepspeed", None):
+        return training_args.deepspeed
+    settings = _accelerate_settings(script_args)
+    if settings.get("distributed_type") != "DEEPSPEED":
+        return None
+    base = Path(find_accelerate_config(str(script_args.accelerate_config))).parent
+    return accelerate_deepspeed_config(settings.get("deepspeed_config") or {}, base)
 
 
 def group_shape(script_args, training_args, stage: str) -> GroupShape:
@@ -110,6 +125,7 @@ def recipe_memory_plans(script_args, training_args, model_args, world_size: int,
         return None, "no memory plan: 8-bit weights are not planned (4-bit QLoRA is)"
     config = load_model_config(path)
     distributed, device = distribution(script_args, world_size)
+    zero_config = deepspeed_config(script_args, training_args) if distributed.startswith("zero") else None
     shape = group_shape(script_args, training_args, stage)
     import torch
 
@@ -125,7 +141,8 @@ def recipe_memory_plans(script_args, training_args, model_args, world_size: int,
             plan_memory(stage, args, config, shape, peft_config=peft_config, dtype=dtype, world_size=world_size,
                         rank=rank, distributed=distributed, device=device, stock=stock,
                         load_in_4bit=bool(model_args.load_in_4bit),
-                        nested_quant=bool(model_args.use_bnb_nested_quant))  # fmt: skip
+                        nested_quant=bool(model_args.use_bnb_nested_quant),
+                        deepspeed_config=zero_config)  # fmt: skip
             for rank in ranks
         ]
         return plans

@@ -17,8 +17,10 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
 import logging
 import os
+import re
 import tempfile
 import warnings
 from dataclasses import dataclass, field
@@ -91,6 +93,21 @@ class TracedStep:
     # `CountingHostStore` the offload hooks fill instead of host buffers.
     host_bytes: int = 0
     notes: list[str] = field(default_factory=list)
+    # The model's layout, for the terms of DeepSpeed's ZeRO (`trl_longrm.memory_plan.deepspeed`), which partitions,
+    # flattens and gathers parameters the trace holds whole: every parameter as (name, numel, element size, trainable),
+    # in `named_parameters` order; the optimizer's parameter groups (indices into `parameters`); the trainable
+    # parameters in the order their gradients are accumulated in backward (where ZeRO's gradient hooks run).
+    parameters: list[tuple[str, int, int, bool]] = field(default_factory=list)
+    param_groups: list[list[int]] = field(default_factory=list)
+    gradient_order: list[int] = field(default_factory=list)
+    # Where the forward/backward peak happened (see `_TraceStep.context`): in backward or not, how many gradients its
+    # backward had accumulated by then, its micro-batch, and the module whose forward ran last (its recomputation, in
+    # a backward with gradient checkpointing).
+    peak_context: dict = field(default_factory=dict)
+    # For a ZeRO plan (`trace_step(..., ddp=False)`): the forward/backward peak of each context (as `peak_context`),
+    # as (context, parts by kind): DeepSpeed's buffers change with the context (a gradient bucket from a backward's
+    # first gradient on, ZeRO-3's gathered parameters with the module), so its peak may be another context's.
+    segments: list[tuple[dict, dict[str, int]]] = field(default_factory=list)
 
 
 def synthetic_dataset(stage: str, shape: GroupShape, num_rows: int, vocab_size: int, eos_token_id: int):
@@ -256,11 +273,24 @@ def _memory_tracker(gradient_buckets: bool = False):
                 reftype = _MemRefType.GRAD
             return super()._track(reftype, t)
 
+        peak_context = None
+        context = None  # a callable giving where the step is (`_TraceStep.context`), kept with each new peak
+        segments = None  # where kept: {context: (bytes, snapshot)}, the peak of each context (`_TraceStep`)
+
         def _update_peak_stats(self, peak_state):
+            context = self.context() if self.context is not None else None
             for dev, dev_snap in self._curr_mem_snap.items():
                 if self._peak_mem.get(dev, 0) < dev_snap[_TOTAL_KEY]:
                     self._peak_mem[dev] = dev_snap[_TOTAL_KEY]
                     self._peak_mem_snap[dev] = dict(dev_snap)
+                    if context is not None and getattr(dev, "type", dev) != "meta":
+                        self.peak_context = context
+            if self.segments is not None and context is not None:
+                key = tuple(context.values())
+                total = sum(snap[_TOTAL_KEY] for dev, snap in self._curr_mem_snap.items()
+                            if getattr(dev, "type", dev) != "meta")  # fmt: skip
+                if key not in self.segments or self.segments[key][0] < total:
+                    self.segments[key] = (total, {dev: dict(snap) for dev, snap in self._curr_mem_snap.items()})
 
         def _track_module_params_and_buffers(self, module, install_grad_hooks=True):
             frozen = [p for p in module.parameters() if not p.requires_grad]
@@ -297,8 +327,13 @@ def _forward_mod_tracker():
     from torch.distributed._tools.mod_tracker import ModTracker
 
     class _ForwardModTracker(ModTracker):
+        last_module = None  # the module whose forward ran last, and whether in backward (a recomputation)
+        last_in_backward = False
+
         def _fw_pre_hook(self, mod, input):
-            self._get_append_fn(weakref.ref(mod), self._get_mod_name(mod), False)()
+            name = self._get_mod_name(mod)
+            self.last_module, self.last_in_backward = name, torch._C._current_graph_task_id() != -1
+            self._get_append_fn(weakref.ref(mod), name, False)()
             if self._user_pre_fw_hook is not None:
                 self._user_pre_fw_hook(mod, input)
 
@@ -321,7 +356,12 @@ class _TraceStep(TrainerCallback):
         self.at_start = None
         self.peak = None
         self.forward_backward_peak = None
+        self.forward_backward_context = {}
+        self.forward_backward_segments = []
+        self.record_segments = False
         self.trainer = None
+        self.parameters, self.param_groups, self.gradient_order = [], [], []
+        self._produced, self._micro_batch, self._hooks = [], 0, []
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
         from torch.nn.parallel import DistributedDataParallel
@@ -354,23 +394,69 @@ class _TraceStep(TrainerCallback):
             warnings.simplefilter("ignore")  # "optimizer.step() before lr_scheduler.step()": the priming step
             inner.step()
         inner.zero_grad(set_to_none=True)
+        self._record_layout(model, inner)
         buckets = isinstance(wrapped, DistributedDataParallel) and wrapped.gradient_as_bucket_view
         self.tracker = _memory_tracker(gradient_buckets=buckets)
+        self.tracker.context = self.context
+        if self.record_segments:
+            self.tracker.segments = {}
         self.tracker.track_external(model, inner)
         self.tracker.__enter__()
         if self.workspaces is not None:
             self.workspaces.__enter__()
         self.at_start = _by_kind(self.tracker.get_tracker_snapshot("current"))
 
+    def _record_layout(self, model, optimizer):
+        """The parameters, the optimizer's groups, and a hook per trainable parameter that records when backward
+        accumulates its gradient (the order of the first micro-batch's, and how many the current backward has)."""
+        named = list(model.named_parameters())
+        index = {id(p): i for i, (_, p) in enumerate(named)}
+        self.parameters = [(n, p.numel(), p.element_size(), p.requires_grad) for n, p in named]
+        self.param_groups = [[index[id(p)] for p in group["params"] if id(p) in index]
+                             for group in optimizer.param_groups]  # fmt: skip
+
+        def accumulated(i):
+            self._produced.append(i)
+            if self._micro_batch == 0 and i not in self._seen:
+                self._seen.add(i)
+                self.gradient_order.append(i)
+
+        self._seen = set()
+        for i, (_, p) in enumerate(named):
+            if p.requires_grad:
+                self._hooks.append(p.register_post_accumulate_grad_hook(lambda _, i=i: accumulated(i)))
+
+    def context(self) -> dict:
+        """Where the step is: in backward or not (the autograd engine running), the gradients the current backward has
+        accumulated, the micro-batch, and the module whose forward (or recomputation) ran last."""
+        mods = self.tracker._mod_tracker if self.tracker is not None else None
+        return {
+            "backward": torch._C._current_graph_task_id() != -1,
+            "produced": len(self._produced),
+            "micro_batch": self._micro_batch,
+            "module": getattr(mods, "last_module", None),
+            "module_in_backward": bool(getattr(mods, "last_in_backward", False)),
+        }
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self._produced, self._micro_batch = [], 0
+
     def on_substep_end(self, args, state, control, **kwargs):
         # Another micro-batch of the same step follows: its modules run again, which MemTracker's per-module stats
         # (not used here) refuse unless cleared; the whole-step totals and peak are kept.
         self.tracker.reset_mod_stats()
+        self._produced, self._micro_batch = [], self._micro_batch + 1
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         # The peak so far is the forward/backward one; the optimizer step's own starts from what is live now.
         tracker = self.tracker
         self.forward_backward_peak = tracker.get_tracker_snapshot("peak")
+        self.forward_backward_context = dict(tracker.peak_context or {})
+        if tracker.segments is not None:
+            keys = list(self.context())
+            self.forward_backward_segments = [(dict(zip(keys, key)), _by_kind(snapshot))
+                                              for key, (_, snapshot) in tracker.segments.items()]  # fmt: skip
+            tracker.segments = None
         tracker._peak_mem_snap = tracker.get_tracker_snapshot("current")
         tracker._peak_mem = {dev: snap["Total"] for dev, snap in tracker._peak_mem_snap.items()}
 
@@ -382,12 +468,25 @@ class _TraceStep(TrainerCallback):
     def close(self):
         if self.tracker is not None and self.peak is None:
             self._exit()
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
 
     def _exit(self):
         if self.workspaces is not None:
             self.workspaces.__exit__(None, None, None)
             self.workspaces = None
         self.tracker.__exit__(None, None, None)
+
+
+def _as_deepspeed_casts(model, *args, dtype=None, **kwargs):
+    """What DeepSpeed's engine does to the model it wraps, in place of accelerate's `prepare_model`: its floating
+    parameters cast to the mixed precision dtype, in place (`p.data`: the optimizer keeps its parameters)."""
+    if dtype is not None:
+        for p in model.parameters():
+            if p.dtype in (torch.float16, torch.bfloat16, torch.float32) and p.dtype != dtype:
+                p.data = p.data.to(dtype)
+    return model
 
 
 def _bucket_as_reduced(state, bucket):
@@ -440,9 +539,14 @@ def _extrapolate(small: TracedStep, large: TracedStep, small_layers: int, large_
         return round(a + (b - a) * scale)
 
     values = {}
+    layout = _extend_layout(large, large_layers, layers)
     for f in dataclasses.fields(TracedStep):
         a, b = getattr(small, f.name), getattr(large, f.name)
-        if f.name in ("row_tokens", "rank_tokens"):
+        if f.name in ("parameters", "param_groups", "gradient_order", "peak_context"):
+            values[f.name] = layout.get(f.name, b)
+        elif f.name == "segments":
+            values[f.name] = _extend_segments(small, large, small_layers, large_layers, layers)
+        elif f.name in ("row_tokens", "rank_tokens"):
             values[f.name] = a
         elif f.name == "notes":
             values[f.name] = [*a, f"extrapolated to {layers} layers from traces of {small_layers} and {large_layers}"]
@@ -453,6 +557,83 @@ def _extrapolate(small: TracedStep, large: TracedStep, small_layers: int, large_
     values["at_peak"] = max(phases, key=lambda kinds: kinds["total"])
     values["peak"] = values["at_peak"]["total"]
     return TracedStep(**values)
+
+
+_LAYER = re.compile(r"(^|\.)layers\.(\d+)(\.|$)")
+
+
+def layer_index(name: str | None) -> int | None:
+    """The decoder layer a parameter or module name is in (`...layers.{i}...`), else None."""
+    match = _LAYER.search(name or "")
+    return int(match.group(2)) if match else None
+
+
+def _rename_layer(name: str, layer: int) -> str:
+    return _LAYER.sub(lambda m: f"{m.group(1)}layers.{layer}{m.group(3)}", name, count=1)
+
+
+def _extend_layout(large: TracedStep, large_layers: int, layers: int) -> dict:
+    """The layout fields of a `layers`-layer model from a trace of `large_layers`: its last layer's parameters
+    repeated for the layers added (same groups), their gradients where backward accumulates them (a layer's after
+    the layers above it), and the peak's context moved with them (in backward: as far from the top; in forward: the
+    same layer)."""
+    last = large_layers - 1
+    params = large.parameters
+    template = [i for i, p in enumerate(params) if layer_index(p[0]) == last]
+    if not template:  # no decoder layers named as such: the layout stays the traced one
+        return {}
+    added = {}  # (template index, layer) -> new index
+    new_params = []
+    position = {}
+    for i, p in enumerate(params):
+        position[i] = len(new_params)
+        new_params.append(p)
+        if i == template[-1]:
+            for layer in range(large_layers, layers):
+                for t in template:
+                    added[(t, layer)] = len(new_params)
+                    name, numel, size, trainable = params[t]
+                    new_params.append((_rename_layer(name, layer), numel, size, trainable))
+    group_of = {i: g for g, members in enumerate(large.param_groups) for i in members}
+    groups = [[position[i] for i in members] for members in large.param_groups]
+    for (t, _), new in sorted(added.items(), key=lambda kv: kv[1]):
+        if t in group_of:
+            groups[group_of[t]].append(new)
+    groups = [sorted(g) for g in groups]
+    # Backward accumulates the top layers' gradients first: the added layers' (top down) before the last traced one's.
+    # A backward peak keeps its distance from the top (its count of gradients, its layer counted from the top).
+    order = []
+    members = set(template)
+    first_of_last = next((k for k, i in enumerate(large.gradient_order) if i in members), None)
+    for k, i in enumerate(large.gradient_order):
+        if k == first_of_last:
+            block = [j for j in large.gradient_order if j in members]
+            for layer in range(layers - 1, last, -1):
+                order += [added[(t, layer)] for t in block]
+        order.append(position[i])
+    context = dict(large.peak_context)
+    module = context.get("module")
+    index = layer_index(module)
+    if index is not None and context.get("backward"):
+        context["module"] = _rename_layer(module, index + layers - large_layers)
+    return {"parameters": new_params, "param_groups": groups, "gradient_order": order, "peak_context": context}
+
+
+def _extend_segments(small: TracedStep, large: TracedStep, small_layers: int, large_layers: int, layers: int):
+    """The segments of a `layers`-layer model: the larger trace's, each grown by the per-layer growth of the
+    forward/backward peak (so that its peak's segment extends as the peak does: where a segment falls moves with the
+    layers, a peak in the second layer from the top of one trace and the top one of the other, so segments are not
+    matched across the traces), a module's layer counted from the top (as the gradients its backward accumulated)."""
+    scale = (layers - small_layers) / (large_layers - small_layers) - 1
+    growth = {kind: large.forward_backward_peak[kind] - small.forward_backward_peak[kind]
+              for kind in large.forward_backward_peak}  # fmt: skip
+    segments = []
+    for context, parts in large.segments:
+        module, index = context.get("module"), layer_index(context.get("module"))
+        if index is not None:
+            context = {**context, "module": _rename_layer(module, index + layers - large_layers)}
+        segments.append((context, {kind: round(value + growth.get(kind, 0) * scale) for kind, value in parts.items()}))
+    return segments
 
 
 def trace_step(stage: str, training_args, model_config, shape: GroupShape, *, peft_config=None,
@@ -528,6 +709,7 @@ def _trace_step(stage: str, training_args, model_config, shape: GroupShape, *, p
     groups_per_row = max(row_budget // group_tokens, 1) if row_budget else per_device
     num_rows = groups_per_row * accumulation * (world_size // sp)
     callback = _TraceStep(workspaces=kernels == "cpu")
+    callback.record_segments = not ddp
     with fake_world(rank, world_size), tempfile.TemporaryDirectory() as tmp:
         overrides = dict(
             output_dir=tmp, max_steps=1, num_train_epochs=1, gradient_accumulation_steps=accumulation,
@@ -577,8 +759,11 @@ def _trace_step(stage: str, training_args, model_config, shape: GroupShape, *, p
             if load_in_4bit:
                 as_4bit_layers(trainer.model, dtype, nested_quant, kernels)
             if not ddp:
-                # A ZeRO run: DeepSpeed (which does not run on fake tensors) takes the place of DDP's wrapper.
-                trainer.accelerator.prepare_model = lambda model, *args, **kwargs: model
+                # A ZeRO run: DeepSpeed (which does not run on fake tensors) takes the place of DDP's wrapper, and of
+                # accelerate's autocast: with bf16 (fp16) its engine casts every parameter, a LoRA adapter's fp32
+                # weights too, to that dtype (deepspeed/runtime/engine.py `_cast_module_mixed_precision`).
+                trainer.accelerator.prepare_model = functools.partial(_as_deepspeed_casts, dtype=(
+                    torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None))
             try:
                 # Where a CUDA run's code path differs from a CPU one's (masked SDPA, TRL's fused log-probs).
                 cuda_paths = cuda_code_paths() if kernels == "cuda" else contextlib.nullcontext()
@@ -616,6 +801,11 @@ def _trace_step(stage: str, training_args, model_config, shape: GroupShape, *, p
                 row_tokens=row_tokens,
                 rank_tokens=-(-row_tokens // sp),
                 host_bytes=host.peak_bytes,
+                parameters=callback.parameters,
+                param_groups=callback.param_groups,
+                gradient_order=callback.gradient_order,
+                peak_context=callback.forward_backward_context,
+                segments=callback.forward_backward_segments,
             )
             del trainer, model, optimizer, parameters, trainable
     return traced
