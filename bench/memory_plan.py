@@ -1,7 +1,8 @@
 """The memory plans of the paper's shapes, published: Qwen3-8B (GRM, SFT) and Llama-3.1-8B (DisRM), full parameters
 and LoRA, 1 and 8 x 80 GB, ring / Ulysses / hybrid, ZeRO-2 / ZeRO-3; for each, the predicted per-rank peak of a group
 at the recipes' `max_length` of 131,072 tokens (a prompt of 129,024 and 1 + 4 responses of 2,048; SFT: one example of
-131,072 tokens), and (with `--longest`) the longest prompt that fits 80 GiB;
+131,072 tokens), and (with `--longest`) the longest prompt that fits an H100 80 GB (the 79.15 GiB a process gets on it:
+`trl_longrm.memory_plan.devices`);
 stock TRL's trainers (RewardTrainer, CPOTrainer, SFTTrainer) planned the same way on the same shapes, side by side.
 
 Every case is a recipe of `recipes/` with command-line overrides, planned exactly as `trl-longrm train RECIPE --dry_run
@@ -221,8 +222,8 @@ def summarize(results: dict, validation: dict | None) -> dict:
 def table(results: dict) -> str:
     """The Markdown table of README / docs: one line per case."""
     lines = [
-        "| case | trainer | GPUs | layout | longest sequence (tokens) | peak per rank (GiB) | host per rank (GiB) | fits 80 GiB | "
-        "longest prompt that fits (tokens) |",
+        "| case | trainer | GPUs | layout | longest sequence (tokens) | peak per rank (GiB) | host per machine (GiB) | "
+        "fits the card | longest prompt that fits (tokens) |",
         "|---|---|---|---|---:|---:|---:|---|---:|",
     ]
     for case in CASES:
@@ -238,12 +239,12 @@ def table(results: dict) -> str:
         longest = entry.get("longest_group")
         longest_text = "-" if longest is None else (f"{longest['prompt_tokens']:,}" if longest["prompt_tokens"] else "none")
         lora = "LoRA" if rank["trainable_parameters"] < rank["total_parameters"] // 2 else "full"
-        host = max(r.get("host_memory", 0) for r in entry["ranks"]) / GIB
+        host = entry.get("host_memory_per_node_gib", max(r.get("host_memory", 0) for r in entry["ranks"]) / GIB)
         group = entry["group"]
         lines.append(
             f"| {case.name} | {entry['trainer']} ({lora}) | {entry['world_size']} x 80 GB | {layout} | "
             f"{group['prompt_tokens'] + group['response_tokens']:,} | {entry['peak_gib']:.1f} | {host:.1f} | "
-            f"{'yes' if entry['fits'] else 'no'} | {longest_text} |"
+            f"{'yes' if entry['fits'] else 'no'} ({entry.get('device_memory_gib', 80):g} GiB) | {longest_text} |"
         )
     return "\n".join(lines)
 

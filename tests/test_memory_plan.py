@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import Qwen3Config
+from transformers import LlamaConfig, Qwen3Config
 
 from trl_longrm import LongSFTConfig, SimPODisRMConfig, SimPOGRMConfig
 from trl_longrm.memory.activation_offload import CountingHostStore
@@ -71,6 +71,20 @@ CASES = {
                                                              "gradient_checkpointing_kwargs": {"selective": True},
                                                              "sequence_parallel_size": 2}, (2048, 256, 4), False,
                                                False, 2),
+    # Layouts of the published plans the groups of 2 above do not cover: a ring of 4, and 2 Ulysses groups of 2 under
+    # one ring (hybrid), on 4 gloo processes.
+    "grm_ring4_checkpointing_fp32": ("simpo_grm", {"gradient_checkpointing": True, "sequence_parallel_size": 4},
+                                     (2048, 256, 4), False, False, 4),
+    "disrm_hybrid2x2_checkpointing_bf16": ("simpo_disrm", {"gradient_checkpointing": True, "sequence_parallel_size": 4,
+                                                           "sequence_parallel_mode": "hybrid", "ulysses_size": 2},
+                                           (2048, 256, 4), False, True, 4),
+    # Llama-3.1's architecture (its rotary scaling, no q/k norms) as the DisRM LoRA rows use it, with the long-row
+    # settings; and a 6-layer model, planned by the per-layer extrapolation every 8B plan uses (3 and 2 layers traced).
+    "disrm_llama_lora_offload_tiled_bf16": ("simpo_disrm", {"gradient_checkpointing": True, "mlp_tile_tokens": 512,
+                                                            "gradient_checkpointing_kwargs": {"use_reentrant": False,
+                                                                                              "offload": True}},
+                                            (2048, 256, 4), True, True, 1),
+    "grm_6_layers_extrapolated_fp32": ("simpo_grm", {"gradient_checkpointing": True}, (2048, 256, 4), False, False, 1),
     "sft_ring2_packed_lora_fp32": ("sft", {"packing": True, "max_tokens_per_row": 4096, "gradient_checkpointing": True,
                                            "sequence_parallel_size": 2}, (1536, 512, 0), True, False, 2),
 }  # fmt: skip
@@ -115,6 +129,21 @@ def model_config(layers: int = 2) -> Qwen3Config:
     )  # fmt: skip
 
 
+def llama_config(layers: int = 2) -> LlamaConfig:
+    """Llama-3.1-8B's architecture (llama3 rotary scaling, grouped-query heads) at the validation's size."""
+    return LlamaConfig(
+        vocab_size=2048, hidden_size=256, intermediate_size=512, num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=2, tie_word_embeddings=False, max_position_embeddings=32768,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 8192},
+    )  # fmt: skip
+
+
+# The cases whose model is not `model_config()`.
+CASE_MODELS = {"disrm_llama_lora_offload_tiled_bf16": llama_config, "grm_6_layers_extrapolated_fp32":
+               lambda: model_config(layers=6)}  # fmt: skip
+
+
 def build_case(name: str):
     """`(stage, training_args, model_config, shape, peft_config, dtype, rows_per_step)` of case `name`."""
     from peft import LoraConfig
@@ -131,7 +160,7 @@ def build_case(name: str):
     dtype = torch.bfloat16 if bf16 else torch.float32
     budget = overrides.get("max_tokens_per_row")
     rows = max(budget // shape.tokens(overrides.get("shared_prefix", True), stage), 1) if budget else 1
-    return stage, args, model_config(), shape, peft_config, dtype, rows
+    return stage, args, CASE_MODELS.get(name, model_config)(), shape, peft_config, dtype, rows
 
 
 # Where each comparison is also appended as a JSON line (`bench/memory_plan.py --validate` runs these tests with it
@@ -325,17 +354,19 @@ def test_cuda_plans_trace_cudnn_where_the_run_takes_it(monkeypatch):
 # tensors only (`bench/tensor_memory.py`): each rank's peak is the same run after run (to within 1 KiB), with
 # Python's cyclic GC disabled too.
 @pytest.mark.slow
-@pytest.mark.parametrize("name", [n for n, case in CASES.items() if case[-1] == 2])
-def test_plan_matches_measured_peak_gloo_group_of_two(name, tmp_path):
+@pytest.mark.parametrize("name", [n for n, case in CASES.items() if case[-1] > 1])
+def test_plan_matches_measured_peak_gloo_group(name, tmp_path):
     from memory_plan_worker import measure_on_rank
 
     from trl_longrm.sequence_parallel.launch import run_on_gloo_ranks
 
     stage, args, config, shape, peft_config, dtype, _ = build_case(name)
-    run_on_gloo_ranks(measure_on_rank, 2, str(tmp_path), {"name": name}, timeout=300)
-    for rank in range(2):
+    world = CASES[name][-1]
+    run_on_gloo_ranks(measure_on_rank, world, str(tmp_path), {"name": name}, timeout=600)
+    for rank in range(world):
         measured = json.loads((tmp_path / f"rank{rank}.json").read_text())["peak_bytes"]
-        plan = plan_memory(stage, args, config, shape, peft_config=peft_config, dtype=dtype, world_size=2, rank=rank)
+        plan = plan_memory(stage, args, config, shape, peft_config=peft_config, dtype=dtype, world_size=world,
+                           rank=rank)
         assert plan.distributed == "ddp"
         assert_within(plan.peak, measured, f"{name} rank {rank}")
 
