@@ -15,13 +15,14 @@ from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 import torch
-from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, LogitsProcessor
-from transformers.generation import LogitsProcessorList
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
 from trl_longrm.data.tokenization import scoring_ids
 from trl_longrm.evaluation.config import JUDGE_PROTOCOLS, PROTOCOLS
 from trl_longrm.evaluation.templates import PromptTemplate, label
 from trl_longrm.scoring import score_index
+from trl_longrm.serving.base import GenerationEngine, ScoringEngine
+from trl_longrm.serving.transformers_engine import TransformersGenerator, left_padded, pad_token_id
 
 
 logger = logging.getLogger(__name__)
@@ -225,40 +226,8 @@ def _chat_ids(tokenizer, messages: list[dict[str, str]], add_generation_prompt: 
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def _pad(rows: list[list[int]], pad_id: int, left: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(row) for row in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, row in enumerate(rows):
-        span = slice(width - len(row), width) if left else slice(0, len(row))
-        ids[i, span] = torch.tensor(row, dtype=torch.long)
-        mask[i, span] = 1
-    return ids, mask
-
-
-def _pad_token_id(tokenizer) -> int:
-    # Models without a pad token pad with EOS: the attention mask hides the padding anyway.
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    if pad is None:
-        raise ValueError(f"The tokenizer of {tokenizer.name_or_path!r} has neither a pad nor an EOS token.")
-    return pad
-
-
-class _VerdictLogits(LogitsProcessor):
-    """Keeps, at every generation step, the logits of the verdict tokens (a few per row), so that the verdict's
-    probabilities are read from the pass that wrote it instead of a second forward over the whole prompt.
-
-    It runs after the model's own generation-config processors, so it sees the logits greedy decoding chose from (with
-    a repetition penalty in the checkpoint's generation config, the penalised ones; the fallback forced pass reads raw
-    logits)."""
-
-    def __init__(self, token_ids: list[int]):
-        self.token_ids = token_ids
-        self.steps: list[torch.Tensor] = []
-
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        self.steps.append(scores[:, self.token_ids].detach())
-        return scores
+_pad = left_padded
+_pad_token_id = pad_token_id
 
 
 class GenerativeJudge:
@@ -280,6 +249,10 @@ class GenerativeJudge:
     renormalised over them, so that two responses given the same integer score are still ordered (and the AUC has
     continuous scores); every score must then be one token. Otherwise it is the parsed integer (ties keep display
     order).
+
+    `model` is a transformers causal LM (generated from with `generate`) or a `GenerationEngine` (`trl_longrm.serving`:
+    `VLLMGenerator` in process, `OpenAIGenerator` for an OpenAI-compatible server): prompts, their cut and the reading
+    of verdicts are the same whatever generates.
 
     Example:
     ```python
@@ -310,7 +283,12 @@ class GenerativeJudge:
             raise ValueError(
                 f"`max_new_tokens` ({max_new_tokens}) leaves no room for the prompt in `max_length` ({max_length})."
             )
-        self.model = model.eval()
+        # A transformers model runs through `generate`; an engine (in-process vLLM, an OpenAI-compatible server) is
+        # used as it is. The prompts, their cut and the reading of verdicts are the judge's, whatever the engine.
+        if isinstance(model, GenerationEngine):
+            self.engine, self.model = model, getattr(model, "model", None)
+        else:
+            self.engine, self.model = TransformersGenerator(model, tokenizer), model.eval()
         self.tokenizer = tokenizer
         self.max_length = max_length
         self.max_new_tokens = max_new_tokens
@@ -318,7 +296,6 @@ class GenerativeJudge:
         self.protocol = protocol
         self.template = template or PromptTemplate.default()
         self.evaluation_protocol = evaluation_protocol
-        self.pad_id = _pad_token_id(tokenizer)
         score_format = self.template.pointwise_format
         low, high = score_format.scale
         self.score_values = list(range(low, high + 1))
@@ -336,6 +313,7 @@ class GenerativeJudge:
                     "be read at one position; evaluate with --no-verdict-probs (scores are then the parsed ones)."
                 )
             self.verdict_ids.append(ids[0])
+        self.bounded_verdict_probs = 0
 
     @classmethod
     def from_pretrained(cls, model_path: str, device: str | None = None, dtype: str = "auto", **kwargs):
@@ -351,34 +329,21 @@ class GenerativeJudge:
         # The judgment must fit in the context too.
         return truncate_head_tail(ids, self.max_length - self.max_new_tokens)
 
-    @torch.no_grad()
     def _generate(self, prompts: list[list[int]], read_verdicts: bool = False):
-        """Greedy judgments of `prompts` (left-padded batch): their texts, and with `read_verdicts` also, per row, the
-        probabilities of the verdict tokens at the step after the verdict's opening, read from the generation's own
-        logits (None where the judgment has no verdict opening or it does not end on a token boundary)."""
-        device = self.model.device
-        input_ids, attention_mask = _pad(prompts, self.pad_id, left=True)
-        recorder = _VerdictLogits(self.verdict_ids) if read_verdicts else None
-        generated = self.model.generate(
-            input_ids=input_ids.to(device),
-            attention_mask=attention_mask.to(device),
-            max_new_tokens=self.max_new_tokens,
-            do_sample=False,
-            # With the KV cache whatever the saved configs say: transformers' Trainer saves the models it trains with
-            # `use_cache: false` (TrainingArguments' default), and without the cache each new token recomputes the
-            # whole prompt (a 16-token judgment: 16 prompt-length passes instead of one).
-            use_cache=True,
-            pad_token_id=self.pad_id,
-            logits_processor=LogitsProcessorList([recorder]) if recorder else None,
-        )[:, input_ids.shape[1] :]
-        texts = self.tokenizer.batch_decode(generated, skip_special_tokens=True)
+        """Greedy judgments of `prompts`: their texts, and with `read_verdicts` also, per row, the probabilities of the
+        verdict tokens at the step after the verdict's opening, read from the generation's own log-probabilities (None
+        where the judgment has no verdict opening, it does not end on a token boundary, or the engine did not report
+        every verdict token there)."""
+        generations = self.engine.generate(
+            prompts, self.max_new_tokens, logprob_token_ids=self.verdict_ids if read_verdicts else None
+        )
+        texts = [self.tokenizer.decode(g.token_ids, skip_special_tokens=True) for g in generations]
         if not read_verdicts:
             return texts
-        steps = torch.stack(recorder.steps, dim=1).float().cpu()  # [rows, steps, verdict tokens]
-        probs = [self._probs_at_verdict(row.tolist(), text, logits) for row, text, logits in zip(generated, texts, steps)]
+        probs = [self._probs_at_verdict(g.token_ids, text, g.logprobs) for g, text in zip(generations, texts)]
         return texts, probs
 
-    def _probs_at_verdict(self, tokens: list[int], text: str, step_logits: torch.Tensor) -> list[float] | None:
+    def _probs_at_verdict(self, tokens: list[int], text: str, step_logprobs) -> list[float] | None:
         start = text.find(self.verdict_prefix)
         if start < 0:
             return None
@@ -395,9 +360,12 @@ class GenerativeJudge:
                 high = middle
             else:
                 low = middle + 1
-        if low >= step_logits.shape[0] or decoded(low) != target:
+        if low >= len(step_logprobs) or decoded(low) != target:
             return None  # the opening shares a token with what follows: the forced pass reads it instead
-        return step_logits[low].softmax(dim=-1).tolist()
+        step = step_logprobs[low]
+        if any(token not in step for token in self.verdict_ids):
+            return None  # the engine reported only its top tokens: the forced pass reads them
+        return torch.tensor([step[token] for token in self.verdict_ids]).softmax(dim=-1).tolist()
 
     def _read_verdicts(self, prompts: list[list[int]], wanted: list[bool] | None = None):
         """Texts, and the verdict probabilities of the `wanted` rows (default all; None for the others): from the
@@ -457,8 +425,11 @@ class GenerativeJudge:
                 outputs[owner].scores.append(float(torch.tensor(p) @ values))
         return outputs
 
-    @torch.no_grad()
     def _verdict_probs(self, prompts: list[list[int]], texts: list[str]) -> list[list[float]]:
+        """The forced-decoding pass: the next-token probabilities of the verdict tokens after prompt + the judgment up
+        to its verdict + the verdict's opening, renormalised over them. A verdict token the engine does not report (a
+        server returning only its top-k log-probabilities) is given the lowest log-probability reported at that step,
+        an upper bound; such requests are counted in `bounded_verdict_probs`."""
         rows = []
         for prompt, text in zip(prompts, texts):
             # Reasoning up to the verdict stays in context, so the probe reads the judgment at its own verdict spot.
@@ -466,19 +437,16 @@ class GenerativeJudge:
             reasoning = text[:start] if start >= 0 else text
             reasoning_ids = self.tokenizer(reasoning, add_special_tokens=False)["input_ids"] if reasoning else []
             rows.append(prompt + reasoning_ids + self.forced_ids)
-        input_ids, attention_mask = _pad(rows, self.pad_id, left=True)
-        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-        device = self.model.device
-        logits = self.model(
-            input_ids=input_ids.to(device),
-            attention_mask=attention_mask.to(device),
-            position_ids=position_ids.to(device),
-            logits_to_keep=1,
-            use_cache=False,
-        ).logits[:, -1, :]
-        # Renormalised over the verdict tokens (A/B, or the score tokens) at the position after the verdict's opening.
-        probs = torch.log_softmax(logits.float(), dim=-1)[:, self.verdict_ids].softmax(dim=-1)
-        return probs.cpu().tolist()
+        probs = []
+        for generation in self.engine.generate(rows, 1, logprob_token_ids=self.verdict_ids):
+            step = generation.logprobs[0]
+            if any(token not in step for token in self.verdict_ids):
+                self.bounded_verdict_probs += 1
+                floor = min(step.values(), default=0.0)
+                step = {token: step.get(token, floor) for token in self.verdict_ids}
+            # Renormalised over the verdict tokens (A/B, or the score tokens) at the position after the opening.
+            probs.append(torch.tensor([step[token] for token in self.verdict_ids]).softmax(dim=-1).tolist())
+        return probs
 
 
 class DiscriminativeJudge:
@@ -496,6 +464,9 @@ class DiscriminativeJudge:
     scores of scoring each candidate alone, the prompt encoded once. Otherwise sequences are right-padded (natural
     position ids, as in reward-model training) and scored `batch_size` at a time. With `evaluation_protocol="longrm"`
     a sequence of at least `max_length` tokens is cut (LongRM's rule), else only a longer one.
+
+    `model` may also be a `ScoringEngine` (`trl_longrm.serving`: vLLM's pooling runner in process, or a server's
+    `/classify`), which scores the same sequences at the same last token.
 
     Example:
     ```python
@@ -516,21 +487,27 @@ class DiscriminativeJudge:
         evaluation_protocol: str = "default",
         max_tokens_per_row: int | None = None,
     ):
-        if model.config.num_labels != 1:
-            raise ValueError(f"A DisRM must have exactly 1 output label, got num_labels={model.config.num_labels}.")
         if evaluation_protocol not in PROTOCOLS:
             raise ValueError(f"`evaluation_protocol` must be one of {list(PROTOCOLS)}, got {evaluation_protocol!r}.")
-        from trl_longrm.heads import add_last_token_score_head
-
-        self.model = model.eval()
-        add_last_token_score_head(self.model)
         self.tokenizer = tokenizer
         self.max_length = max_length
         self.batch_size = batch_size
         self.at_limit = evaluation_protocol == "longrm"
-        self.shared_prefix = shared_prefix
         self.max_tokens_per_row = max_tokens_per_row
-        if shared_prefix:
+        # An engine (vLLM's pooling runner, in process or behind `/classify`) scores each sequence as it is given: the
+        # sequences and their last tokens are the judge's.
+        self.engine = model if isinstance(model, ScoringEngine) else None
+        self.shared_prefix = shared_prefix and self.engine is None
+        if self.engine is not None:
+            self.model = None
+            return
+        if model.config.num_labels != 1:
+            raise ValueError(f"A DisRM must have exactly 1 output label, got num_labels={model.config.num_labels}.")
+        from trl_longrm.heads import add_last_token_score_head
+
+        self.model = model.eval()
+        add_last_token_score_head(self.model)
+        if self.shared_prefix:
             from trl_longrm.sequence_parallel import validate_ring_attention_model
 
             try:
@@ -591,9 +568,11 @@ class DiscriminativeJudge:
                         f"Sequence {s} of record {r} is empty: a reward model's score is read at a sequence's last "
                         "token, and it has none."
                     )
+        sequences = [sequence for record in records for sequence in record]
+        if self.engine is not None:
+            return self.engine.score(sequences)
         if self.shared_prefix:
             return self._shared_scores(records)
-        sequences = [sequence for record in records for sequence in record]
         scores = []
         for start in range(0, len(sequences), self.batch_size):
             rows = sequences[start : start + self.batch_size]

@@ -1,0 +1,247 @@
+"""OpenAI-compatible servers (`vllm serve`, SGLang, llama.cpp's server): a judge's prompts sent as token ids to
+`/v1/completions`, a DisRM's sequences to `/classify` (vLLM's pooling runner).
+
+Requests go out in parallel, at most `max_concurrency` in flight (the server batches them; with its prefix cache the
+shared context of a group is prefilled once), each with a timeout and a few retries on a dropped connection, a 429 or
+a 5xx. A server that is down, too slow or refuses the request gives one `EngineError` naming it. The API key (the
+argument or `OPENAI_API_KEY`) goes in the request header only: never in `identity()`, logs or `repr`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+from trl_longrm.serving.base import EngineError, Generation
+
+
+# Fields only vLLM reads: the exact log-probabilities of asked tokens, and token ids in place of token strings. Another
+# server that refuses them is asked again without them (then its top-k log-probabilities are what it reports).
+_VLLM_FIELDS = ("logprob_token_ids", "return_tokens_as_token_ids", "return_token_ids")
+_RETRIED_STATUS = {429, 500, 502, 503, 504}
+
+
+class _Server:
+    """JSON over HTTP to one server, with retries, a timeout and one clear error."""
+
+    def __init__(self, base_url: str, api_key: str | None, timeout: float, max_retries: int):
+        self.base_url = base_url.rstrip("/")
+        # `/classify`, `/version` and `/metrics` live beside `/v1`, at the server's root.
+        self.root = self.base_url[: -len("/v1")] if self.base_url.endswith("/v1") else self.base_url
+        self._api_key = api_key if api_key is not None else os.environ.get("OPENAI_API_KEY")
+        self.timeout = timeout
+        self.max_retries = max_retries
+
+    def __repr__(self) -> str:
+        return f"_Server({self.base_url!r})"
+
+    def request(self, url: str, payload: dict | None = None) -> dict:
+        headers = {"Content-Type": "application/json"}
+        if self._api_key:
+            headers["Authorization"] = f"Bearer {self._api_key}"
+        data = json.dumps(payload).encode() if payload is not None else None
+        for attempt in range(self.max_retries + 1):
+            last = attempt == self.max_retries
+            try:
+                with urllib.request.urlopen(
+                    urllib.request.Request(url, data=data, headers=headers), timeout=self.timeout
+                ) as response:
+                    return json.loads(response.read())
+            except urllib.error.HTTPError as error:
+                body = error.read().decode(errors="replace")
+                if error.code in _RETRIED_STATUS and not last:
+                    time.sleep(2**attempt)
+                    continue
+                raise _HTTPRefusal(url, error.code, body) from None
+            except (urllib.error.URLError, TimeoutError, ConnectionError) as error:
+                if not last:
+                    time.sleep(2**attempt)
+                    continue
+                reason = getattr(error, "reason", error)
+                if isinstance(reason, TimeoutError) or isinstance(error, TimeoutError):
+                    raise EngineError(
+                        f"{url} did not answer within {self.timeout:g} s ({self.max_retries + 1} tries); raise "
+                        "--request-timeout or check the server."
+                    ) from None
+                raise EngineError(
+                    f"Cannot reach the server at {self.base_url} ({reason}; {self.max_retries + 1} tries). Is it "
+                    "running? Start one with `python -m vllm.entrypoints.openai.api_server --model PATH` (or `vllm "
+                    "serve PATH`) and pass its address as --base-url."
+                ) from None
+        raise AssertionError("unreachable")
+
+    def served_models(self) -> list[str]:
+        try:
+            return [model["id"] for model in self.request(f"{self.base_url}/models")["data"]]
+        except _HTTPRefusal as error:
+            raise EngineError(f"{self.base_url}/models answered {error.status}: {error.body[:300]}") from None
+
+    def resolve_model(self, model: str | None) -> str:
+        """The served model to ask for: `model`, checked against `/v1/models`, or the only one served."""
+        served = self.served_models()
+        if model is None:
+            if len(served) != 1:
+                raise EngineError(f"The server at {self.base_url} serves {served}; name one with --served-model.")
+            return served[0]
+        if model not in served:
+            raise EngineError(
+                f"The server at {self.base_url} does not serve {model!r}; it serves {served}. Pass one of them as "
+                "--served-model (vLLM names a model by its path unless started with --served-model-name)."
+            )
+        return model
+
+
+class _HTTPRefusal(Exception):
+    def __init__(self, url: str, status: int, body: str):
+        super().__init__(f"{url} answered {status}: {body[:500]}")
+        self.url, self.status, self.body = url, status, body
+
+
+class _OpenAIEngine:
+    def __init__(
+        self,
+        base_url: str,
+        model: str | None = None,
+        *,
+        api_key: str | None = None,
+        max_concurrency: int = 8,
+        timeout: float = 600.0,
+        max_retries: int = 3,
+    ):
+        if max_concurrency < 1:
+            raise ValueError(f"`max_concurrency` must be >= 1, got {max_concurrency}.")
+        self.server = _Server(base_url, api_key, timeout, max_retries)
+        self.model = self.server.resolve_model(model)
+        self.max_concurrency = max_concurrency
+
+    def identity(self) -> dict:
+        return {"backend": "openai", "base_url": self.server.base_url, "served_model": self.model}
+
+    def _map(self, function, items: Sequence) -> list:
+        if len(items) <= 1:
+            return [function(item) for item in items]
+        with ThreadPoolExecutor(max_workers=min(self.max_concurrency, len(items))) as pool:
+            return list(pool.map(function, items))
+
+
+class OpenAIGenerator(_OpenAIEngine):
+    """A `GenerationEngine` on an OpenAI-compatible server's `/v1/completions`: each prompt sent as token ids, greedy
+    (temperature 0, top_p 1), at most `max_new_tokens` tokens.
+
+    From vLLM it reads the generated token ids and the exact log-probabilities of the asked tokens at each step
+    (`logprob_token_ids`). A server without these fields (SGLang, llama.cpp) returns text and its top
+    `top_logprobs` log-probabilities by token string: `tokenizer` (the checkpoint's) then re-tokenizes the text and
+    maps the strings to ids, and a verdict token outside its top-k is missing from that step (the judge counts it).
+
+    Example:
+    ```python
+    >>> engine = OpenAIGenerator("http://127.0.0.1:8000/v1", model="judge", max_concurrency=16)
+    >>> judge = GenerativeJudge(engine, load_tokenizer("./LongReward_Qwen3-8B"))
+    ```
+    """
+
+    def __init__(self, base_url: str, model: str | None = None, *, tokenizer=None, top_logprobs: int = 20, **kwargs):
+        super().__init__(base_url, model, **kwargs)
+        self.tokenizer = tokenizer
+        self.top_logprobs = top_logprobs
+        self.vllm_fields = True
+
+    def _complete(self, prompt: list[int], max_new_tokens: int, asked: list[int]) -> Generation:
+        payload = {
+            "model": self.model,
+            "prompt": list(prompt),
+            "max_tokens": max_new_tokens,
+            "temperature": 0.0,
+            "top_p": 1.0,
+        }
+        if asked:
+            payload["logprobs"] = self.top_logprobs
+        if self.vllm_fields:
+            payload.update(return_tokens_as_token_ids=True, return_token_ids=True)
+            if asked:
+                payload["logprob_token_ids"] = asked
+        url = f"{self.server.base_url}/completions"
+        try:
+            choice = self.server.request(url, payload)["choices"][0]
+        except _HTTPRefusal as error:
+            if self.vllm_fields and error.status in (400, 422) and any(f in error.body for f in _VLLM_FIELDS):
+                self.vllm_fields = False  # not vLLM: ask again without its fields
+                return self._complete(prompt, max_new_tokens, asked)
+            raise EngineError(f"The server refused a completion request: {error}") from None
+        return self._generation(choice, asked)
+
+    def _generation(self, choice: dict, asked: list[int]) -> Generation:
+        token_ids = choice.get("token_ids")
+        steps = (choice.get("logprobs") or {}).get("top_logprobs") or []
+        if token_ids is None:
+            if self.tokenizer is None:
+                raise EngineError(
+                    f"The server at {self.server.base_url} returns text, not token ids (not vLLM): give the "
+                    "OpenAIGenerator the checkpoint's tokenizer to read it."
+                )
+            token_ids = self.tokenizer(choice["text"], add_special_tokens=False)["input_ids"]
+        if not asked:
+            return Generation(token_ids=list(token_ids))
+        wanted = {token: token for token in asked}
+        if steps and not any(str(key).startswith("token_id:") for step in steps for key in step):
+            if self.tokenizer is None:
+                raise EngineError("Log-probabilities by token string need the checkpoint's tokenizer.")
+            wanted = {self.tokenizer.decode([token]): token for token in asked}
+        logprobs = []
+        for step in steps:
+            values = {}
+            for key, value in step.items():
+                token = int(key[len("token_id:") :]) if str(key).startswith("token_id:") else wanted.get(key)
+                if token in asked:
+                    values[token] = value
+            logprobs.append(values)
+        return Generation(token_ids=list(token_ids), logprobs=logprobs)
+
+    def generate(
+        self, prompts: Sequence[list[int]], max_new_tokens: int, logprob_token_ids: list[int] | None = None
+    ) -> list[Generation]:
+        asked = list(logprob_token_ids or [])
+        return self._map(lambda prompt: self._complete(prompt, max_new_tokens, asked), list(prompts))
+
+    def identity(self) -> dict:
+        return {**super().identity(), "top_logprobs": self.top_logprobs}
+
+
+class OpenAIScorer(_OpenAIEngine):
+    """A `ScoringEngine` on a vLLM server started with the pooling runner (`--runner pooling`): each token-id sequence
+    posted to `/classify` with `use_activation: false`, so the answer is the classifier's raw logit at the sequence's
+    last token (the token training scores), not vLLM's default sigmoid of it. `batch_size` sequences per request.
+
+    Example:
+    ```python
+    >>> scorer = OpenAIScorer("http://127.0.0.1:8000/v1", model="disrm")
+    >>> DiscriminativeJudge(scorer, load_tokenizer("./my_disrm")).judge(requests)
+    ```
+    """
+
+    def __init__(self, base_url: str, model: str | None = None, *, batch_size: int = 16, **kwargs):
+        super().__init__(base_url, model, **kwargs)
+        self.batch_size = batch_size
+
+    def _classify(self, batch: list[list[int]]) -> list[float]:
+        url = f"{self.server.root}/classify"
+        try:
+            data = self.server.request(url, {"model": self.model, "input": batch, "use_activation": False})["data"]
+        except _HTTPRefusal as error:
+            if error.status in (400, 404, 405, 501):
+                raise EngineError(
+                    f"The server at {self.server.base_url} cannot score sequences ({url} answered {error.status}: "
+                    f"{error.body[:300]}). Serve the DisRM with vLLM's pooling runner: `python -m "
+                    "vllm.entrypoints.openai.api_server --model PATH --runner pooling`."
+                ) from None
+            raise EngineError(f"The server refused a classification request: {error}") from None
+        return [float(item["probs"][0]) for item in sorted(data, key=lambda item: item["index"])]
+
+    def score(self, sequences: Sequence[list[int]]) -> list[float]:
+        batches = [list(map(list, sequences[i : i + self.batch_size])) for i in range(0, len(sequences), self.batch_size)]
+        return [score for batch in self._map(self._classify, batches) for score in batch]
