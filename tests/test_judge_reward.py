@@ -141,12 +141,15 @@ def metrics(server) -> dict[str, float]:
     return totals
 
 
-def test_each_group_context_is_prefilled_once(server, tokenizer):
+@pytest.mark.parametrize("warm_prefix", [False, True], ids=["together", "warm_prefix"])
+def test_each_group_context_is_prefilled_once(server, tokenizer, warm_prefix):
     """The server's own counters: of one group's pairwise requests (G(G-1) of them, all starting with the same long
-    context), the cached prompt tokens cover the context of all but (at most) one."""
-    long_prompt = [{"role": "user", "content": sentence(5, 1800)}]
+    context), the cached prompt tokens cover the context of all but (at most) one, whether the requests go out
+    together (the default) or after the context alone (`warm_prefix`)."""
+    # A context of its own for each case: the other case's is in the cache.
+    long_prompt = [{"role": "user", "content": f"Case {warm_prefix}. " + sentence(5 + warm_prefix, 1800)}]
     ps, cs = batch([long_prompt])
-    reward = reward_on(server, tokenizer, protocol="pairwise")
+    reward = reward_on(server, tokenizer, protocol="pairwise", warm_prefix=warm_prefix)
     requests, _, _ = reward._requests(ps, cs)
     prompt_ids = reward._group_prompt_ids(requests)
     shared = next(i for i in range(min(map(len, prompt_ids))) if len({ids[i] for ids in prompt_ids}) > 1)
@@ -160,7 +163,7 @@ def test_each_group_context_is_prefilled_once(server, tokenizer):
     assert n == G * (G - 1)
     assert hits >= (n - 1) * shared, (hits, queries, shared, n)
     # What the server prefilled: all prompt tokens it was asked for less the cached ones, about one context.
-    assert queries - hits <= shared + sum(len(ids) - shared for ids in prompt_ids) + 128 * (n + 1)  # at most a block (<= 128 tokens) recomputed per request
+    assert queries - hits <= shared + sum(len(ids) - shared for ids in prompt_ids) + 128 * (n + 1), (hits, queries)
 
 
 def test_unparsed_verdicts_are_counted_and_tied(server, tokenizer, caplog):

@@ -85,10 +85,10 @@ class JudgeReward:
     that could not be read) and `judge/unparsed_fraction`, and warns through this module's logger when there are any.
 
     Every request of a group starts with the same tokens (the judge's system prompt, then the task), and the long
-    context comes first. For an engine with a prefix cache (a vLLM server started with `--enable-prefix-caching`,
-    vLLM in process), `warm_prefix` (default) first sends each group's common token prefix alone (one token
-    generated), so that the server has it cached before the group's requests arrive together: the context is
-    prefilled once per group, not once per request.
+    context comes first, so that an engine with a prefix cache (a vLLM server with `--enable-prefix-caching`, vLLM in
+    process) prefills it once per group, not once per request: vLLM shares it even among the group's requests sent
+    together (`bench/judge_reward.py`). For a server that does not, `warm_prefix=True` first sends each group's
+    common token prefix alone (one token generated), then the group's requests (one round trip more per call).
 
     The task the judge reads is made as the evaluation makes it (`trl_longrm.evaluation.benchmark.task_text`: the
     prompt messages' contents joined by a blank line; a plain-text prompt as it is); a conversational completion is
@@ -120,7 +120,7 @@ class JudgeReward:
         max_length: int = 131072,
         max_new_tokens: int = 2048,
         verdict_probs: bool = True,
-        warm_prefix: bool = True,
+        warm_prefix: bool = False,
         name: str = "JudgeReward",
         **engine_kwargs: Any,
     ):
