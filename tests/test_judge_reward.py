@@ -287,3 +287,10 @@ def test_verl_and_openrlhf_entry_points_match(paths, server, tokenizer, monkeypa
     torch.testing.assert_close(result["rewards"], torch.tensor(expected), atol=1e-4, rtol=0)
     torch.testing.assert_close(result["scores"], torch.tensor(expected) / 9, atol=1e-4, rtol=0)
     assert set(result["extra_logs"]) == {"judge/unparsed_verdicts", "judge/unparsed_fraction"}
+
+    # Recent OpenRLHF calls reward_func once per sample: a pairwise judge has nothing to compare, and says so.
+    monkeypatch.setenv("TRL_LONGRM_JUDGE_PROTOCOL", "pairwise")
+    with pytest.raises(ValueError, match="TRL_LONGRM_JUDGE_PROTOCOL=pointwise"):
+        reward_func(queries=[ps[0] + cs[0]], prompts=ps[:1], labels=[""])
+    grouped = reward_func(queries=[p + c for p, c in zip(ps, cs)], prompts=ps, labels=[""] * len(ps))
+    assert grouped["rewards"].numel() == len(ps)

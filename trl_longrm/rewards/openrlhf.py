@@ -8,6 +8,12 @@ response is the query after its prompt, without trailing special tokens of the j
 the policy's end-of-turn token in the query). Rows with equal prompts form a group (OpenRLHF lays a prompt's
 `--n_samples_per_prompt` samples consecutively).
 
+Pairwise and ranking judge a group's samples together, so they need the whole group in one call: releases that call
+the function on chunks of `--micro_rollout_batch_size` samples need it a multiple of `--n_samples_per_prompt`, and
+recent releases (the single-turn and agent executors) call it once per sample, where only `pointwise` can work
+(`TRL_LONGRM_JUDGE_PROTOCOL=pointwise`). A pairwise or ranking call whose groups are all single samples is refused
+with a `ValueError` saying so, not rewarded a constant 0.5.
+
 The judge's server and protocol come from the `TRL_LONGRM_JUDGE_*` environment variables
 (`trl_longrm.rewards.judge.ENVIRONMENT`) of the process that loads this file. Example:
 ```bash
@@ -45,6 +51,13 @@ def reward_func(queries: Sequence[str], prompts: Sequence[str], labels: Sequence
     rate, rank or score), `scores` (the same rescaled to [0, 1], what `--dynamic_filtering` reads) and `extra_logs`
     (`judge/unparsed_verdicts`, `judge/unparsed_fraction`)."""
     reward = judge_reward_from_env()
+    if reward.protocol != "pointwise" and len(set(prompts)) == len(prompts):
+        raise ValueError(
+            f"The {reward.protocol} judge compares a prompt's samples, but this call holds {len(prompts)} sample(s) of "
+            f"{len(prompts)} different prompt(s): every reward would be 0.5. OpenRLHF calling reward_func once per "
+            "sample needs TRL_LONGRM_JUDGE_PROTOCOL=pointwise; a release batching --micro_rollout_batch_size samples "
+            "needs it a multiple of --n_samples_per_prompt."
+        )
     special = sorted(reward.judge.tokenizer.all_special_tokens, key=len, reverse=True)
     responses = [_response(q, p, special) for q, p in zip(queries, prompts, strict=True)]
     logs: dict[str, float] = {}
