@@ -209,6 +209,22 @@ def test_parsed_verdict_rules(paths, tokenizer, protocol, script, expected, unpa
     assert logged["judge/unparsed_verdicts"] == unparsed
 
 
+def test_grpo_groups_shuffled_rows(paths, tokenizer, tmp_path):
+    """Through GRPO's `_calculate_rewards`, rows of two prompts interleaved: each prompt's rows still form one group,
+    displayed in their batch order, and each reward lands on its own row (a steered ranking, `[[B>A>C]]`)."""
+    ids = tokenizer("[[B>A>C]]", add_special_tokens=False)["input_ids"]
+    model = steer_generation(AutoModelForCausalLM.from_pretrained(paths["judge"]), ids)
+    reward = JudgeReward(model, tokenizer, protocol="ranking", max_length=MAX_LENGTH, max_new_tokens=len(ids))
+    ps, cs = batch(CONVERSATIONAL)
+    order = [0, 3, 4, 1, 5, 2]  # rows of prompt 0 at 0, 3, 5; of prompt 1 at 1, 2, 4
+    ps, cs = [ps[i] for i in order], [cs[i] for i in order]
+    trainer = grpo_trainer(paths, reward, tmp_path, CONVERSATIONAL)
+    got = trainer._calculate_rewards([{"prompt": p} for p in ps], ps, cs, [[0]] * len(ps))[:, 0]
+    # In each group, the second row in batch order (B) is best, the first (A) second, the third (C) last.
+    torch.testing.assert_close(got, torch.tensor([0.5, 0.5, 1.0, 1.0, 0.0, 0.0]))
+    assert trainer._pending_metrics["judge/unparsed_verdicts"] == [0.0]
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
