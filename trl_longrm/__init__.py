@@ -9,7 +9,8 @@ import importlib
 __version__ = "0.1.0"
 
 _LAZY = {
-    "LongRMReward": "trl_longrm.reward_function",
+    "LongRMReward": "trl_longrm.rewards",
+    "JudgeReward": "trl_longrm.rewards",
     "LongSFTConfig": "trl_longrm.trainers",
     "LongSFTTrainer": "trl_longrm.trainers",
     "SimPODisRMConfig": "trl_longrm.trainers",

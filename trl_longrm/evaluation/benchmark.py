@@ -49,7 +49,20 @@ class BenchmarkRecord:
     @property
     def task_prompt(self) -> str:
         """The task prompt shown to a generative judge: the message contents joined by a blank line (as LongRM)."""
-        return "\n\n".join(message["content"] for message in self.prompt_messages)
+        return task_text(self.prompt_messages)
+
+
+def task_text(messages: list[dict[str, str]]) -> str:
+    """The task text a generative judge is shown for prompt messages: their contents joined by a blank line (as
+    LongRM). The one definition, for the evaluation's records and the RL rewards (`trl_longrm.rewards.judge`).
+
+    Example:
+    ```python
+    >>> task_text([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Q?"}])
+    'Be brief.\\n\\nQ?'
+    ```
+    """
+    return "\n\n".join(message["content"] or "" for message in messages)
 
 
 def jsonl_lines(path: str | Path) -> Iterator[tuple[int, str]]:
