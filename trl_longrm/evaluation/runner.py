@@ -331,6 +331,13 @@ def engine_identity(config: EvalConfig, engine=None) -> dict:
     if config.backend == "transformers":
         return {}
     if config.backend == "vllm":
+        from trl_longrm.serving.vllm_engine import checked_architecture
+
+        # The checkpoint's head first: a mistake the user can fix whether or not vLLM is installed.
+        try:
+            checked_architecture(config.model_path, "seq-cls" if config.is_disrm else "causal-lm")
+        except (OSError, ValueError) as error:
+            raise model_error(config.model_path, error) from None
         version = _user_import_vllm().__version__
         return {"backend": "vllm", "vllm": version, "tensor_parallel_size": config.tensor_parallel_size or 1}
     engine = engine or _openai_engine(config)
