@@ -153,7 +153,7 @@ class TestJudgeServer:
         assert_grm_matches(reference["grm"], save_path)
         assert "Launching:" in run.stdout and SENTINEL not in run.stdout + run.stderr
         assert files_holding(save_path, SENTINEL) == []
-        assert results_of(save_path)["config"]["api_key"] == "<redacted>"
+        assert results_of(save_path)["config"]["api_key"] is None  # the processes had it from the environment
         identity = json.loads((save_path / "run_config.json").read_text())
         assert identity["backend"] == "openai" and identity["served_model"] == "judge"
         assert identity["served_checkpoint"] == demo["grm"] and identity["server_version"]
@@ -168,8 +168,12 @@ class TestJudgeServer:
             assert_one_error(code, stderr, "holds predictions of a different run (", f"backend: {old} -> 'openai'")
             assert (path / "predictions.jsonl").read_bytes() == before
         # A run of the server resumes on the same server (nothing left to judge), not on transformers.
+        # The key given as a flag is redacted in the results and written nowhere.
         save_path = tmp_path / "openai"
-        assert run_cli(capsys, "eval", *self.eval_flags(demo, server, save_path, "--tasks", "LongQA"))[0] == 0
+        code, stderr = run_cli(capsys, "eval", *self.eval_flags(demo, server, save_path, "--tasks", "LongQA"),
+                               "--api-key", SENTINEL)  # fmt: skip
+        assert code == 0 and SENTINEL not in stderr + capsys.readouterr().out
+        assert results_of(save_path)["config"]["api_key"] == "<redacted>" and files_holding(save_path, SENTINEL) == []
         before = (save_path / "predictions.jsonl").read_bytes()
         assert run_cli(capsys, "eval", *self.eval_flags(demo, server, save_path, "--tasks", "LongQA"))[0] == 0
         assert (save_path / "predictions.jsonl").read_bytes() == before
