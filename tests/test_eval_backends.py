@@ -8,6 +8,8 @@ Engine starts are the cost (~60-80 s each on a 2-core machine): one in-process e
 venv), one server per model, each started once for the module and stopped before the next starts.
 """
 
+import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -18,9 +20,10 @@ import pytest
 from cli_helpers import assert_one_error, run_cli
 from vllm_support import require_vllm, run_in_vllm_venv, vllm_server
 
+from trl_longrm.cli import main
 from trl_longrm.demo import JUDGE_PROMPTS, SMALL_DEMO, DemoConfig, run_demo
 from trl_longrm.evaluation import EvalConfig, evaluate_reward_model
-from trl_longrm.evaluation.cli import config_flags
+from trl_longrm.evaluation.cli import add_eval_arguments, config_flags, config_from_args
 from trl_longrm.serving.server import free_port
 
 
@@ -170,9 +173,10 @@ class TestJudgeServer:
         # A run of the server resumes on the same server (nothing left to judge), not on transformers.
         # The key given as a flag is redacted in the results and written nowhere.
         save_path = tmp_path / "openai"
-        code, stderr = run_cli(capsys, "eval", *self.eval_flags(demo, server, save_path, "--tasks", "LongQA"),
-                               "--api-key", SENTINEL)  # fmt: skip
-        assert code == 0 and SENTINEL not in stderr + capsys.readouterr().out
+        code = main(["eval", *self.eval_flags(demo, server, save_path, "--tasks", "LongQA"), "--api-key", SENTINEL])
+        output = capsys.readouterr()
+        assert code == 0 and "Predictions and results written" in output.out
+        assert SENTINEL not in output.out + output.err
         assert results_of(save_path)["config"]["api_key"] == "<redacted>" and files_holding(save_path, SENTINEL) == []
         before = (save_path / "predictions.jsonl").read_bytes()
         assert run_cli(capsys, "eval", *self.eval_flags(demo, server, save_path, "--tasks", "LongQA"))[0] == 0
@@ -286,4 +290,10 @@ def test_the_api_key_stays_off_the_command_line():
                         max_concurrency=4, enable_prefix_caching=None)  # fmt: skip
     flags = config_flags(config)
     assert SENTINEL not in " ".join(flags) and "--api-key" not in flags and "--max-concurrency" in flags
+    # The processes get every other setting back from the flags (and the key from the environment).
+    parsed = config_from_args(add_eval_arguments(argparse.ArgumentParser()).parse_args(flags))
+    assert parsed == dataclasses.replace(config, api_key=None)
+    vllm = EvalConfig(model_path="m", data_path="d", backend="vllm", gpu_memory_utilization=0.5,
+                      enable_prefix_caching=False, tensor_parallel_size=2)  # fmt: skip
+    assert config_from_args(add_eval_arguments(argparse.ArgumentParser()).parse_args(config_flags(vllm))) == vllm
     assert config.redacted()["api_key"] == "<redacted>" and config.api_key == SENTINEL
