@@ -131,7 +131,9 @@ def main(argv=None) -> int:
                              capture_output=True, text=True, env={**os.environ, **SERVER_ENV, "PYTHONPATH": str(ROOT)})  # fmt: skip
         if run.returncode:
             sys.exit(f"vLLM worker failed:\n{run.stderr[-4000:]}")
-        row["vllm"] = json.loads(run.stdout.strip().splitlines()[-1].removeprefix("TIMINGS "))
+        # vLLM may print after the worker's line (its shutdown).
+        line = next(line for line in run.stdout.splitlines() if line.startswith("TIMINGS "))
+        row["vllm"] = json.loads(line.removeprefix("TIMINGS "))
         server_args = [*SERVER_ARGS, *(["--runner", "pooling"] if kind == "disrm" else [])]
         started = time.perf_counter()
         with VLLMServer(settings["model_path"], served_model_name=kind, args=server_args, python=str(VLLM_PYTHON),
