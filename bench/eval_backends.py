@@ -82,7 +82,9 @@ def agreement(reference: Path, other: Path) -> dict:
         return {p["id"]: p for p in map(json.loads, (path / "predictions.jsonl").read_text().splitlines())}
 
     want, got = load(reference), load(other)
-    same = sum(got[key]["judgments"] == want[key]["judgments"] for key in want)
+    # A DisRM writes no judgments: only its scores compare.
+    judged = any(p["judgments"] is not None for p in want.values())
+    same = sum(got[key]["judgments"] == want[key]["judgments"] for key in want) if judged else None
     diffs = [abs(a - b) for key in want for a, b in zip(got[key]["scores"] or [], want[key]["scores"] or [])]
     return {"same_judgments": same, "of": len(want), "max_score_diff": max(diffs, default=None)}
 
