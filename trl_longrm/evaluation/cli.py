@@ -77,7 +77,7 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
 
 def config_flags(config: EvalConfig) -> list[str]:
     """The `eval` flags that give back `config` (what the processes of a multi-process launch are started with),
-    except the API key: a command line is visible to every user of the machine (`ps`), so `launch_env` passes it in
+    except the API key: a command line is visible to every user of the machine (`ps`), so `run_eval` passes it to them in
     `OPENAI_API_KEY` instead.
 
     Example:
