@@ -297,3 +297,15 @@ def test_the_api_key_stays_off_the_command_line():
                       enable_prefix_caching=False, tensor_parallel_size=2)  # fmt: skip
     assert config_from_args(add_eval_arguments(argparse.ArgumentParser()).parse_args(config_flags(vllm))) == vllm
     assert config.redacted()["api_key"] == "<redacted>" and config.api_key == SENTINEL
+
+
+def test_demo_head_dim_leaves_the_published_demo_unchanged(tmp_path):
+    from trl_longrm.demo import DEMO_MODEL, Demo
+
+    # Default: the published demo's 8 heads of 16 and its settings file as before (its folders still resume).
+    default = Demo(DemoConfig(output_dir=str(tmp_path / "a")))
+    assert default.model_shape() == DEMO_MODEL and default.settings()["model"] == DEMO_MODEL
+    shape = Demo(DemoConfig(output_dir=str(tmp_path / "b"), head_dim=64)).model_shape()
+    assert (shape["num_attention_heads"], shape["num_key_value_heads"], shape["head_dim"]) == (2, 2, 64)
+    with pytest.raises(ValueError, match="must divide `hidden_size` \\(128\\)"):
+        DemoConfig(head_dim=48)
