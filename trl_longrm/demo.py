@@ -84,6 +84,13 @@ class DemoConfig:
     )
     hidden_size: int = field(default=128, metadata={"help": "Hidden size of the tiny base models. Default 128."})
     num_hidden_layers: int = field(default=2, metadata={"help": "Layers of the tiny base models. Default 2."})
+    head_dim: int | None = field(
+        default=None,
+        metadata={
+            "help": "Attention head size of the tiny base models, with hidden_size // head_dim heads (e.g. 64: vLLM's "
+            "CPU attention refuses the default heads of 16 dimensions). Default None: `DEMO_MODEL`'s 8 heads."
+        },
+    )
     train_overrides: dict[str, list[str]] = field(
         default_factory=dict,
         metadata={
@@ -120,6 +127,8 @@ class DemoConfig:
             raise ValueError(f"Unknown stage(s) {unknown}; expected some of {list(STAGES)}.")
         if "simpo_grm" in self.stages and "sft" not in self.stages:
             raise ValueError("Stage simpo_grm starts from the output of stage sft: add `sft` to `stages`.")
+        if self.head_dim is not None and (self.head_dim < 1 or self.hidden_size % self.head_dim):
+            raise ValueError(f"`head_dim` ({self.head_dim}) must divide `hidden_size` ({self.hidden_size}).")
         if "sft" in self.stages and "simpo_disrm" not in self.stages:
             raise ValueError("Stage sft starts from the backbone of stage simpo_disrm: add `simpo_disrm` to `stages`.")
         self.stages = [stage for stage in STAGES if stage in self.stages]
@@ -255,12 +264,19 @@ class Demo:
         # The demo owns this folder: files of an interrupted generation (no manifest yet) are overwritten.
         return generate_synthetic_suite(suite.root, tokenizer=demo_tokenizer(), overwrite=True, **settings)
 
+    def model_shape(self) -> dict:
+        """`DEMO_MODEL`, with `head_dim`'s heads when it is set."""
+        if self.config.head_dim is None:
+            return dict(DEMO_MODEL)
+        heads = self.config.hidden_size // self.config.head_dim
+        return dict(DEMO_MODEL, num_attention_heads=heads, num_key_value_heads=heads, head_dim=self.config.head_dim)
+
     def base_models(self):
         """The DisRM's base model, from random initialisation (the judge's comes from the trained DisRM)."""
         from trl_longrm.testing_utils import save_tiny_model
 
         size = dict(
-            DEMO_MODEL,
+            self.model_shape(),
             hidden_size=self.config.hidden_size,
             intermediate_size=2 * self.config.hidden_size,
             num_hidden_layers=self.config.num_hidden_layers,
@@ -359,7 +375,8 @@ class Demo:
             "train_overrides": self.config.train_overrides,
             "data": DEMO_DATA,
             "disrm_train_factor": DISRM_TRAIN_FACTOR,
-            "model": DEMO_MODEL,
+            # The default shape is written as before, so that demo folders made before `head_dim` existed still resume.
+            "model": self.model_shape(),
             "vocab_size": DEMO_VOCAB_SIZE,
             "recipes": recipes,
         }

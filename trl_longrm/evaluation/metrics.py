@@ -94,7 +94,8 @@ def compute_metrics(predictions: list[dict], tasks: list[str], protocol: str = "
     Records without a subtype or length (from a plain preference dataset) are left out of Same/Diff and of the
     length buckets only. Keys: `tasks` (PairWise accuracy per task), `same`, `diff`, `pairwise_avg`, `rank` /
     `rank_exact` (per BestOfN subtype 2/3/4), `rank_avg`, `rank_exact_avg`, `length` (PairWise accuracy per length
-    bucket), `average` (over all records), `auc`, `auc_source`, `auc_pairs`, `counts`, `unparseable`, `truncated`.
+    bucket), `average` (over all records), `auc`, `auc_source`, `auc_pairs`, `counts`, `unparseable`, `truncated`,
+    `bounded_verdict_probs`.
 
     With `protocol="default"` a group without records is None and a record scores `score_ranking`. With
     `protocol="longrm"` the numbers are those of LongRM's evaluator: a record scores `score_ranking_longrm` (partial
@@ -168,6 +169,9 @@ def compute_metrics(predictions: list[dict], tasks: list[str], protocol: str = "
         "BestOfN": sum(1 for p, _, _ in bestofn if not p.get("predicted_ranks")),
     }
     results["truncated"] = sum(1 for p in predictions if p.get("truncated"))
+    # Verdict probabilities that are upper bounds, not exact (a server that reports only its top-k log-probabilities
+    # left a verdict token out: `GenerativeJudge._verdict_probs`); 0 with transformers, vLLM and vLLM's server.
+    results["bounded_verdict_probs"] = sum(p.get("bounded_verdict_probs", 0) for p in predictions)
     return results
 
 

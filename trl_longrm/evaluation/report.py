@@ -76,6 +76,11 @@ def markdown_table(results: dict) -> str:
         f"- Unparseable verdicts (counted wrong): {results['unparseable']['total']} "
         f"({results['unparseable']['PairWise']} PairWise, {results['unparseable']['BestOfN']} BestOfN)",
         f"- Inputs cut to head + tail (over max_length): {results['truncated']}",
+        *(
+            [f"- Verdict probabilities bounded (the server reported only its top-k tokens): {bounded}"]
+            if (bounded := results.get("bounded_verdict_probs"))
+            else []
+        ),
         "",
     ]
     return "\n".join(lines)

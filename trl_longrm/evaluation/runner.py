@@ -6,7 +6,6 @@ import json
 import logging
 import os
 from collections.abc import Sequence
-from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -177,6 +176,8 @@ def make_prediction(
         "match_ratio": ratio,
         "correct": exact,
         "truncated": output.truncated,
+        # Only where some were bounds (a top-k-only server), so that other predictions read as before.
+        **({"bounded_verdict_probs": output.bounded_verdict_probs} if output.bounded_verdict_probs else {}),
     }
 
 
@@ -196,8 +197,9 @@ def load_records(config: EvalConfig) -> list[BenchmarkRecord]:
     return records
 
 
-def _run_identity(config: EvalConfig, model_type: str) -> dict:
-    """Settings that change predictions: a resumed run must share them with the run that wrote the file."""
+def _run_identity(config: EvalConfig, model_type: str, engine: dict | None = None) -> dict:
+    """Settings that change predictions: a resumed run must share them with the run that wrote the file. `engine` is
+    `engine_identity`'s: what runs the model, for the vllm and openai backends (never the API key)."""
     return {
         "model_path": os.path.abspath(config.model_path),
         "model_type": model_type,
@@ -220,6 +222,9 @@ def _run_identity(config: EvalConfig, model_type: str) -> dict:
             if model_type == "GRM" and config.prompt_template
             else {}
         ),
+        # Absent for transformers, so that runs written before backends existed still resume; otherwise a run resumed
+        # on another engine (or vLLM version, or tensor-parallel size) would mix two engines' verdicts in one file.
+        **(engine or {}),
     }
 
 
@@ -294,6 +299,121 @@ def load_user_judge(model_path: str, **kwargs) -> Judge:
         raise model_error(model_path, error) from None
 
 
+def _user_import_vllm():
+    """vLLM, or the user's mistake of `--backend vllm` where it is not installed."""
+    from trl_longrm.serving.vllm_engine import _import_vllm
+
+    try:
+        return _import_vllm()
+    except ImportError as error:
+        raise RunConfigError(str(error)) from None
+
+
+def _openai_engine(config: EvalConfig, tokenizer=None):
+    """The OpenAI-compatible server's engine of `config` (a `/classify` scorer for a DisRM); asks the server which
+    models it serves, so a server that is down or does not serve `served_model` is an `EngineError` here."""
+    from trl_longrm.serving.openai_engine import OpenAIGenerator, OpenAIScorer
+
+    settings = {"max_concurrency": 8, "timeout": 600.0, "max_retries": 3}
+    given = {"max_concurrency": config.max_concurrency, "timeout": config.request_timeout,
+             "max_retries": config.max_retries}  # fmt: skip
+    settings.update({key: value for key, value in given.items() if value is not None})
+    if config.is_disrm:
+        return OpenAIScorer(config.base_url, config.served_model, api_key=config.api_key, **settings)
+    return OpenAIGenerator(config.base_url, config.served_model, api_key=config.api_key, tokenizer=tokenizer, **settings)
+
+
+def engine_identity(config: EvalConfig, engine=None) -> dict:
+    """What of the engine decides the predictions, for `_run_identity`: nothing for transformers (its settings are
+    already there); vLLM's version and tensor-parallel size (the sharding changes the sums' order); a server's served
+    model, the checkpoint it loaded and its version. Not the server's address: the same server restarted on another
+    port resumes the run. Never the API key."""
+    if config.backend == "transformers":
+        return {}
+    if config.backend == "vllm":
+        from trl_longrm.serving.vllm_engine import checked_architecture
+
+        # The checkpoint's head first: a mistake the user can fix whether or not vLLM is installed.
+        try:
+            checked_architecture(config.model_path, "seq-cls" if config.is_disrm else "causal-lm")
+        except (OSError, ValueError) as error:
+            raise model_error(config.model_path, error) from None
+        version = _user_import_vllm().__version__
+        return {"backend": "vllm", "vllm": version, "tensor_parallel_size": config.tensor_parallel_size or 1}
+    engine = engine or _openai_engine(config)
+    server = engine.server
+    models = server.request(f"{server.base_url}/models")["data"]
+    root = next((model.get("root") for model in models if model["id"] == engine.model), None)
+    try:
+        version = server.request(f"{server.root}/version").get("version")
+    except Exception:  # not every OpenAI-compatible server has vLLM's `/version`
+        version = None
+    return {"backend": "openai", "served_model": engine.model, "served_checkpoint": root, "server_version": version}
+
+
+def build_judge(config: EvalConfig, template: PromptTemplate, device: str | None, engine=None) -> Judge:
+    """The judge of `config` on its backend: `load_user_judge` for transformers; else the checkpoint's tokenizer (the
+    judge renders, cuts and reads everything with it) and a `VLLMGenerator` / `VLLMScorer` built from `model_path`, or
+    an `OpenAIGenerator` / `OpenAIScorer` on `base_url` (`engine`, if already made)."""
+    from trl_longrm.evaluation.judges import DiscriminativeJudge, GenerativeJudge, load_tokenizer
+
+    if config.backend == "transformers":
+        return load_user_judge(
+            config.model_path,
+            is_disrm=config.is_disrm,
+            max_length=config.max_length,
+            max_new_tokens=config.max_new_tokens,
+            batch_size=config.batch_size,
+            device=device,
+            dtype=config.dtype,
+            verdict_probs=config.verdict_probs,
+            judge_protocol=config.judge_protocol,
+            protocol=config.protocol,
+            template=template,
+            shared_prefix=config.shared_prefix,
+        )
+    try:
+        tokenizer = load_tokenizer(config.model_path)
+        if config.backend == "vllm":
+            _user_import_vllm()
+            from trl_longrm.serving.vllm_engine import VLLMGenerator, VLLMScorer
+
+            # vLLM's context is the evaluation's `max_length`: the judge cuts every input to fit it. LongRM's cut keeps
+            # up to max_length - 5 prompt tokens, so there the judgment's tokens come on top (as with transformers,
+            # which does not stop a judgment at max_length).
+            longrm_judgment = config.max_new_tokens if config.protocol == "longrm" and not config.is_disrm else 0
+            engine = (VLLMScorer if config.is_disrm else VLLMGenerator)(
+                config.model_path,
+                tensor_parallel_size=config.tensor_parallel_size or 1,
+                gpu_memory_utilization=config.gpu_memory_utilization,
+                max_model_len=config.max_length + longrm_judgment,
+                dtype=config.dtype,
+                enable_prefix_caching=config.enable_prefix_caching is not False,
+                seed=config.seed,
+            )
+        else:
+            engine = engine or _openai_engine(config, tokenizer)
+            if not config.is_disrm:
+                engine.tokenizer = tokenizer  # to read a non-vLLM server's text and top-k token strings
+    except (OSError, ValueError) as error:  # a missing checkpoint, the other head than --is-disrm says
+        raise model_error(config.model_path, error) from None
+    if config.is_disrm:
+        return DiscriminativeJudge(
+            engine, tokenizer, max_length=config.max_length, batch_size=config.batch_size,
+            evaluation_protocol=config.protocol,
+        )  # fmt: skip
+    return GenerativeJudge(
+        engine,
+        tokenizer,
+        max_length=config.max_length,
+        max_new_tokens=config.max_new_tokens,
+        verdict_probs=config.verdict_probs,
+        protocol=config.judge_protocol,
+        template=template,
+        evaluation_protocol=config.protocol,
+    )
+
+
 def evaluate_reward_model(config: EvalConfig, judge: Judge | None = None) -> dict:
     """Judge every selected record not yet in `predictions.jsonl`, then compute and write the results.
 
@@ -324,11 +444,15 @@ def evaluate_reward_model(config: EvalConfig, judge: Judge | None = None) -> dic
     save_path = Path(config.save_path)
     store = PredictionStore(save_path / PREDICTIONS_FILE)
     model_type = judge.model_type if judge is not None else ("DisRM" if config.is_disrm else "GRM")
+    # Before any engine starts: a server that is down or does not serve the model, or vLLM missing, fails here. The
+    # server's engine is kept for the judge (it already asked the server for its models).
+    server_engine = _openai_engine(config) if judge is None and config.backend == "openai" else None
+    identity = _run_identity(config, model_type, engine_identity(config, server_engine) if judge is None else None)
     # Every process checks (all raise alike, none waits for the others in vain); the main one records and repairs.
-    _check_run_identity(save_path, _run_identity(config, model_type), write=False)
+    _check_run_identity(save_path, identity, write=False)
     if state.is_main_process:
         save_path.mkdir(parents=True, exist_ok=True)
-        _check_run_identity(save_path, _run_identity(config, model_type))
+        _check_run_identity(save_path, identity)
         _merge_shards(save_path, store)
     state.wait_for_everyone()
 
@@ -344,20 +468,8 @@ def evaluate_reward_model(config: EvalConfig, judge: Judge | None = None) -> dic
     own_store = store if state.num_processes == 1 else PredictionStore(save_path / SHARD_NAME.format(state.process_index))
     if judge is None and mine:
         device = config.device if config.device is not None or state.num_processes == 1 else str(state.device)
-        judge = load_user_judge(
-            config.model_path,
-            is_disrm=config.is_disrm,
-            max_length=config.max_length,
-            max_new_tokens=config.max_new_tokens,
-            batch_size=config.batch_size,
-            device=device,
-            dtype=config.dtype,
-            verdict_probs=config.verdict_probs,
-            judge_protocol=config.judge_protocol,
-            protocol=config.protocol,
-            template=template,
-            shared_prefix=config.shared_prefix,
-        )
+        # Under several processes each builds its own engine (its own vLLM engine, or its own requests to the server).
+        judge = build_judge(config, template, device, server_engine)
 
     # With several processes, the main process's bar shows its own share of the records.
     with tqdm(total=len(mine), desc="Long-RewardBench", unit="record", disable=not state.is_main_process) as bar:
@@ -387,7 +499,8 @@ def evaluate_reward_model(config: EvalConfig, judge: Judge | None = None) -> dic
     else:
         tasks = list(dict.fromkeys(record.task for record in records))
     results = compute_metrics(predictions, tasks, protocol=config.protocol)
-    results = {"model": config.model_path, "model_type": model_type, **results, "config": asdict(config)}
+    # The API key is redacted: results files are shared.
+    results = {"model": config.model_path, "model_type": model_type, **results, "config": config.redacted()}
     if state.is_main_process:
         if results["unparseable"]["total"]:
             logger.warning(
@@ -400,6 +513,12 @@ def evaluate_reward_model(config: EvalConfig, judge: Judge | None = None) -> dic
                 "%d records had inputs cut to head + tail (over the %d-token limit).",
                 results["truncated"],
                 config.max_length,
+            )
+        if results["bounded_verdict_probs"]:
+            logger.warning(
+                "%d verdict probabilities are upper bounds: the server reported only its top-k tokens, without every "
+                "verdict token (vLLM's server reports them all); the AUC is read from them.",
+                results["bounded_verdict_probs"],
             )
         write_reports(results, save_path, stem=_results_stem(config))
     state.wait_for_everyone()
