@@ -683,6 +683,12 @@ def _trace_step(stage: str, training_args, model_config, shape: GroupShape, *, p
     from trl_longrm.stages import stage_classes
     from trl_longrm.testing_utils import build_chat_tokenizer
 
+    # PEFT rewrites the config it is given: `target_modules="all-linear"` becomes the full names of the first model's
+    # linear layers (and SEQ_CLS appends its head to `modules_to_save`). Each trace takes its own copy: the second
+    # trace of the per-layer extrapolation, a model one layer deeper, got no adapters on its extra layer from a shared
+    # one, and every LoRA layer past the first traced ones was planned without its recomputation (the 8B LoRA runs
+    # on an H200 at twice their plan), and the caller's config is left as it was.
+    peft_config = copy.deepcopy(peft_config)
     trainer_cls, _, _ = stage_classes(stage)
     tokenizer = build_chat_tokenizer()
     sp = getattr(training_args, "sequence_parallel_size", 1) or 1
