@@ -529,18 +529,27 @@ def test_the_trace_frees_each_micro_batchs_input_embeddings(monkeypatch):
     assert args.gradient_accumulation_steps == 2 and alive_at_next == [0, 0]
 
 
-def test_per_layer_extrapolation_matches_a_full_trace():
+@pytest.mark.parametrize("case", ["grm_shared_k4_checkpointing_fp32", "grm_lora_accumulation_bf16"])
+def test_per_layer_extrapolation_matches_a_full_trace(case):
     """A deep model is traced with 2 and 3 layers and extended per layer (what makes an 8B plan take seconds): for a
-    6-layer model the extrapolated parts and peak equal those of tracing all 6 layers, on a ring rank too."""
+    6-layer model the extrapolated parts and peak equal those of tracing all 6 layers, on a ring rank too. With LoRA
+    too: PEFT rewrites the config it is given ('all-linear' into the first model's layer names), and the 3-layer trace
+    once reused the 2-layer trace's names, leaving its top layer without adapters: every layer past the traced ones was
+    planned without its recomputation (the 8B LoRA runs on an H200 peaked at twice their plan). The caller's config
+    is left as it was."""
     from trl_longrm.memory_plan.trace import trace_step
 
-    stage, args, _, shape, _, dtype, _ = build_case("grm_shared_k4_checkpointing_fp32")
+    stage, args, _, shape, peft_config, dtype, _ = build_case(case)
     config = model_config(layers=6)
     for world_size, rank in ((1, 0), (2, 1)):
         args.sequence_parallel_size = world_size
-        full = trace_step(stage, args, config, shape, dtype=dtype, world_size=world_size, rank=rank)
+        full = trace_step(stage, args, config, shape, dtype=dtype, world_size=world_size, rank=rank,
+                          peft_config=peft_config)  # fmt: skip
         extended = trace_step(stage, args, config, shape, dtype=dtype, world_size=world_size, rank=rank,
-                              max_traced_layers=3)  # fmt: skip
+                              max_traced_layers=3, peft_config=peft_config)  # fmt: skip
+        if peft_config is not None:
+            assert peft_config.target_modules == "all-linear" and not peft_config.modules_to_save
+            assert extended.trainable_parameters == full.trainable_parameters
         assert extended.notes and not full.notes
         assert extended.total_parameters == full.total_parameters
         for phase in ("forward_backward_peak", "optimizer_peak"):
