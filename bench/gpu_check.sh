@@ -188,10 +188,10 @@ else
         --timeout 150; \
         $R8 --model llama-3.1-8b --lora-r 8 --trainers disrm --throughput-prompt-lengths 131072 --long-rows --steps 2 \
         --timeout 240"
-    # (Issue 55) The 8B LoRA runs above peaked at twice their plan at 32K (16.7 GiB measured, 8.7 planned on 160a8e5;
-    # the 131K run, its layer inputs offloaded, 8% above): which tensors they keep. Llama-3.1-8B's width with 4 layers
-    # at a 32K prompt, through LoRA and with full parameters, and Qwen3-0.6B through LoRA, each recording the CUDA
-    # allocator's history: the tensors live at the peak by the code that allocated them (`cuda_memory_sites.py`).
+    # (Issue 55) Which code allocated the tensors live at a run's peak (`cuda_memory_sites.py`, from the CUDA
+    # allocator's history): Llama-3.1-8B's width with 4 layers at a 32K prompt, through LoRA and with full parameters,
+    # and Qwen3-0.6B through LoRA. Prepared to find the 8B LoRA plan gap, since found on CPU (docs/gpu.md: a PEFT config
+    # shared by two traces, cuDNN's backward workspace); kept for the next gap.
     M8="$PY bench/gpu_longest_row.py --resume --out $OUT/gpu_8b_memory.json --trainers disrm --impls ours \
         --shared-k 1 --skip-longest --throughput-prompt-lengths 32768 --steps 2 --memory-sites --timeout 120"
     stage eight_b_memory 300 bash -c "$M8 --model llama-3.1-8b --num-hidden-layers 4 --lora-r 8; \
