@@ -34,7 +34,7 @@ def test_rehearsal_of_the_capped_long_rows_stage(tmp_path):
     recorded, not applied)."""
     env = {**os.environ, "PY_REHEARSE": sys.executable, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
     subprocess.run(["bash", str(SCRIPT), "--rehearse", "--out", str(tmp_path), "--stages", "long_rows_capped"],
-                   check=True, cwd=ROOT, env=env, capture_output=True, timeout=300)  # fmt: skip
+                   check=True, cwd=ROOT, env=env, capture_output=True, timeout=960)  # fmt: skip
     (stage,) = [json.loads(line) for line in (tmp_path / "stages.jsonl").read_text().splitlines()
                 if json.loads(line)["stage"] == "long_rows_capped"]  # fmt: skip
     assert stage["rc"] == 0, (tmp_path / "long_rows_capped.log").read_text()[-2000:]
