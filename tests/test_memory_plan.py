@@ -85,6 +85,10 @@ CASES = {
                                                                                               "offload": True}},
                                             (2048, 256, 4), True, True, 1),
     "grm_6_layers_extrapolated_fp32": ("simpo_grm", {"gradient_checkpointing": True}, (2048, 256, 4), False, False, 1),
+    # LoRA through the per-layer extrapolation, against a measured peak (at this width the shared-PEFT-config bug of the
+    # extrapolation stayed inside 2%: `test_per_layer_extrapolation_matches_a_full_trace` is what catches it).
+    "grm_lora_6_layers_extrapolated_bf16": ("simpo_grm", {"gradient_checkpointing": True}, (1024, 128, 4), True, True,
+                                            1),
     "sft_ring2_packed_lora_fp32": ("sft", {"packing": True, "max_tokens_per_row": 4096, "gradient_checkpointing": True,
                                            "sequence_parallel_size": 2}, (1536, 512, 0), True, False, 2),
 }  # fmt: skip
@@ -140,7 +144,8 @@ def llama_config(layers: int = 2) -> LlamaConfig:
 
 
 # The cases whose model is not `model_config()`.
-CASE_MODELS = {"disrm_llama_lora_offload_tiled_bf16": llama_config, "grm_6_layers_extrapolated_fp32":
+CASE_MODELS = {"disrm_llama_lora_offload_tiled_bf16": llama_config,
+               "grm_lora_6_layers_extrapolated_bf16": lambda: model_config(layers=6), "grm_6_layers_extrapolated_fp32":
                lambda: model_config(layers=6)}  # fmt: skip
 
 
