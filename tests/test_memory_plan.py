@@ -308,17 +308,20 @@ def test_cuda_plans_trace_flash_attn_allocations(monkeypatch):
 
 
 def test_cuda_plans_trace_cudnn_where_the_run_takes_it(monkeypatch):
-    """Without flash-attn a CUDA run's 'auto' takes cuDNN's fused attention (`TorchCudnnOps`), which repeats grouped
-    key/value heads per call: a plan of such a run (`ring_attn_backend='cudnn'`, or 'auto' resolved on a CUDA machine
-    without flash-attn) traces those ops, torch's cuDNN attention ops running their meta kernels on the fake tensors,
+    """From Hopper on (and without flash-attn before it) a CUDA run's 'auto' takes cuDNN's fused attention
+    (`TorchCudnnOps`), which repeats grouped key/value heads per call: a plan of such a run (`ring_attn_backend='cudnn'`,
+    or 'auto' planned for the cards the plan knows) traces those ops, torch's cuDNN attention ops running their meta kernels on the fake tensors,
     and so plans more than with flash-attn's kernels, which take grouped heads as they are."""
     from trl_longrm.memory_plan import planned_kernels as planned_module
     from trl_longrm.sequence_parallel import kernels
 
     assert [planned_module.planned_cuda_attention(b) for b in ("cudnn", "flash_attn", "torch")] == ["cudnn", "flash_attn",
                                                                                                "flash_attn"]
-    if not torch.cuda.is_available():  # planned away from the GPUs: as with flash-attn installed
-        assert planned_module.planned_cuda_attention("auto") == "flash_attn"
+    if not torch.cuda.is_available():  # planned away from the GPUs: for the cards the plan knows (Hopper)
+        assert planned_module.planned_cuda_attention("auto") == "cudnn"
+    assert planned_module.planned_cuda_attention("auto", (8, 0)) == (
+        "flash_attn" if kernels.is_flash_attn_available() else "cudnn"
+    )
     with planned_module.planned_kernels("cuda", "cudnn"):
         ops = kernels.resolve_kernel("auto", torch.device("cpu"), torch.bfloat16).ops
         assert isinstance(ops, kernels.TorchCudnnOps) and isinstance(ops.fallback, planned_module.PlannedFlashAttnOps)

@@ -561,7 +561,8 @@ def test_cudnn_backend_resolution():
     assert resolve_kernel("cudnn", cuda, torch.bfloat16).name == "torch_cudnn"
     with pytest.raises(ValueError, match="cudnn"):
         resolve_kernel("cudnn", torch.device("cpu"), torch.bfloat16)
-    with mock.patch.object(kernels, "is_flash_attn_available", lambda: False):
+    with mock.patch.object(kernels, "is_flash_attn_available", lambda: False), \
+            mock.patch.object(torch.cuda, "get_device_capability", lambda device=None: (8, 0)):
         assert resolve_kernel("auto", cuda, torch.bfloat16).name == "torch_cudnn"
         assert resolve_kernel("auto", cuda, torch.float32).name == "torch"
     assert SequenceParallelConfig(ring_attn_backend="cudnn").ring_attn_backend == "cudnn"

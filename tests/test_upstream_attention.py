@@ -77,6 +77,35 @@ def test_flash_attn_backward_is_found_through_its_custom_op(flash_attn):
     assert {"window_size_left", "window_size_right", "deterministic", "softcap"} <= ops._backward_parameters
 
 
+def test_auto_prefers_cudnn_over_flash_attn_2_from_hopper_on(flash_attn, monkeypatch, caplog):
+    """With flash-attn 2 installed (its real interface, emulated extension), 'auto' on CUDA half-precision tensors
+    takes cuDNN's fused attention on Hopper and newer (1.8x flash-attn 2's rate on an H200) and flash-attn 2 on older
+    cards; the choice and its reason are logged once; a plan made for such a card traces the same kernels. Resolution
+    only: nothing runs on CUDA."""
+    import logging
+
+    from trl_longrm.memory_plan.planned_kernels import planned_cuda_attention
+    from trl_longrm.sequence_parallel import kernels
+
+    assert is_flash_attn_available()
+    cuda = torch.device("cuda")
+    for capability, expected, planned in (((9, 0), "torch_cudnn", "cudnn"), ((10, 0), "torch_cudnn", "cudnn"),
+                                          ((8, 0), "flash_attn", "flash_attn"), ((8, 9), "flash_attn", "flash_attn")):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, _c=capability: _c)
+        kernels._log_auto_choice.cache_clear()
+        with caplog.at_level(logging.INFO, logger=kernels.__name__):
+            caplog.clear()
+            assert kernels.resolve_kernel("auto", cuda, torch.bfloat16).name == expected
+            kernels.resolve_kernel("auto", cuda, torch.bfloat16)  # logged once, not per attention call
+        said = [r.getMessage() for r in caplog.records if "resolved to" in r.getMessage()]
+        assert len(said) == 1 and f"compute capability {capability[0]}.{capability[1]}" in said[0], said
+        assert planned_cuda_attention("auto", capability) == planned
+    # Where torch lacks cuDNN's ops, Hopper takes flash-attn 2.
+    monkeypatch.setattr(kernels.TorchCudnnOps, "load", classmethod(lambda cls, min_tokens=2048: None))
+    assert kernels.auto_backend(cuda, torch.float16, (9, 0))[0] == "flash_attn"
+    assert kernels.auto_backend(cuda, torch.float32, (9, 0))[0] == "torch"
+
+
 @pytest.mark.parametrize("head_dim", [8, 12], ids=["head_dim_8", "head_dim_12"])
 @pytest.mark.parametrize("group_size", [1, 2, 4])
 @pytest.mark.parametrize("num_heads,num_kv_heads,doc_lengths", CASES)

@@ -296,10 +296,10 @@ def _kernel_notes(device: str, attention: str) -> list[str]:
     # The trace runs on CPU fake tensors; `planned_kernels("cuda", attention)` gives our attention the kernels as
     # their allocations. Stock trainers' attention is the model's own (SDPA), traced as on CPU.
     if attention == "cudnn":
-        return ["our attention traced with cuDNN's fused attention (what 'auto' takes without flash-attn; torch's "
-                "varlen kernels for short sequences); half precision only"]
-    return ["our attention traced with flash-attn's varlen kernels (their allocations; 'auto' takes them with "
-            "flash-attn installed, cuDNN's without: `ring_attn_backend: cudnn` plans those); half precision only"]
+        return ["our attention traced with cuDNN's fused attention (what 'auto' takes from Hopper on, and before it "
+                "without flash-attn; torch's varlen kernels for short sequences); half precision only"]
+    return ["our attention traced with flash-attn's varlen kernels (their allocations; what 'auto' takes before "
+            "Hopper with flash-attn installed, and `ring_attn_backend: flash_attn` or `torch`); half precision only"]
 
 
 def load_model_config(path):

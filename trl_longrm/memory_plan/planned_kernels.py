@@ -16,7 +16,7 @@ from trl_longrm.sequence_parallel.kernels import (
     TorchCudnnOps,
     VarlenKernel,
     VarlenOps,
-    is_flash_attn_available,
+    auto_backend,
     kernels_resolved_by,
     varlen_function_of,
 )
@@ -116,21 +116,28 @@ def _planned_flash_attn_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale):
 # What selective checkpointing keeps: flash-attn's forward outputs, which this op stands for.
 register_attention_forward_op(planned_flash_attn_forward._opoverload)
 
-# The CUDA attention kernels a plan can trace: what `resolve_kernel('auto', cuda)` picks with flash-attn installed,
-# and without it.
+# The CUDA attention kernels a plan can trace: flash-attn 2's (what 'auto' takes before Hopper with it installed, and
+# what 'flash_attn' and 'torch' allocate) and cuDNN's (what 'auto' takes from Hopper on).
 PLANNED_CUDA_ATTENTION = ("flash_attn", "cudnn")
 
+# The compute capability a plan made away from the GPUs plans 'auto' for: that of the cards the plan knows
+# (`devices.DEVICE_MEMORY_BYTES`: H100, H200).
+PLANNED_CAPABILITY = (9, 0)
 
-def planned_cuda_attention(backend: str) -> str:
+
+def planned_cuda_attention(backend: str, capability: tuple[int, int] | None = None) -> str:
     """The attention kernels (`PLANNED_CUDA_ATTENTION`) a CUDA run with `ring_attn_backend=backend` takes, as
     `resolve_kernel` resolves it on half-precision CUDA tensors: 'cudnn' for 'cudnn'; flash-attn's allocations for
-    'flash_attn' and 'torch' (torch's `varlen_attn` allocates as flash-attn's); for 'auto', flash-attn where it is
-    importable, else cuDNN where this machine has CUDA and torch's cuDNN ops. On a machine without CUDA (a plan made
-    away from the GPUs) 'auto' is planned as with flash-attn installed; `ring_attn_backend='cudnn'` plans the other."""
+    'flash_attn' and 'torch' (torch's `varlen_attn` allocates as flash-attn's); for 'auto', what
+    `kernels.auto_backend` picks on a card of compute capability `capability` (default: this machine's GPU, else
+    `PLANNED_CAPABILITY`): cuDNN's from Hopper on, flash-attn 2's before it where installed."""
     if backend == "cudnn":
         return "cudnn"
-    if backend == "auto" and not is_flash_attn_available() and torch.cuda.is_available() and TorchCudnnOps.load():
-        return "cudnn"
+    if backend == "auto":
+        if capability is None and not torch.cuda.is_available():
+            capability = PLANNED_CAPABILITY
+        choice, _ = auto_backend(torch.device("cuda"), torch.bfloat16, capability)
+        return "cudnn" if choice == "cudnn" else "flash_attn"
     return "flash_attn"
 
 

@@ -650,7 +650,8 @@ def trace_step(stage: str, training_args, model_config, shape: GroupShape, *, pe
     trainer of the stage instead, on the same model, group and training arguments (`trl_longrm.memory_plan.stock`).
     `kernels`: the device whose attention kernels are traced ('cuda': flash-attn's allocations,
     `trl_longrm.memory_plan.planned_kernels`; 'cpu': the CPU kernels a CPU run uses). `attention`: on
-    'cuda', whose attention kernels: 'flash_attn' (what 'auto' takes with flash-attn installed) or 'cudnn' (without).
+    'cuda', whose attention kernels: 'flash_attn' (what 'auto' takes before Hopper with flash-attn installed) or 'cudnn'
+    (from Hopper on, and without flash-attn).
     `load_in_4bit`: the model goes through the trainer as a bitsandbytes 4-bit load does, its quantized layers in
     `dtype` (`quantized.loaded_in_4bit`, `as_4bit_layers`; `quantized.quantize_plan` then puts their weights in 4
     bits)."""

@@ -70,8 +70,9 @@ class SequenceParallelConfig:
             "help": "Attention kernel: 'torch' (pure PyTorch, any device; varlen flash kernels of torch on CUDA when "
             "available), 'cudnn' (CUDA: cuDNN's fused attention through torch for sequences of 2048+ queries, torch's "
             "varlen kernels for the rest), 'flash_attn' (flash-attn varlen kernels, CUDA, needs the flash-attn "
-            "package) or 'auto' (on CUDA half-precision tensors flash_attn when importable, else cudnn, else torch; "
-            "torch elsewhere). Default: 'auto'."
+            "package) or 'auto' (on CUDA half-precision tensors: cudnn on Hopper and newer GPUs, where it is the fastest; "
+            "before Hopper flash_attn when importable, else cudnn; torch elsewhere; the choice is logged). Default: "
+            "'auto'."
         },
     )
     ring_query_chunk_size: int = field(

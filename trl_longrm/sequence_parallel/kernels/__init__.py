@@ -21,12 +21,14 @@ The kernels live by library, one module each; this package re-exports them and r
 - `cudnn`: cuDNN's fused attention (`TorchCudnnOps`);
 - `cpu_flash`: PyTorch's fused CPU attention (`TorchCpuFlashOps`);
 - `shared_prefix`: shared-prefix rows on a varlen library's entry points (`SharedPrefixVarlenKernel`);
-- here: the resolution (`resolve_kernel`) and its overrides (`kernels_resolved_by`, `kernels_overridden`).
+- here: the resolution (`resolve_kernel`, `auto_backend`: which kernel 'auto' takes on which card) and its overrides (`kernels_resolved_by`, `kernels_overridden`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import logging
 
 import torch
 import torch.nn.functional as F  # noqa: F401  (`kernels.F`: tests patch SDPA through it)
@@ -52,6 +54,8 @@ from .torch_block import TorchBlockKernel
 from .torch_varlen import TorchVarlenOps, _torch_varlen_function, _torch_varlen_gqa_kwargs
 
 
+logger = logging.getLogger(__name__)
+
 # Resolvers that take the place of the device's own kernels, innermost last: a memory plan of a CUDA run, traced on CPU
 # fake tensors, gives our attention the CUDA kernels as allocations (`trl_longrm.memory_plan.planned_kernels`). A
 # resolver returns a kernel, or None where the device's own applies.
@@ -74,11 +78,58 @@ def kernels_overridden() -> bool:
     return bool(_kernel_overrides)
 
 
+# From Hopper (compute capability 9.0) on, cuDNN's fused attention runs a long causal sequence at ~1.8x flash-attn 2's
+# rate (H200, Llama-3.1-8B's heads at 32K: 577 against 320 TFLOP/s forward+backward, bench/results/gpu/h200/eight_b.log;
+# H100, Qwen3-0.6B's: 570 against 323); flash-attn 2 has no Hopper kernels of its own. Before it (Ampere, Ada)
+# flash-attn 2 is the fastest where installed.
+CUDNN_PREFERRED_FROM = (9, 0)
+
+
+def auto_backend(device: torch.device, dtype: torch.dtype, capability: tuple[int, int] | None = None) -> tuple[str, str]:
+    """`(backend, reason)`: the kernel 'auto' resolves to on tensors of this device and dtype, and why.
+
+    On CUDA half-precision tensors: cuDNN's fused attention on compute capability 9.0 and newer (Hopper, Blackwell),
+    flash-attn 2 where it is importable on older cards, else cuDNN, else torch's kernels; torch's kernels elsewhere.
+    `capability`: the card's compute capability (default: `torch.cuda.get_device_capability(device)`), given when
+    planning for a card this machine does not have.
+
+    Example:
+    ```python
+    >>> auto_backend(torch.device("cuda"), torch.bfloat16, capability=(9, 0))
+    ('cudnn', "compute capability 9.0: cuDNN's fused attention is the fastest from Hopper on")
+    ```
+    """
+    if device.type != "cuda" or dtype not in _HALF_DTYPES:
+        return "torch", f"{dtype} on {device.type}: the fused CUDA kernels take CUDA half-precision tensors only"
+    if capability is None:
+        capability = tuple(torch.cuda.get_device_capability(device))
+    cudnn = TorchCudnnOps.load() is not None
+    flash = is_flash_attn_available()
+    where = f"compute capability {capability[0]}.{capability[1]}"
+    if cudnn and tuple(capability) >= CUDNN_PREFERRED_FROM:
+        return "cudnn", f"{where}: cuDNN's fused attention is the fastest from Hopper on" + (
+            " (flash-attn 2 is installed but slower here)" if flash else ""
+        )
+    if flash:
+        return "flash_attn", f"{where}: flash-attn 2 is the fastest before Hopper"
+    if cudnn:
+        return "cudnn", f"{where}: flash-attn 2 is not installed; cuDNN's fused attention"
+    return "torch", f"{where}: neither flash-attn 2 nor torch's cuDNN attention ops (torch >= 2.10) are available"
+
+
+@functools.cache
+def _log_auto_choice(backend: str, reason: str) -> None:
+    """Say once per process which kernel 'auto' took and why (the resolution runs for every attention call)."""
+    logger.info("ring_attn_backend='auto' resolved to '%s': %s.", backend, reason)
+
+
 def resolve_kernel(backend: str, device: torch.device, dtype: torch.dtype):
     """The kernel for `backend` ('auto', 'torch', 'cudnn', 'flash_attn') on tensors of this device and dtype.
 
-    'auto' on CUDA half-precision tensors: flash-attn where importable, else cuDNN's fused attention for long
-    sequences with torch's `varlen_attn` for the rest (`TorchCudnnOps`), else torch's `varlen_attn` alone.
+    'auto' takes the backend `auto_backend` names (cuDNN on Hopper and newer, flash-attn 2 before where installed,
+    torch's kernels off CUDA), and logs it once. 'cudnn' is cuDNN's fused attention for long sequences with torch's
+    `varlen_attn` for the rest (`TorchCudnnOps`); 'torch' torch's `varlen_attn` on CUDA, the pure PyTorch kernel
+    elsewhere.
 
     Example:
     ```python
@@ -114,13 +165,9 @@ def resolve_kernel(backend: str, device: torch.device, dtype: torch.dtype):
             )
         return VarlenKernel(ops.name, varlen_function_of(ops), ops)
     if backend == "auto":
-        if device.type == "cuda" and dtype in _HALF_DTYPES:
-            if is_flash_attn_available():
-                return VarlenKernel("flash_attn", _flash_attn_varlen, FlashAttnVarlenOps.load())
-            ops = TorchCudnnOps.load()
-            if ops is not None:
-                return VarlenKernel(ops.name, varlen_function_of(ops), ops)
-        return resolve_kernel("torch", device, dtype)
+        choice, reason = auto_backend(device, dtype)
+        _log_auto_choice(choice, reason)
+        return resolve_kernel(choice, device, dtype)
     if backend == "torch":
         if device.type == "cuda" and dtype in _HALF_DTYPES:
             fn = _torch_varlen_function()
@@ -131,6 +178,7 @@ def resolve_kernel(backend: str, device: torch.device, dtype: torch.dtype):
 
 
 __all__ = [
+    "CUDNN_PREFERRED_FROM",
     "FlashAttnVarlenOps",
     "SharedPrefixVarlenKernel",
     "TorchBlockKernel",
@@ -138,6 +186,7 @@ __all__ = [
     "TorchCudnnOps",
     "TorchVarlenOps",
     "VarlenFunction",
+    "auto_backend",
     "VarlenKernel",
     "VarlenOps",
     "is_flash_attn_available",
