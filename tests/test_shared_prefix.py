@@ -588,3 +588,50 @@ def test_varlen_kernels_take_shared_rows_through_the_merge(tmp_path, monkeypatch
         SimPOGRMConfig(**cpu_args(tmp_path, shared_prefix=True, ring_attn_backend="flash_attn"))
     monkeypatch.setattr(common.FlashAttnVarlenOps, "load", classmethod(lambda cls: ReferenceVarlenOps()))
     SimPOGRMConfig(**cpu_args(tmp_path, shared_prefix=True, ring_attn_backend="flash_attn"))
+
+
+class HostReads(torch.overrides.TorchFunctionMode):
+    """Counts the calls that read a tensor's values back to the host (`tolist`, `item`, a truth value, `int`, ...): on
+    a CUDA tensor each waits for every kernel queued before it."""
+
+    READS = {"tolist", "item", "__bool__", "__int__", "__float__", "__index__", "numpy", "cpu"}
+
+    def __init__(self):
+        super().__init__()
+        self.reads = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", None) in self.READS:
+            self.reads.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["shared_prefix_rows", "packed_rows"])
+def test_cudnn_attention_reads_nothing_back_from_the_device(shared):
+    """`TorchCudnnOps` plans its calls (one per long sequence, varlen runs for the rest) from the sequence boundaries;
+    read back from a GPU they cost a wait for the GPU three times a layer (at Qwen3-0.6B's size the device was busy
+    59% of a step). The boundaries carry their host values from where the layout is made (`boundary_tensors`): on a
+    ring's ranks (forward, and the backward that recomputes it) and under autograd on one process, with the cuDNN
+    stand-in (sequences of 3+ queries its own, the others on the fallback), no value is read back while attending."""
+    from cudnn_stand_in import stand_in_cudnn_ops
+    from test_sequence_parallel_attention import emulated_ring
+
+    from trl_longrm.sequence_parallel.kernels import SharedPrefixVarlenKernel, VarlenKernel, varlen_function_of
+
+    ops, cudnn = stand_in_cudnn_ops(min_tokens=3)
+    kernel = SharedPrefixVarlenKernel(ops) if shared else VarlenKernel(ops.name, varlen_function_of(ops), ops)
+    lengths, parents, _ = shared_layout(ROWS[0]) if shared else ([23, 3, 11, 40, 1], None, None)
+    q, k, v, grad_out = random_problem(6, 3, sum(lengths), seed=3)
+    counter = HostReads()
+    with counter:
+        if shared:
+            emulated_shared_ring(q, k, v, grad_out, lengths, parents, 2, 1024, 0.25, kernel)
+        else:
+            emulated_ring(kernel, q, k, v, grad_out, lengths, 2, 1024, 0.25)
+            meta = RingAttentionMetadata(cu_seqlens=tuple(itertools.accumulate([0, *lengths])),
+                                         total_length=sum(lengths), unpadded_length=sum(lengths), local_start=0,
+                                         local_length=sum(lengths), group_size=1, rank=0, query_chunk_size=1024)  # fmt: skip
+            leaves = [t.transpose(0, 1).clone().requires_grad_() for t in (q, k, v)]
+            kernel.forward(*leaves, meta, 0.25).backward(grad_out)
+    assert cudnn.calls["forward"] and cudnn.calls["backward"]
+    assert counter.reads == []

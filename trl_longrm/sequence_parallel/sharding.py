@@ -214,6 +214,30 @@ def balanced_chunks_per_rank(cu_seqlens, segment_parents, length: int, group_siz
     return best[1]
 
 
+def boundary_tensors(device, *boundaries) -> tuple[torch.Tensor, ...]:
+    """Sequence boundaries (lists) as the int32 tensors varlen kernels take, each carrying its values on the host
+    (`host_boundaries`). A kernel that plans its calls from the boundaries (`TorchCudnnOps`) reads them there: reading
+    a CUDA tensor back (`.tolist()`) waits for every kernel queued before it, three times a layer. The copy to a GPU
+    is issued from pinned memory without waiting for it either."""
+    tensors = []
+    for values in boundaries:
+        tensor = torch.tensor(values, dtype=torch.int32)
+        if torch.device(device).type == "cuda":
+            tensor = tensor.pin_memory().to(device, non_blocking=True)
+        else:
+            tensor = tensor.to(device)
+        tensor.host_values = tuple(values)
+        tensors.append(tensor)
+    return tuple(tensors)
+
+
+def host_boundaries(boundaries: torch.Tensor) -> list[int]:
+    """The values of a boundary tensor as a list: those it carries (`boundary_tensors`), else read from it (a tensor
+    made elsewhere, e.g. by a test)."""
+    values = getattr(boundaries, "host_values", None)
+    return list(values) if values is not None else boundaries.tolist()
+
+
 @dataclass(eq=False)
 class RingAttentionMetadata:
     """What the ring attention needs to know about the row a forward pass belongs to.
@@ -509,12 +533,7 @@ class RingAttentionMetadata:
                 cu_q.append(cu_q[-1] + q_hi - q_lo)
                 cu_k.append(cu_k[-1] + q_hi - doc_start)
                 max_q, max_k = max(max_q, q_hi - q_lo), max(max_k, q_hi - doc_start)
-            self._cache[key] = (
-                torch.tensor(cu_q, dtype=torch.int32, device=device),
-                torch.tensor(cu_k, dtype=torch.int32, device=device),
-                max_q,
-                max_k,
-            )
+            self._cache[key] = (*boundary_tensors(device, cu_q, cu_k), max_q, max_k)
         return self._cache[key]
 
 

@@ -41,9 +41,10 @@ from .base import (
     _deterministic,
     _fp32_zeros,
     _heads_first_lse,
-    _int32,
     _pad_head_dim,
     _VarlenOpsFunction,
+    boundary_tensors,
+    host_boundaries,
     varlen_function_of,
 )
 from .cpu_flash import TorchCpuFlashOps
@@ -187,6 +188,8 @@ __all__ = [
     "TorchVarlenOps",
     "VarlenFunction",
     "auto_backend",
+    "boundary_tensors",
+    "host_boundaries",
     "VarlenKernel",
     "VarlenOps",
     "is_flash_attn_available",
@@ -203,7 +206,6 @@ __all__ = [
     "_flash_attn_varlen",
     "_fp32_zeros",
     "_heads_first_lse",
-    "_int32",
     "_pad_head_dim",
     "_torch_varlen_function",
     "_torch_varlen_gqa_kwargs",

@@ -12,7 +12,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from ..sharding import RingAttentionMetadata
+from ..sharding import RingAttentionMetadata, boundary_tensors, host_boundaries  # noqa: F401  (re-exported)
 
 
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
@@ -33,11 +33,6 @@ def _pad_head_dim(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
 def _fp32_zeros(t: torch.Tensor) -> torch.Tensor:
     """A float32 accumulator for gradients of `t` (half-precision sums over blocks and ranks lose ~1e-2 relative)."""
     return torch.zeros(t.shape, dtype=torch.float32, device=t.device)
-
-
-def _int32(device, *boundaries):
-    """Sequence boundaries (lists) as the int32 tensors varlen kernels take."""
-    return tuple(torch.tensor(b, dtype=torch.int32, device=device) for b in boundaries)
 
 
 VarlenFunction = Callable[..., torch.Tensor]
@@ -143,14 +138,17 @@ class _VarlenOpsFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, cu_q, cu_k, max_q, max_k, scale, ops):
         out, lse = ops.forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, True)
-        ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
+        ctx.save_for_backward(q, k, v, out, lse)
+        # The boundaries are kept as they are, not as saved tensors: saved-tensor hooks (checkpoint offload) would
+        # copy them off the GPU and back, and they would lose the host values they carry (`boundary_tensors`).
+        ctx.boundaries = (cu_q, cu_k)
         ctx.max_q, ctx.max_k, ctx.scale, ctx.ops = max_q, max_k, scale, ops
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
-        grads = ctx.ops.backward(grad_out.contiguous(), q, k, v, out, lse, cu_q, cu_k, ctx.max_q, ctx.max_k,
+        q, k, v, out, lse = ctx.saved_tensors
+        grads = ctx.ops.backward(grad_out.contiguous(), q, k, v, out, lse, *ctx.boundaries, ctx.max_q, ctx.max_k,
                                  ctx.scale, True)  # fmt: skip
         return (*(g.to(t.dtype) for g, t in zip(grads, (q, k, v))), None, None, None, None, None, None)
 

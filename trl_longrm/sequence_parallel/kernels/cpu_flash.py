@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import VarlenOps, _fp32_zeros
+from .base import VarlenOps, _fp32_zeros, host_boundaries
 
 
 class TorchCpuFlashOps(VarlenOps):
@@ -35,7 +35,7 @@ class TorchCpuFlashOps(VarlenOps):
 
     def _blocks(self, cu_q, cu_k, causal):
         """`(qa, qb, ka, kb, mode)` per call, mode 'full', 'causal' (square) or 'bottom_right' (masked block)."""
-        cu_q, cu_k = cu_q.tolist(), cu_k.tolist()
+        cu_q, cu_k = host_boundaries(cu_q), host_boundaries(cu_k)
         for i in range(len(cu_q) - 1):
             qa, qb, ka, kb = cu_q[i], cu_q[i + 1], cu_k[i], cu_k[i + 1]
             nq, nk = qb - qa, kb - ka

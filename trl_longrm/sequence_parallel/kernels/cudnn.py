@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import VarlenOps, _deterministic, _int32
+from .base import VarlenOps, _deterministic, boundary_tensors, host_boundaries
 from .torch_varlen import TorchVarlenOps
 
 
@@ -49,8 +49,9 @@ class TorchCudnnOps(VarlenOps):
 
     def _runs(self, cu_q, cu_k, causal):
         """`(use_cudnn, qa, qb, ka, kb, cu_q, cu_k, max_q, max_k)` per call: one per sequence cuDNN serves, one varlen
-        call per run of consecutive sequences it leaves to the fallback (boundaries rebased to the run's start)."""
-        cu_q, cu_k = cu_q.tolist(), cu_k.tolist()
+        call per run of consecutive sequences it leaves to the fallback (boundaries rebased to the run's start). The
+        boundaries are read on the host (`host_boundaries`): no wait for the GPU."""
+        cu_q, cu_k = host_boundaries(cu_q), host_boundaries(cu_k)
         pending: list[int] = []
 
         def flush():
@@ -116,7 +117,7 @@ class TorchCudnnOps(VarlenOps):
         for cudnn, qa, qb, ka, kb, run_q, run_k, mq, mk in self._runs(cu_q, cu_k, causal):
             if not cudnn:
                 out[qa:qb], lse[:, qa:qb] = self.fallback.forward(
-                    q[qa:qb], k[ka:kb], v[ka:kb], *_int32(q.device, run_q, run_k), mq, mk, scale, causal
+                    q[qa:qb], k[ka:kb], v[ka:kb], *boundary_tensors(q.device, run_q, run_k), mq, mk, scale, causal
                 )
                 continue
             for hq, hk in self._head_chunks(q, k, kb - ka):
@@ -140,7 +141,7 @@ class TorchCudnnOps(VarlenOps):
             if not cudnn:
                 dq[qa:qb], dk[ka:kb], dv[ka:kb] = self.fallback.backward(
                     grad_out[qa:qb], q[qa:qb], k[ka:kb], v[ka:kb], out[qa:qb], lse[:, qa:qb].contiguous(),
-                    *_int32(q.device, run_q, run_k), mq, mk, scale, causal,
+                    *boundary_tensors(q.device, run_q, run_k), mq, mk, scale, causal,
                 )  # fmt: skip
                 continue
             for hq, hk in self._head_chunks(q, k, kb - ka):

@@ -8,7 +8,7 @@ import torch
 
 from ...memory.selective_checkpointing import keeps_attention_outputs
 from ..sharding import RingAttentionMetadata
-from .base import VarlenKernel, VarlenOps, _fp32_zeros
+from .base import VarlenKernel, VarlenOps, _fp32_zeros, boundary_tensors
 
 
 class _SharedPrefixLayout:
@@ -43,8 +43,7 @@ class _SharedPrefixLayout:
                 sequences_b[-1] = (ancestors, sequences_b[-1][1], b)  # the next response of the same prefix
             else:
                 sequences_b.append((ancestors, a, b))
-        as_int32 = lambda values: torch.tensor(values, dtype=torch.int32, device=device)  # noqa: E731
-        self.call_a = (as_int32(cu_q_a), as_int32(cu_k_a), max_q_a, max_k_a)
+        self.call_a = (*boundary_tensors(device, cu_q_a, cu_k_a), max_q_a, max_k_a)
         self.key_ranges_b = [
             (cu[p] - offset, cu[p + 1] - offset) for ancestors, _, _ in sequences_b for p in ancestors
         ]
@@ -56,7 +55,7 @@ class _SharedPrefixLayout:
         if self.has_b:
             lengths_q = [cu_q_b[i + 1] - cu_q_b[i] for i in range(len(sequences_b))]
             lengths_k = [cu_k_b[i + 1] - cu_k_b[i] for i in range(len(sequences_b))]
-            self.call_b = (as_int32(cu_q_b), as_int32(cu_k_b), max(lengths_q), max(lengths_k))
+            self.call_b = (*boundary_tensors(device, cu_q_b, cu_k_b), max(lengths_q), max(lengths_k))
             self.queries_b = torch.cat([torch.arange(a, b, device=device) for _, a, b in sequences_b])
 
     @classmethod
