@@ -89,6 +89,15 @@ CASES = {
     # extrapolation stayed inside 2%: `test_per_layer_extrapolation_matches_a_full_trace` is what catches it).
     "grm_lora_6_layers_extrapolated_bf16": ("simpo_grm", {"gradient_checkpointing": True}, (1024, 128, 4), True, True,
                                             1),
+    # Partial checkpointing (the first layers unchecked) on a 6-layer model, through the per-layer extrapolation
+    # (traced checkpointed, one unchecked layer's difference added per unchecked layer); with LoRA in bf16, as the 8B
+    # runs train, and beside selective checkpointing.
+    "grm_6_layers_3_unchecked_fp32": ("simpo_grm", {"gradient_checkpointing": True, "gradient_checkpointing_kwargs":
+                                                    {"unchecked_layers": 3}}, (2048, 256, 4), False, False, 1),
+    "disrm_lora_6_layers_2_unchecked_selective_bf16": ("simpo_disrm", {"gradient_checkpointing": True,
+                                                                       "gradient_checkpointing_kwargs":
+                                                                       {"unchecked_layers": 2, "selective": True}},
+                                                       (1024, 128, 4), True, True, 1),
     "sft_ring2_packed_lora_fp32": ("sft", {"packing": True, "max_tokens_per_row": 4096, "gradient_checkpointing": True,
                                            "sequence_parallel_size": 2}, (1536, 512, 0), True, False, 2),
 }  # fmt: skip
@@ -146,7 +155,8 @@ def llama_config(layers: int = 2) -> LlamaConfig:
 # The cases whose model is not `model_config()`.
 CASE_MODELS = {"disrm_llama_lora_offload_tiled_bf16": llama_config,
                "grm_lora_6_layers_extrapolated_bf16": lambda: model_config(layers=6), "grm_6_layers_extrapolated_fp32":
-               lambda: model_config(layers=6)}  # fmt: skip
+               lambda: model_config(layers=6), "grm_6_layers_3_unchecked_fp32": lambda: model_config(layers=6),
+               "disrm_lora_6_layers_2_unchecked_selective_bf16": lambda: model_config(layers=6)}  # fmt: skip
 
 
 def build_case(name: str):
@@ -537,14 +547,16 @@ def test_the_trace_frees_each_micro_batchs_input_embeddings(monkeypatch):
     assert args.gradient_accumulation_steps == 2 and alive_at_next == [0, 0]
 
 
-@pytest.mark.parametrize("case", ["grm_shared_k4_checkpointing_fp32", "grm_lora_accumulation_bf16"])
+@pytest.mark.parametrize("case", ["grm_shared_k4_checkpointing_fp32", "grm_lora_accumulation_bf16",
+                                  "grm_6_layers_3_unchecked_fp32", "disrm_lora_6_layers_2_unchecked_selective_bf16"])
 def test_per_layer_extrapolation_matches_a_full_trace(case):
     """A deep model is traced with 2 and 3 layers and extended per layer (what makes an 8B plan take seconds): for a
     6-layer model the extrapolated parts and peak equal those of tracing all 6 layers, on a ring rank too. With LoRA
     too: PEFT rewrites the config it is given ('all-linear' into the first model's layer names), and the 3-layer trace
     once reused the 2-layer trace's names, leaving its top layer without adapters: every layer past the traced ones was
     planned without its recomputation (the 8B LoRA runs on an H200 peaked at twice their plan). The caller's config
-    is left as it was."""
+    is left as it was. With partial checkpointing (the first layers unchecked, which the shallow traces cannot hold)
+    the traces are checkpointed and one unchecked layer's difference is added per unchecked layer."""
     from trl_longrm.memory_plan.trace import trace_step
 
     stage, args, _, shape, peft_config, dtype, _ = build_case(case)
@@ -736,3 +748,25 @@ def test_a_cuda_plan_counts_offloaded_inputs_as_pinned_host_memory():
     per_layer = on_cpu.host_memory // config.num_hidden_layers
     assert per_layer == on_cpu.rank_tokens * config.hidden_size * 4  # one float32 layer input per layer
     assert on_cuda.host_memory == config.num_hidden_layers * pinned_host_bytes(per_layer) > on_cpu.host_memory
+
+
+def test_the_plan_proposes_the_most_unchecked_layers_that_fit_and_the_run_fits():
+    """`largest_unchecked_layers` on a card between the all-checkpointed and the never-checkpointed plan of a 6-layer
+    model: the N it proposes fits the card with its margin, one more does not, and a run with N left unchecked peaks
+    within 2% of the plan and under the card."""
+    from memory_plan_worker import measure_step
+
+    from trl_longrm.memory_plan.propose import DEFAULT_MARGIN, largest_unchecked_layers
+    from trl_longrm.memory_plan.trace import with_unchecked_layers
+
+    stage, args, config, shape, peft_config, dtype, rows = build_case("grm_6_layers_3_unchecked_fp32")
+    args = with_unchecked_layers(args, 0)
+    low, high = (plan_memory(stage, with_unchecked_layers(args, n), config, shape, dtype=dtype).peak for n in (0, 6))
+    card = int((low + 0.6 * (high - low)) / (1 - DEFAULT_MARGIN))
+    layers, plan = largest_unchecked_layers(stage, args, config, shape, card, dtype=dtype)
+    assert 0 < layers < 6 and plan.peak <= (1 - DEFAULT_MARGIN) * card
+    more = plan_memory(stage, with_unchecked_layers(args, layers + 1), config, shape, dtype=dtype)
+    assert more.peak > (1 - DEFAULT_MARGIN) * card
+    measured = measure_step(stage, with_unchecked_layers(args, layers), config, shape, peft_config, dtype, rows)
+    assert measured <= card
+    assert_within(plan.peak, measured, f"grm_6_layers_{layers}_unchecked_proposed_fp32")

@@ -29,6 +29,7 @@ import torch
 from transformers import TrainerCallback
 
 from trl_longrm.memory.activation_offload import CountingHostStore, use_host_store
+from trl_longrm.memory.partial_checkpointing import UNCHECKED_KEY, unchecked_layers
 from trl_longrm.memory_plan.cuda_paths import cuda_code_paths
 from trl_longrm.memory_plan.fake_mode import HybridFakeMode
 from trl_longrm.memory_plan.model import build_model
@@ -636,6 +637,60 @@ def _extend_segments(small: TracedStep, large: TracedStep, small_layers: int, la
     return segments
 
 
+def unchecked_layer_count(training_args, layers: int) -> int:
+    """How many of a `layers`-layer model's decoder layers a run with these arguments leaves unchecked: the first
+    `unchecked_layers` (`trl_longrm.memory.partial_checkpointing`), and those transformers' `every_n_layers` skips;
+    0 without gradient checkpointing (no layer is checkpointed: nothing to count apart)."""
+    if not getattr(training_args, "activation_checkpointing", False):
+        return 0
+    kwargs = getattr(training_args, "activation_checkpointing_kwargs", None) or {}
+    every = int(kwargs.get("every_n_layers", 1) or 1)
+    unchecked = {i for i in range(layers) if i % every} | set(range(min(unchecked_layers(training_args), layers)))
+    return len(unchecked)
+
+
+def with_unchecked_layers(training_args, unchecked: int):
+    """A copy of `training_args` whose checkpointing leaves the first `unchecked` decoder layers unchecked and
+    checkpoints the rest (its other checkpointing keys kept, but `every_n_layers`)."""
+    kwargs = {k: v for k, v in (training_args.activation_checkpointing_kwargs or {}).items() if k != "every_n_layers"}
+    kwargs[UNCHECKED_KEY] = unchecked
+    return fresh_args(training_args, activation_checkpointing_kwargs=kwargs, gradient_checkpointing_kwargs=kwargs)
+
+
+def _add_unchecked_layers(step: TracedStep, by_unchecked: list[TracedStep], unchecked: int) -> TracedStep:
+    """`step` (every layer checkpointed) with its first `unchecked` layers unchecked, from traces of one model with 0,
+    1 and 2 (if `unchecked` > 1) first layers unchecked (`by_unchecked`, its top layer checkpointed): the first
+    unchecked layer adds what the first adds there, each further one what the second adds (its activations kept from
+    forward to backward, its recompute gone). The first differs by a hidden state: its input is the embeddings'
+    output. Which layers does not matter to the peak past that: all unchecked layers' activations are live when
+    backward starts, and the top layer (checkpointed) recomputes as before."""
+    increments = [(by_unchecked[0], by_unchecked[1], 1)]
+    if unchecked > 1:
+        increments.append((by_unchecked[1], by_unchecked[2], unchecked - 1))
+
+    def delta(a, b):
+        return {key: delta(a[key], b[key]) for key in a} if isinstance(a, dict) else b - a
+
+    def plus(value, change, times):
+        return {key: plus(value[key], change[key], times) for key in value} if isinstance(value, dict) else (
+            value + change * times)
+
+    values = {f.name: getattr(step, f.name) for f in dataclasses.fields(TracedStep)}
+    growth = {kind: 0 for kind in step.forward_backward_peak}
+    for a, b, times in increments:
+        for name in ("forward_backward_peak", "optimizer_peak", "at_start", "host_bytes"):
+            values[name] = plus(values[name], delta(getattr(a, name), getattr(b, name)), times)
+        growth = plus(growth, delta(a.forward_backward_peak, b.forward_backward_peak), times)
+    # Each segment (a ZeRO plan's contexts) grows as the forward/backward peak does.
+    values["segments"] = [(context, {kind: v + growth.get(kind, 0) for kind, v in parts.items()})
+                          for context, parts in step.segments]  # fmt: skip
+    values["notes"] = [*step.notes, f"its first {unchecked} layers unchecked (traced with 0, 1 and 2 unchecked)"]
+    phases = (values["forward_backward_peak"], values["optimizer_peak"])
+    values["at_peak"] = max(phases, key=lambda kinds: kinds["total"])
+    values["peak"] = values["at_peak"]["total"]
+    return TracedStep(**values)
+
+
 def trace_step(stage: str, training_args, model_config, shape: GroupShape, *, peft_config=None,
                dtype: torch.dtype | None = None, world_size: int = 1, rank: int = 0,
                max_traced_layers: int | None = None, ddp: bool = True, stock: bool = False,
@@ -659,14 +714,24 @@ def trace_step(stage: str, training_args, model_config, shape: GroupShape, *, pe
     if max_traced_layers is not None and layers > max_traced_layers:
         if max_traced_layers < 2:
             raise ValueError("max_traced_layers must be at least 2 (two traces give the per-layer increment).")
-        traces = [
-            _trace_step(stage, training_args, with_layers(model_config, n), shape, peft_config=peft_config,
-                        dtype=dtype, world_size=world_size, rank=rank, ddp=ddp, stock=stock,
-                        kernels=kernels, attention=attention, load_in_4bit=load_in_4bit,
-                        nested_quant=nested_quant)  # fmt: skip
-            for n in (max_traced_layers - 1, max_traced_layers)
-        ]
-        return _extrapolate(*traces, max_traced_layers - 1, max_traced_layers, layers)
+        trace = functools.partial(_trace_step, stage, shape=shape, peft_config=peft_config, dtype=dtype,
+                                  world_size=world_size, rank=rank, ddp=ddp, stock=stock, kernels=kernels,
+                                  attention=attention, load_in_4bit=load_in_4bit, nested_quant=nested_quant)  # fmt: skip
+        # Partial checkpointing: the traced models are too shallow to hold the run's unchecked layers; each is traced
+        # checkpointed, and one unchecked layer's difference added per unchecked layer (`_add_unchecked_layers`).
+        unchecked = 0 if stock else unchecked_layer_count(training_args, layers)
+        partial = 0 < unchecked < layers
+        args = with_unchecked_layers(training_args, 0) if partial else training_args
+        traces = [trace(args, with_layers(model_config, n)) for n in (max_traced_layers - 1, max_traced_layers)]
+        step = _extrapolate(*traces, max_traced_layers - 1, max_traced_layers, layers)
+        if partial:
+            # A model deep enough for 2 unchecked layers under a checkpointed one.
+            depth = max(max_traced_layers, 3) if unchecked > 1 else max_traced_layers
+            by_unchecked = [traces[1]] if depth == max_traced_layers else [trace(args, with_layers(model_config, depth))]
+            by_unchecked += [trace(with_unchecked_layers(training_args, n), with_layers(model_config, depth))
+                             for n in range(1, min(unchecked, 2) + 1)]  # fmt: skip
+            step = _add_unchecked_layers(step, by_unchecked, unchecked)
+        return step
     return _trace_step(stage, training_args, model_config, shape, peft_config=peft_config, dtype=dtype,
                        world_size=world_size, rank=rank, ddp=ddp, stock=stock, kernels=kernels,
                        attention=attention, load_in_4bit=load_in_4bit, nested_quant=nested_quant)  # fmt: skip

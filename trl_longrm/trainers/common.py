@@ -23,6 +23,7 @@ from trl_longrm.data.stock_columns import (
     is_group_row,
     with_stock_columns,
 )
+from trl_longrm.memory.partial_checkpointing import UNCHECKED_KEY, enable_partial_checkpointing
 from trl_longrm.memory.selective_checkpointing import SELECTIVE_KEY, enable_selective_checkpointing
 from trl_longrm.sequence_parallel.kernels import FlashAttnVarlenOps, is_flash_attn_available
 
@@ -202,21 +203,27 @@ def install_activation_offload(trainer) -> None:
         offload_checkpointed_inputs(trainer.model, OffloadActivations(device, store))
 
 
-def install_selective_checkpointing(trainer) -> None:
-    """`gradient_checkpointing_kwargs={"selective": True}` (TRL's key, which SFTTrainer alone takes) in every trainer,
-    after TRL's `__init__`: the model's checkpointing keeps the attention kernels' outputs
-    (`trl_longrm.memory.selective_checkpointing`) when the HF Trainer enables it in `train()`.
+def install_checkpointing_switches(trainer) -> None:
+    """The keys of `gradient_checkpointing_kwargs` this package adds to the HF Trainer's, after TRL's `__init__`, each
+    honoured when the HF Trainer enables checkpointing in `train()`:
 
-    `{"selective": False}` (which TRL takes too) is plain checkpointing: the wrapper is installed for it as well, since
-    it is what takes the key out before torch's `checkpoint` sees it (which refuses keys it does not know)."""
-    if SELECTIVE_KEY in (trainer.args.activation_checkpointing_kwargs or {}):
+    - `selective` (TRL's key, which SFTTrainer alone takes): the checkpointed layers keep their attention kernels'
+      outputs (`trl_longrm.memory.selective_checkpointing`). `{"selective": False}` (which TRL takes too) is plain
+      checkpointing: the wrapper is installed for it as well, since it is what takes the key out before torch's
+      `checkpoint` sees it (which refuses keys it does not know);
+    - `unchecked_layers`: the first N decoder layers are not checkpointed (`trl_longrm.memory.partial_checkpointing`).
+    """
+    kwargs = trainer.args.activation_checkpointing_kwargs or {}
+    if SELECTIVE_KEY in kwargs:
         enable_selective_checkpointing(trainer.model)
+    if UNCHECKED_KEY in kwargs:
+        enable_partial_checkpointing(trainer.model)
 
 
 @contextlib.contextmanager
 def selective_hidden_from_sft_trainer(args):
     """TRL's SFTTrainer would wrap the model with its own selective policy (which misses torch's `varlen_attn` op) and
-    drop the key; ours (`install_selective_checkpointing`) replaces it, so SFTTrainer sees no `selective` while it
+    drop the key; ours (`install_checkpointing_switches`) replaces it, so SFTTrainer sees no `selective` while it
     initialises."""
     selective = (args.activation_checkpointing_kwargs or {}).get(SELECTIVE_KEY)
     if selective is None:

@@ -17,6 +17,7 @@ from trl_longrm.data.records import resolve_sft_layout
 from trl_longrm.data.sources import holds_json_feature
 from trl_longrm.heads import add_token_logprob_head
 from trl_longrm.memory.lora_input_cast import skip_lora_input_casts_under_autocast
+from trl_longrm.memory.partial_checkpointing import check_partial_checkpointing_args
 from trl_longrm.memory.selective_checkpointing import (
     check_selective_checkpointing_args,
     check_selective_checkpointing_setup,
@@ -29,7 +30,7 @@ from trl_longrm.trainers.common import (
     attention_reasons,
     check_activation_offload_args,
     install_activation_offload,
-    install_selective_checkpointing,
+    install_checkpointing_switches,
     lm_head_reasons,
     model_skeleton,
     pad_token_id_of,
@@ -100,6 +101,7 @@ class LongSFTConfig(SFTConfig, LongContextDataArguments, SequenceParallelConfig)
         SequenceParallelConfig.__post_init__(self)
         check_activation_offload_args(self)
         check_selective_checkpointing_args(self)
+        check_partial_checkpointing_args(self)
         if (self.packing or self.eval_packing) and self.max_length is None and self.max_tokens_per_row is None:
             # Packing bins examples into rows of `max_tokens_per_row` (default `max_length`): with neither there is no
             # row size, and training unpacked instead would ignore `packing`. Stock SFTTrainer refuses it too.
@@ -348,7 +350,7 @@ class LongSFTTrainer(SequenceParallelMixin, SFTTrainer):
                 setattr(args, name, value)
         self._pad_token_id = pad_token_id_of(self._tokenizer)
         install_activation_offload(self)
-        install_selective_checkpointing(self)
+        install_checkpointing_switches(self)
         if self._stock_path:
             apply_tiled_mlp(self.model, args.mlp_tile_tokens)  # a model-level setting: stock's forward is tiled too
             skip_lora_input_casts_under_autocast(self.model)

@@ -10,6 +10,7 @@ from trl import RewardConfig, RewardTrainer
 from trl_longrm.data.stock_columns import GROUP_COLUMNS, REWARD_COLUMNS
 from trl_longrm.heads import add_last_token_score_head
 from trl_longrm.losses import bradley_terry_loss, center_rewards_penalty, group_values
+from trl_longrm.memory.partial_checkpointing import check_partial_checkpointing_args
 from trl_longrm.memory.selective_checkpointing import (
     check_selective_checkpointing_args,
     check_selective_checkpointing_setup,
@@ -23,7 +24,7 @@ from trl_longrm.trainers.common import (
     check_activation_offload_args,
     check_shared_prefix_args,
     install_activation_offload,
-    install_selective_checkpointing,
+    install_checkpointing_switches,
     keep_heads_under_liger,
     padded_fallback_args,
     prepare_preference_dataset,
@@ -75,6 +76,7 @@ class SimPODisRMConfig(RewardConfig, LongContextDataArguments, SequenceParallelC
         check_shared_prefix_args(self)
         check_activation_offload_args(self)
         check_selective_checkpointing_args(self)
+        check_partial_checkpointing_args(self)
 
 
 class SimPODisRMTrainer(SequenceParallelMixin, RewardTrainer):
@@ -106,7 +108,7 @@ class SimPODisRMTrainer(SequenceParallelMixin, RewardTrainer):
         with stock_activation_offloading_off(args):
             super().__init__(model, args, data_collator, *pargs, **kwargs)
         install_activation_offload(self)
-        install_selective_checkpointing(self)
+        install_checkpointing_switches(self)
         # Saved with a pad token other than EOS, the model is scored by stock consumers where it is trained: at each
         # sequence's last token (`trl_longrm.scoring`).
         ensure_distinct_pad_token(self.processing_class, self.model, args.pad_token)

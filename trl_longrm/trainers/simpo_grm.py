@@ -17,6 +17,7 @@ from trl.experimental.cpo import CPOConfig, CPOTrainer  # noqa: E402
 from trl_longrm.data.stock_columns import CPO_COLUMNS, GROUP_COLUMNS  # noqa: E402
 from trl_longrm.heads import add_token_logprob_head  # noqa: E402
 from trl_longrm.losses import AVERAGED_LOSS_TYPES, CPO_LOSS_TYPES, cpo_loss, group_values  # noqa: E402
+from trl_longrm.memory.partial_checkpointing import check_partial_checkpointing_args
 from trl_longrm.memory.selective_checkpointing import (  # noqa: E402
     check_selective_checkpointing_args,
     check_selective_checkpointing_setup,
@@ -30,7 +31,7 @@ from trl_longrm.trainers.common import (  # noqa: E402
     check_activation_offload_args,
     check_shared_prefix_args,
     install_activation_offload,
-    install_selective_checkpointing,
+    install_checkpointing_switches,
     keep_heads_under_liger,
     lm_head_reasons,
     model_skeleton,
@@ -132,6 +133,7 @@ class SimPOGRMConfig(CPOConfig, LongContextDataArguments, SequenceParallelConfig
         check_shared_prefix_args(self)
         check_activation_offload_args(self)
         check_selective_checkpointing_args(self)
+        check_partial_checkpointing_args(self)
 
 
 class SimPOGRMTrainer(SequenceParallelMixin, CPOTrainer):
@@ -199,7 +201,7 @@ class SimPOGRMTrainer(SequenceParallelMixin, CPOTrainer):
         if self._stock_path:
             super().__init__(**stock_kwargs)
             install_activation_offload(self)
-            install_selective_checkpointing(self)
+            install_checkpointing_switches(self)
             apply_tiled_mlp(self.model, args.mlp_tile_tokens)  # a model-level setting: stock's forward is tiled too
             return
         args = padded_fallback_args(model, args, type(self).__name__)
@@ -235,7 +237,7 @@ class SimPOGRMTrainer(SequenceParallelMixin, CPOTrainer):
             compute_metrics=compute_metrics,
         )
         install_activation_offload(self)
-        install_selective_checkpointing(self)
+        install_checkpointing_switches(self)
         add_token_logprob_head(self.model, chunk_elements=args.logprob_chunk_elements)
         self._init_long_context(pad_token_id_of(tokenizer))
         self._total_train_tokens = 0
