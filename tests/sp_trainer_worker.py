@@ -108,7 +108,7 @@ def build_trainer(kind, output_dir, tokenizer, num_groups, data_seed, num_reject
         model = build_tiny_model("qwen3", "causal-lm", tokenizer, seed=3)
         return LongSFTTrainer(
             model=model, args=LongSFTConfig(**args), train_dataset=sft_examples(data), processing_class=tokenizer,
-            **evals,
+            **peft, **evals,
         )  # fmt: skip
     raise ValueError(f"unknown trainer kind {kind!r}")
 
@@ -327,7 +327,7 @@ def tiled_trainer(kind, output_dir, tokenizer, num_rejected, **overrides):
     """Two SGD steps of `kind` with shared prefixes (the SFT trainer packs), no evaluation."""
     settings = dict(per_device_train_batch_size=TRAIN_BATCH, max_steps=2, learning_rate=0.05, optim="sgd",
                     max_grad_norm=0.0, lr_scheduler_type="constant", logging_steps=1)  # fmt: skip
-    settings.update(dict(shared_prefix=True) if kind != "sft" else {})
+    settings.update(dict(shared_prefix=True) if not kind.startswith("sft") else {})
     return build_trainer(kind, output_dir, tokenizer, TRAIN_GROUPS, TRAIN_SEED, num_rejected, **{**settings, **overrides})
 
 

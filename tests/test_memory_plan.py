@@ -98,6 +98,9 @@ CASES = {
                                                                        "gradient_checkpointing_kwargs":
                                                                        {"unchecked_layers": 2, "selective": True}},
                                                        (1024, 128, 4), True, True, 1),
+    "grm_lora_fused_selective_bf16": ("simpo_grm", {"gradient_checkpointing": True, "fused_lora": True,
+                                                    "gradient_checkpointing_kwargs": {"selective": True}},
+                                      (1024, 128, 4), True, True, 1),
     "sft_ring2_packed_lora_fp32": ("sft", {"packing": True, "max_tokens_per_row": 4096, "gradient_checkpointing": True,
                                            "sequence_parallel_size": 2}, (1536, 512, 0), True, False, 2),
 }  # fmt: skip

@@ -85,6 +85,16 @@ class LongContextDataArguments:
             "tokens (say 8192 for rows past 64K per rank). Default None (off)."
         },
     )
+    fused_lora: bool = field(
+        default=False,
+        metadata={
+            "help": "Compute the model's PEFT LoRA layers with fewer, larger kernels (`trl_longrm.fused_lora`): the "
+            "scaling folded into B and the adapter added into the base layer's output by the matmul itself, the "
+            "down-projections of layers that read the same input (q/k/v, gate/up) as one matmul. The same function "
+            "of the same parameters (PEFT's adapters and checkpoints); layers it cannot serve (LoRA variants such as "
+            "DoRA, dropout, quantized base layers) keep PEFT's forward, logged. Needs LoRA layers. Default False."
+        },
+    )
     logprob_chunk_elements: int = field(
         default=2**26,
         metadata={

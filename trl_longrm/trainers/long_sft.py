@@ -15,6 +15,7 @@ from trl.chat_template_utils import get_training_chat_template
 from trl_longrm.data.errors import DataFormatError
 from trl_longrm.data.records import resolve_sft_layout
 from trl_longrm.data.sources import holds_json_feature
+from trl_longrm.fused_lora import apply_fused_lora
 from trl_longrm.heads import add_token_logprob_head
 from trl_longrm.memory.lora_input_cast import skip_lora_input_casts_under_autocast
 from trl_longrm.memory.partial_checkpointing import check_partial_checkpointing_args
@@ -354,6 +355,8 @@ class LongSFTTrainer(SequenceParallelMixin, SFTTrainer):
         if self._stock_path:
             apply_tiled_mlp(self.model, args.mlp_tile_tokens)  # a model-level setting: stock's forward is tiled too
             skip_lora_input_casts_under_autocast(self.model)
+            if args.fused_lora:
+                apply_fused_lora(self.model)
             return
         self.data_collator = data_collator or SFTCollator(
             pad_token_id=self._pad_token_id,

@@ -16,6 +16,7 @@ import weakref
 import torch
 from accelerate.data_loader import BatchSamplerShard
 
+from trl_longrm.fused_lora import apply_fused_lora
 from trl_longrm.heads import shift_labels_left
 from trl_longrm.memory.lora_input_cast import skip_lora_input_casts_under_autocast
 from trl_longrm.memory.tiled_mlp import apply_tiled_mlp
@@ -116,6 +117,8 @@ class SequenceParallelMixin:
         apply_tiled_mlp(self.model, getattr(args, "mlp_tile_tokens", None))
         # Exact (bit for bit) and less memory: no float32 copy of each LoRA layer's input under autocast.
         skip_lora_input_casts_under_autocast(self.model)
+        if getattr(args, "fused_lora", False):
+            apply_fused_lora(self.model)
 
     @property
     def sequence_parallel_size(self) -> int:

@@ -15,6 +15,7 @@ os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 from trl.experimental.cpo import CPOConfig, CPOTrainer  # noqa: E402
 
 from trl_longrm.data.stock_columns import CPO_COLUMNS, GROUP_COLUMNS  # noqa: E402
+from trl_longrm.fused_lora import apply_fused_lora  # noqa: E402
 from trl_longrm.heads import add_token_logprob_head  # noqa: E402
 from trl_longrm.losses import AVERAGED_LOSS_TYPES, CPO_LOSS_TYPES, cpo_loss, group_values  # noqa: E402
 from trl_longrm.memory.partial_checkpointing import check_partial_checkpointing_args
@@ -203,6 +204,8 @@ class SimPOGRMTrainer(SequenceParallelMixin, CPOTrainer):
             install_activation_offload(self)
             install_checkpointing_switches(self)
             apply_tiled_mlp(self.model, args.mlp_tile_tokens)  # a model-level setting: stock's forward is tiled too
+            if args.fused_lora:
+                apply_fused_lora(self.model)
             return
         args = padded_fallback_args(model, args, type(self).__name__)
         keep_heads_under_liger(args, type(self).__name__)
