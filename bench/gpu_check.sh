@@ -16,8 +16,8 @@ cd "$(dirname "$0")/.."
 OUT=""
 MODE=gpu
 STAGES="env,cuda_tests,defaults,attention_kernels,profile,throughput,longest_grm,reward_function,long_rows,longest_disrm"
-# Not in the default list (minutes of one call on its own): eight_b (on an H200), eight_b_memory, mfu_variants, long_rows_capped,
-# long_rows_beyond
+# Not in the default list (minutes of one call on its own): eight_b (on an H200), eight_b_variants (on an H200),
+# eight_b_memory, mfu_variants, long_rows_capped, long_rows_beyond
 SEED=""
 while [ $# -gt 0 ]; do
     case "$1" in
@@ -93,7 +93,8 @@ print(json.dumps(info)); open('$OUT/env.json', 'w').write(json.dumps(info, inden
 
 if [ "$MODE" = rehearse ]; then
     # Every stage's command line is exercised on CPU at a tiny size: a typo fails here, not in the GPU call.
-    stage cuda_tests 120 $PY -m pytest -q --collect-only tests/test_shared_prefix.py tests/test_sequence_parallel_attention.py
+    stage cuda_tests 120 $PY -m pytest -q --collect-only tests/test_shared_prefix.py tests/test_sequence_parallel_attention.py \
+        tests/test_fused_lora.py
     stage defaults 300 $PY bench/gpu_defaults.py --use-cpu --prompt-length 1100 --out "$OUT/defaults.json"
     stage attention_kernels 60 $PY bench/gpu_attention_kernels.py --device cpu --lengths 128 --repeats 1 --out "$OUT/attention_kernels.json"
     stage profile 120 $PY bench/gpu_longest_row.py --attempt --trainers grm --impls ours --start-prompt-length 256 \
@@ -116,6 +117,14 @@ if [ "$MODE" = rehearse ]; then
         --throughput-prompt-lengths 256 --steps 3 --profile && \$R8 --model qwen3-8b --lora-r 16 --trainers grm \
         --throughput-prompt-lengths 256 --steps 3 --profile && \$R8 --model llama-3.1-8b --lora-r 8 --trainers disrm \
         --throughput-prompt-lengths 512 --long-rows --steps 2"
+    # The variants' runs, one layer each (Liger's Triton kernels need a GPU: 'best' is rehearsed without them, its
+    # other settings as on the GPU; the stage's command lines parsed).
+    stage eight_b_variants 600 bash -c "V8='$PY bench/gpu_longest_row.py --rehearse --resume --out $OUT/gpu_8b_variants.json \
+        --impls ours --shared-k 4 --skip-k1 --skip-longest --throughput-prompt-lengths 256 --steps 3 --profile \
+        --num-hidden-layers 2' && \$V8 --model llama-3.1-8b --lora-r 8 --trainers disrm --variants default partial \
+        fused_lora --unchecked-layers partial=1 && \$V8 --model qwen3-8b --lora-r 16 --trainers grm --variants \
+        fused_lora && $PY bench/gpu_longest_row.py --variants default best selective_liger --unchecked-layers best=1 \
+        --help >/dev/null"
     stage eight_b_memory 300 bash -c "M8='$PY bench/gpu_longest_row.py --rehearse --resume --out $OUT/gpu_8b_memory.json \
         --trainers disrm --impls ours --shared-k 1 --skip-longest --throughput-prompt-lengths 256 --steps 2 \
         --memory-sites --num-hidden-layers 1' && \$M8 --model llama-3.1-8b --lora-r 8 && \$M8 --model llama-3.1-8b \
@@ -129,7 +138,7 @@ if [ "$MODE" = rehearse ]; then
 else
     # (1) The CUDA-only tests, then each trainer with TRL's defaults on a Qwen3-shaped model (kernels recorded).
     stage cuda_tests 90 $PY -m pytest -q -rs -p no:cacheprovider --junitxml="$OUT/cuda_tests.xml" \
-        tests/test_shared_prefix.py tests/test_sequence_parallel_attention.py -k cuda
+        tests/test_shared_prefix.py tests/test_sequence_parallel_attention.py tests/test_fused_lora.py -k cuda
     stage defaults 60 $PY bench/gpu_defaults.py --out "$OUT/defaults.json"
     # The attention kernels alone (torch's varlen_attn, SDPA's flash / cuDNN / memory-efficient) at 8K-64K: what
     # bounds the MFU below.
@@ -189,6 +198,20 @@ else
         --timeout 150; \
         $R8 --model llama-3.1-8b --lora-r 8 --trainers disrm --throughput-prompt-lengths 131072 --long-rows --steps 2 \
         --timeout 240"
+    # (Issue 64) The 8B shapes at 32K, k = 4, LoRA, TRL's defaults, with each lever and with all of them ('best':
+    # selective checkpointing, Liger's kernels, the first N layers unchecked, fused LoRA), each run profiled (its 4th
+    # step): the target runs first (DisRM default and best, GRM best), then each lever alone, then the GRM default.
+    # N is the memory plan's proposal for the run on an H200 (3% margin, planned without Liger's kernels, which keep
+    # less; bench/results/gpu/h200/plan_unchecked_8b.json, `gpu_plan_vs_measured.py --propose-unchecked`); a run that
+    # runs out of memory with it is run again with 3 layers fewer unchecked.
+    V8="$PY bench/gpu_longest_row.py --resume --out $OUT/gpu_8b_variants.json --impls ours --shared-k 4 --skip-k1 \
+        --skip-longest --throughput-prompt-lengths 32768 --steps 4 --profile --timeout 120 --unchecked-fallback 3"
+    LLAMA="--model llama-3.1-8b --lora-r 8 --trainers disrm"
+    QWEN="--model qwen3-8b --lora-r 16 --trainers grm"
+    stage eight_b_variants 450 bash -c "$V8 $LLAMA --variants default best --unchecked-layers best=15; \
+        $V8 $QWEN --variants best --unchecked-layers best=14; \
+        $V8 $LLAMA --variants selective_liger partial fused_lora --unchecked-layers partial=16; \
+        $V8 $QWEN --variants default"
     # (Issue 55) Which code allocated the tensors live at a run's peak (`cuda_memory_sites.py`, from the CUDA
     # allocator's history): Llama-3.1-8B's width with 4 layers at a 32K prompt, through LoRA and with full parameters,
     # and Qwen3-0.6B through LoRA. Prepared to find the 8B LoRA plan gap, since found on CPU (docs/gpu.md: a PEFT config

@@ -84,21 +84,34 @@ LONG_ROWS = dict(gradient_checkpointing_kwargs={"use_reentrant": False, "offload
 # checkpointing (the attention kernels' outputs kept, not recomputed: docs/memory.md) and Liger's layer kernels (fused
 # RMSNorm, RoPE, SwiGLU; TRL's `use_liger_kernel`, needs liger-kernel: carried by gpu_check.sh). What bounds the MFU at
 # 32K (docs/gpu.md): the attention's recompute, and elementwise kernels these fuse.
+# Issue 64's levers: partial checkpointing (the first N layers unchecked, N the memory plan's proposal for the run:
+# `gpu_plan_vs_measured.py --propose-unchecked`, passed as `--unchecked-layers VARIANT=N`), the fused LoRA path, and
+# all of them together with selective checkpointing and Liger's kernels ("best").
+UNCHECKED = None  # stands for the run's `--unchecked-layers`
 VARIANTS = {
     "default": {},
     "selective": dict(gradient_checkpointing_kwargs={"selective": True}),
     "liger": dict(use_liger_kernel=True),
     "selective_liger": dict(gradient_checkpointing_kwargs={"selective": True}, use_liger_kernel=True),
+    "partial": dict(gradient_checkpointing_kwargs={"unchecked_layers": UNCHECKED}),
+    "fused_lora": dict(fused_lora=True),
+    "best": dict(gradient_checkpointing_kwargs={"selective": True, "unchecked_layers": UNCHECKED},
+                 use_liger_kernel=True, fused_lora=True),
 }
 
 
-def run_settings(long_rows: bool = False, variant: str = "default") -> dict:
+def run_settings(long_rows: bool = False, variant: str = "default", unchecked_layers: int | None = None) -> dict:
     """The training arguments a run adds to `common.build_trainer`'s: the long-row settings (`long_rows`) and the
     variant's, their `gradient_checkpointing_kwargs` merged (a selective variant at long rows offloads and keeps the
-    attention outputs both)."""
+    attention outputs both), a variant's unchecked layers being `unchecked_layers`."""
     settings = {**(LONG_ROWS if long_rows else {}), **VARIANTS[variant]}
     key = "gradient_checkpointing_kwargs"
     kwargs = {**((LONG_ROWS if long_rows else {}).get(key) or {}), **(VARIANTS[variant].get(key) or {})}
+    if "unchecked_layers" in kwargs:
+        if unchecked_layers is None:
+            raise SystemExit(f"variant {variant!r} leaves layers unchecked: give --unchecked-layers {variant}=N "
+                             "(the memory plan's proposal: gpu_plan_vs_measured.py --propose-unchecked).")
+        kwargs["unchecked_layers"] = unchecked_layers
     if kwargs:
         settings[key] = kwargs
     return settings
@@ -144,6 +157,23 @@ def model_flops(groups: list[dict], shared: bool, trainer: str, shape: dict = QW
     return float(flops)
 
 
+def flops_6n_convention(group: dict, shared: bool, arch: str, shape: dict, tokenizer) -> float:
+    """FLOPs of a step over `group` in the convention of TRL's `compute_flops_per_token` (the one torchtitan and
+    nanoGPT report): 6 x every matmul parameter per token, the LM head included, frozen weights counted as trained
+    ones, attention not halved for causality (each token against the whole row), over the tokens a step computes
+    (`processed_tokens`), each row's length its sequence length. More than `model_flops` counts (our strict
+    convention, which MFU figures here quote): the two side by side compare with others' reports."""
+    from trl.trainer.utils import compute_flops_per_token
+
+    from trl_longrm.testing_utils import tiny_config
+
+    config = tiny_config(arch, tokenizer, **shape)
+    responses = [len(r) for r in [group["chosen_completion_ids"], *group["rejected_completion_ids"]]]
+    prompt = len(group["prompt_ids"])
+    rows = [prompt + sum(responses)] if shared else [prompt + r for r in responses]
+    return float(sum(compute_flops_per_token(config, row) * row for row in rows))
+
+
 def processed_tokens(group: dict, shared: bool) -> int:
     """Tokens a step computes for `group`: its prompt once and every response with shared prefixes, else one row of
     prompt + response per response (`common.group_tokens`)."""
@@ -155,7 +185,8 @@ def processed_tokens(group: dict, shared: bool) -> int:
 def attempt(trainer: str, impl: str, prompt_length: int, steps: int, response_length: int,
             num_rejected: int = 1, profile: bool = False, shape: dict = QWEN3_0_6B, long_rows: bool = False,
             memory_cap_gib: float | None = None, variant: str = "default", arch: str = common.ARCH,
-            model_name: str = "qwen3-0.6b", lora_r: int = 0, memory_sites: bool = False) -> dict:
+            model_name: str = "qwen3-0.6b", lora_r: int = 0, memory_sites: bool = False,
+            unchecked_layers: int | None = None) -> dict:
     """One training run in this process; returns its record (status 'oom' on CUDA out-of-memory). With `profile`, the
     last step runs under `torch.profiler` and the record's `profile` says where its time went (`step_profile.py`).
     Without CUDA (a rehearsal) it runs on CPU, without memory or FLOPs figures. `memory_cap_gib`: the caching
@@ -206,6 +237,7 @@ def attempt(trainer: str, impl: str, prompt_length: int, steps: int, response_le
               **({"num_hidden_layers": shape["num_hidden_layers"]}
                  if shape["num_hidden_layers"] != model_shape(model_name)[1]["num_hidden_layers"] else {}),
               **({"variant": variant} if variant != "default" else {}),
+              **({"unchecked_layers": unchecked_layers} if unchecked_layers is not None else {}),
               **({"memory_cap_gib": memory_cap_gib} if memory_cap_gib is not None else {})}  # fmt: skip
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -213,7 +245,7 @@ def attempt(trainer: str, impl: str, prompt_length: int, steps: int, response_le
             with tempfile.TemporaryDirectory() as output_dir:
                 instance = common.build_trainer(trainer, impl, model, tokenizer, groups, output_dir, steps, callbacks,
                                                 peft_config=lora_config(trainer, lora_r), use_cpu=not cuda, bf16=cuda,
-                                                **run_settings(long_rows, variant))
+                                                **run_settings(long_rows, variant, unchecked_layers))
                 shared = bool(getattr(instance.args, "shared_prefix", False) and instance.args.padding_free)
                 instance.train()
                 if VARIANTS[variant].get("use_liger_kernel"):  # the modules whose forward Liger replaced
@@ -229,6 +261,7 @@ def attempt(trainer: str, impl: str, prompt_length: int, steps: int, response_le
         record["memory_sites"] = sites.finish()
     tokens = [common.group_tokens(g) for g in groups]
     flops = [model_flops([g], shared, trainer, shape, lora_r) for g in groups]
+    flops_6n = [flops_6n_convention(g, shared, arch, shape, tokenizer) for g in groups]
     # The first step is not timed (allocations, kernel selection); nor is a profiled last step (the profiler's cost).
     last = steps - 1 if profile and steps >= 3 else steps
     timed = timer.times[1:last]
@@ -242,6 +275,8 @@ def attempt(trainer: str, impl: str, prompt_length: int, steps: int, response_le
         tokens_per_s=sum(tokens[1:last]) / sum(timed) if timed else None,
         model_flops_per_step=flops,
         mfu=sum(flops[1:last]) / sum(timed) / device_peak if timed and device_peak else None,
+        # The same steps in TRL's and torchtitan's convention (`flops_6n_convention`), for comparison with theirs.
+        mfu_6n=sum(flops_6n[1:last]) / sum(timed) / device_peak if timed and device_peak else None,
         trainable_params=sum(p.numel() for p in instance.model.parameters() if p.requires_grad),
         # The tokens the step computes (with shared prefixes the prompt once per group), per second.
         processed_tokens_per_s=sum(processed_tokens(g, shared) for g in groups[1:last]) / sum(timed) if timed else None,
@@ -295,6 +330,8 @@ def run_attempt(trainer: str, impl: str, prompt_length: int, steps: int, cli, nu
                f"--response-length={cli.response_length}", f"--shared-k={num_rejected}", "--out=-",
                *(["--profile"] if profile else []), *(["--long-rows"] if long_rows else []),
                *([f"--variants={variant}"] if variant != "default" else []),
+               *([f"--unchecked-layers={variant}={cli.unchecked_layers[variant]}"]
+                 if variant in cli.unchecked_layers else []),
                *([f"--num-hidden-layers={cli.num_hidden_layers}"] if cli.num_hidden_layers else []),
                *([f"--memory-cap-gib={cli.memory_cap_gib}"] if cli.memory_cap_gib is not None else [])]
     started = time.monotonic()
@@ -373,6 +410,8 @@ def summary_8b(report: dict) -> dict:
         run = {"num_rejected": r.get("num_rejected", 1), "lora_r": r.get("lora_r", 0),
                "long_rows": bool(r.get("long_rows")), "tokens_per_s": r.get("tokens_per_s"),
                "processed_tokens_per_s": r.get("processed_tokens_per_s"), "mfu": r.get("mfu"),
+               **({"mfu_6n": r["mfu_6n"]} if r.get("mfu_6n") else {}),
+               **({"unchecked_layers": r["unchecked_layers"]} if r.get("unchecked_layers") is not None else {}),
                "peak_gib": r["peak_mem_bytes"] / 2**30 if r.get("peak_mem_bytes") is not None else None,
                "step_seconds": r.get("step_seconds"), "kernels": r.get("kernels")}  # fmt: skip
         if gemm and r.get("timed_steps") and r.get("model_flops_per_step"):
@@ -385,12 +424,26 @@ def summary_8b(report: dict) -> dict:
         out[f"run_8b_{name}"] = run
         if r["prompt_length"] == 32768:
             out.setdefault("tokens_per_s_8b_32k", {})[name] = run["tokens_per_s"]
+            out.setdefault("processed_tokens_per_s_8b_32k", {})[name] = run["processed_tokens_per_s"]
+            out.setdefault("mfu_8b_32k", {})[name] = run["mfu"]
+            if run.get("mfu_6n"):
+                out.setdefault("mfu_6n_8b_32k", {})[name] = run["mfu_6n"]
             if run["mfu"] and run["mfu"] > out.get("mfu_32k_8b", 0):
                 out["mfu_32k_8b"], out["mfu_32k_8b_run"] = run["mfu"], name
+                if run.get("mfu_6n"):
+                    out["mfu_6n_32k_8b"] = run["mfu_6n"]
         if r["prompt_length"] == 131072:
             out.setdefault("peak_gib_8b_131k", {})[name] = run["peak_gib"]
     if gemm:
         out["gemm_tflops_measured"] = gemm
+    if out:
+        out["conventions"] = (
+            "mfu: ours, strict (LoRA's frozen weights 4 FLOPs per parameter per token, attention causal, a shared "
+            "prompt once, recomputation not counted; `model_flops`); mfu_6n: TRL's compute_flops_per_token, as "
+            "torchtitan reports (6 x every matmul parameter, attention not halved; `flops_6n_convention`). "
+            "tokens_per_s: the unshared layout's tokens (the prompt once per response); processed_tokens_per_s: the "
+            "tokens a step computes (the prompt once)."
+        )
     return out
 
 
@@ -531,6 +584,12 @@ def main() -> None:
     parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=["default"],
                         help="Settings of the throughput runs of ours, each a run of its own ('default' first: the "
                              "others are compared with it); with --attempt, the one variant.")
+    parser.add_argument("--unchecked-layers", nargs="*", default=[], metavar="VARIANT=N",
+                        help="Decoder layers left unchecked by the variants that leave some ('partial', 'best'): the "
+                             "memory plan's proposal for the run (gpu_plan_vs_measured.py --propose-unchecked).")
+    parser.add_argument("--unchecked-fallback", type=int, default=0,
+                        help="A run with --unchecked-layers that runs out of memory is run once more with this many "
+                             "layers fewer unchecked (0: not).")
     parser.add_argument("--profile-variants", nargs="*", choices=list(VARIANTS), default=[],
                         help="Also profile ours at --profile-prompt-length with each of these variants.")
     parser.add_argument("--memory-cap-gib", type=float, default=None,
@@ -544,6 +603,10 @@ def main() -> None:
                              "gpu_check.sh --rehearse runs so that a GPU call does not fail on a typo.")
     parser.add_argument("--out", required=True, help="JSON file of the results ('-' with --attempt).")
     cli = parser.parse_args()
+    try:
+        cli.unchecked_layers = {v: int(n) for v, n in (item.split("=", 1) for item in cli.unchecked_layers)}
+    except ValueError:
+        parser.error(f"--unchecked-layers takes VARIANT=N items, got {cli.unchecked_layers}")
 
     if cli.attempt:
         arch, shape = model_shape(cli.model)
@@ -551,6 +614,7 @@ def main() -> None:
         record = attempt(cli.trainers[0], cli.impls[0], cli.start_prompt_length, cli.steps, cli.response_length,
                          cli.shared_k, profile=cli.profile, shape=shape, long_rows=cli.long_rows,
                          memory_cap_gib=cli.memory_cap_gib, variant=cli.variants[0], arch=arch,
+                         unchecked_layers=cli.unchecked_layers.get(cli.variants[0]),
                          model_name=cli.model, lora_r=cli.lora_r, memory_sites=cli.memory_sites)
         print("RESULT " + json.dumps(record), flush=True)
         return
@@ -602,7 +666,9 @@ def main() -> None:
         for trainer in cli.trainers:
             runs = [(impl, 1, "default") for impl in cli.impls if "default" in cli.variants or impl != "ours"]
             runs += [("ours", cli.shared_k, "default")] if ("ours", 1, "default") in runs and cli.shared_k > 1 else []
-            runs += [("ours", 1, v) for v in cli.variants if v != "default" and "ours" in cli.impls]
+            # (Variants at k = 1, or at --shared-k where k = 1 is skipped: the 8B runs.)
+            variant_k = cli.shared_k if cli.skip_k1 else 1
+            runs += [("ours", variant_k, v) for v in cli.variants if v != "default" and "ours" in cli.impls]
             if cli.skip_k1:
                 runs = [run for run in runs if run[0] != "ours" or run[1] != 1 or cli.shared_k == 1]
             for impl, k, variant in runs:
@@ -611,9 +677,19 @@ def main() -> None:
                                "variant": variant, "model": cli.model, "lora_r": cli.lora_r, "long_rows": long_rows,
                                "num_hidden_layers": cli.num_hidden_layers})
                 if key not in done:
-                    report["throughput"].append(run_attempt(trainer, impl, length, cli.steps, cli, k, variant=variant,
-                                                            profile=cli.profile, long_rows=long_rows))
+                    record = run_attempt(trainer, impl, length, cli.steps, cli, k, variant=variant,
+                                         profile=cli.profile, long_rows=long_rows)  # fmt: skip
+                    report["throughput"].append(record)
                     save()
+                    if record["status"] == "oom" and variant in cli.unchecked_layers and cli.unchecked_fallback:
+                        # The plan's proposal did not fit: once more with fewer layers unchecked (a record of its own).
+                        fewer = max(cli.unchecked_layers[variant] - cli.unchecked_fallback, 0)
+                        retry = argparse.Namespace(**{**vars(cli), "unchecked_layers": {**cli.unchecked_layers,
+                                                                                        variant: fewer}})
+                        report["throughput"].append(run_attempt(trainer, impl, length, cli.steps, retry, k,
+                                                                variant=variant, profile=cli.profile,
+                                                                long_rows=long_rows))  # fmt: skip
+                        save()
     if cli.profile_prompt_length and not (report["profile"] or {}).get("profile"):
         report["profile"] = run_attempt("grm", "ours", cli.profile_prompt_length, 2, cli, 1, profile=True)
         save()

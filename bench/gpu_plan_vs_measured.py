@@ -49,10 +49,16 @@ def model_config_of(record: dict):
     return tiny_config(arch, build_chat_tokenizer(), **shape)
 
 
-def training_args(trainer: str, impl: str, max_length: int, long_rows: bool = False, variant: str = "default"):
+def training_args(trainer: str, impl: str, max_length: int, long_rows: bool = False, variant: str = "default",
+                  unchecked_layers: int | None = None, without_liger: bool = False):
     """The arguments `common.build_trainer` gives the run (bf16 on the GPU; `long_rows`: checkpoint offload and the
-    tiled MLP; `variant`: `gpu_longest_row.VARIANTS`' settings), as a config object the plan reads."""
-    args = common.base_args("/tmp/plan", 2, max_length=max_length, bf16=True, **run_settings(long_rows, variant))
+    tiled MLP; `variant`: `gpu_longest_row.VARIANTS`' settings, its unchecked layers `unchecked_layers`), as a config
+    object the plan reads. `without_liger`: Liger's kernels left out (its Triton kernels do not run on the plan's fake
+    tensors)."""
+    settings = run_settings(long_rows, variant, unchecked_layers)
+    if without_liger:
+        settings.pop("use_liger_kernel", None)
+    args = common.base_args("/tmp/plan", 2, max_length=max_length, bf16=True, **settings)
     if impl == "ours":
         from trl_longrm import SimPODisRMConfig, SimPOGRMConfig
 
@@ -104,7 +110,8 @@ def plan_attempt(record: dict, response_length: int, model_config=None, attentio
     shape = GroupShape(record["prompt_length"], response_length, k)
     # k > 1: the run's max_length is its whole group's (`common.build_trainer`: nothing truncated)
     max_length = (record["prompt_length"] + response_length) * (k if k == 1 else k + 1)
-    args = training_args(trainer, impl, max_length, bool(record.get("long_rows")), record.get("variant", "default"))
+    args = training_args(trainer, impl, max_length, bool(record.get("long_rows")), record.get("variant", "default"),
+                         record.get("unchecked_layers"))
     lora_r = record.get("lora_r", 0)
     plan = plan_memory(STAGES[trainer], args, model_config or model_config_of(record), shape, dtype=torch.bfloat16,
                        device="cuda", stock=impl == "stock", attention=attention,
@@ -153,6 +160,32 @@ def plan_longest(trainer: str, long_rows: bool, response_length: int, model_conf
             "first_failing": hi, "plans": tried}
 
 
+def propose_unchecked(model: str, trainer: str, lora_r: int, num_rejected: int, prompt_length: int,
+                      response_length: int, variant: str, device: str = "h200") -> dict:
+    """The memory plan's proposal of `unchecked_layers` for a `gpu_longest_row.py` run of ours (`largest_unchecked_layers`
+    on `device`, cuDNN's attention as 'auto' takes it there), planned without Liger's kernels (which keep less)."""
+    import torch
+
+    from trl_longrm.memory_plan import GroupShape
+    from trl_longrm.memory_plan.devices import device_memory_bytes
+    from trl_longrm.memory_plan.propose import DEFAULT_MARGIN, largest_unchecked_layers
+
+    shape_record = {"model": model}
+    k = num_rejected
+    max_length = (prompt_length + response_length) * (k if k == 1 else k + 1)
+    args = training_args(trainer, "ours", max_length, variant=variant, unchecked_layers=0, without_liger=True)
+    card = device_memory_bytes(device)
+    layers, plan = largest_unchecked_layers(STAGES[trainer], args, model_config_of(shape_record),
+                                            GroupShape(prompt_length, response_length, k), card,
+                                            dtype=torch.bfloat16, device="cuda", attention="cudnn",
+                                            peft_config=lora_config(trainer, lora_r))  # fmt: skip
+    return {"model": model, "trainer": trainer, "lora_r": lora_r, "num_rejected": k, "prompt_length": prompt_length,
+            "response_length": response_length, "variant": variant, "device": device, "device_bytes": card,
+            "margin": DEFAULT_MARGIN, "unchecked_layers": layers,
+            "num_hidden_layers": model_config_of(shape_record).num_hidden_layers, "planned_peak_bytes": plan.peak,
+            "planned_peak_gib": round(plan.peak / 2**30, 2), "not_planned": "Liger's kernels (they keep less)"}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--report", default=str(HERE / "results" / "gpu" / "gpu.json"))
@@ -167,7 +200,21 @@ def main() -> None:
     parser.add_argument("--start", type=int, default=65536, help="With --longest: the first prompt length planned.")
     parser.add_argument("--attention", choices=("flash_attn", "cudnn"), default=None,
                         help="The attention kernels planned (default: those the report's runs recorded).")
+    parser.add_argument("--propose-unchecked", nargs=6, action="append", default=[],
+                        metavar=("MODEL", "TRAINER", "LORA_R", "K", "PROMPT", "VARIANT"),
+                        help="The unchecked layers the plan proposes for such a run on an H200 (repeatable); writes "
+                             "--out and prints each as `--unchecked-layers` takes it.")
     cli = parser.parse_args()
+
+    if cli.propose_unchecked:
+        rows = []
+        for model, trainer, lora_r, k, prompt, variant in cli.propose_unchecked:
+            rows.append(propose_unchecked(model, trainer, int(lora_r), int(k), int(prompt), cli.response_length,
+                                          variant))  # fmt: skip
+            print(json.dumps(rows[-1]), flush=True)
+        Path(cli.out).write_text(json.dumps({"command": " ".join(["python", *sys.argv]), "proposals": rows},
+                                            indent=1) + "\n")  # fmt: skip
+        return
 
     report = json.loads(Path(cli.report).read_text())
     device_bytes = device_bytes_of(report, cli.memory_cap_gib if cli.longest else None)

@@ -635,3 +635,34 @@ def test_cudnn_attention_reads_nothing_back_from_the_device(shared):
             kernel.forward(*leaves, meta, 0.25).backward(grad_out)
     assert cudnn.calls["forward"] and cudnn.calls["backward"]
     assert counter.reads == []
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_cudnn_attention_does_not_synchronize():
+    """On a GPU, through the real cuDNN ops: a packed row's attention forward and backward (sequences long enough for
+    cuDNN, and a short one on torch's varlen fallback) with torch's synchronization debug mode on: no call waits for
+    the GPU (`torch.cuda.set_sync_debug_mode` warns on each that would)."""
+    import warnings
+
+    from trl_longrm.sequence_parallel.config import SequenceParallelConfig
+    from trl_longrm.sequence_parallel.kernels import TorchCudnnOps, VarlenKernel, varlen_function_of
+    from trl_longrm.sequence_parallel.sharding import packed_row_metadata
+
+    ops = TorchCudnnOps.load()
+    kernel = VarlenKernel(ops.name, varlen_function_of(ops), ops)
+    lengths = [3000, 2100, 77]
+    meta = packed_row_metadata(torch.cat([torch.arange(n) for n in lengths]), SequenceParallelConfig())
+    q, k, v = (torch.randn(sum(lengths), h, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for h in (16, 8, 8))  # fmt: skip
+    kernel.forward(q, k, v, meta, 128**-0.5).sum().backward()  # warm-up: the layout and cuDNN's plans made once
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            for _ in range(2):  # every layer of a step reuses the layout
+                kernel.forward(q, k, v, meta, 128**-0.5).sum().backward()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message).lower()]
+    assert syncs == [], syncs
