@@ -125,6 +125,10 @@ if [ "$MODE" = rehearse ]; then
         fused_lora --unchecked-layers partial=1 && \$V8 --model qwen3-8b --lora-r 16 --trainers grm --variants \
         fused_lora && $PY bench/gpu_longest_row.py --variants default best selective_liger --unchecked-layers best=1 \
         --help >/dev/null"
+    stage mfu_0_6b_levers 300 bash -c "$PY bench/gpu_longest_row.py --rehearse --resume --out $OUT/gpu_levers_0_6b.json \
+        --trainers grm --impls ours --shared-k 1 --throughput-prompt-lengths 256 --skip-longest --steps 2 \
+        --num-hidden-layers 2 && $PY bench/gpu_longest_row.py --variants default best_full \
+        --unchecked-layers best_full=28 --help >/dev/null"
     stage eight_b_memory 300 bash -c "M8='$PY bench/gpu_longest_row.py --rehearse --resume --out $OUT/gpu_8b_memory.json \
         --trainers disrm --impls ours --shared-k 1 --skip-longest --throughput-prompt-lengths 256 --steps 2 \
         --memory-sites --num-hidden-layers 1' && \$M8 --model llama-3.1-8b --lora-r 8 && \$M8 --model llama-3.1-8b \
@@ -212,6 +216,12 @@ else
         $V8 $QWEN --variants best --unchecked-layers best=14; \
         $V8 $LLAMA --variants selective_liger partial fused_lora --unchecked-layers partial=16; \
         $V8 $QWEN --variants default"
+    # (Issue 64) The 0.6B shape's MFU at 32K (GRM, k = 1, full parameters) by default and with the levers that apply
+    # without LoRA (selective checkpointing, Liger's kernels, every layer unchecked: the plan's proposal on an H200,
+    # 74.6 GiB planned without Liger's kernels), side by side, each profiled.
+    stage mfu_0_6b_levers 200 $PY bench/gpu_longest_row.py --resume --out "$OUT/gpu_levers_0_6b.json" --trainers grm \
+        --impls ours --shared-k 1 --throughput-prompt-lengths 32768 --skip-longest --steps 4 --profile --timeout 100 \
+        --variants default best_full --unchecked-layers best_full=28
     # (Issue 55) Which code allocated the tensors live at a run's peak (`cuda_memory_sites.py`, from the CUDA
     # allocator's history): Llama-3.1-8B's width with 4 layers at a 32K prompt, through LoRA and with full parameters,
     # and Qwen3-0.6B through LoRA. Prepared to find the 8B LoRA plan gap, since found on CPU (docs/gpu.md: a PEFT config

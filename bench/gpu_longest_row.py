@@ -97,6 +97,9 @@ VARIANTS = {
     "fused_lora": dict(fused_lora=True),
     "best": dict(gradient_checkpointing_kwargs={"selective": True, "unchecked_layers": UNCHECKED},
                  use_liger_kernel=True, fused_lora=True),
+    # 'best' for full-parameter runs (no LoRA to fuse).
+    "best_full": dict(gradient_checkpointing_kwargs={"selective": True, "unchecked_layers": UNCHECKED},
+                      use_liger_kernel=True),
 }
 
 
