@@ -266,7 +266,7 @@ def main() -> None:
         "rows": rows,
         "max_abs_rel_error": max(errors) if errors else None,
         "ooms_predicted": sum(bool(r.get("plan_says_oom")) for r in rows),
-        "ooms_measured": sum(r["status"] == "oom" for r in rows),
+        "ooms_measured": sum(r.get("status") == "oom" for r in rows),
     }
     Path(cli.out).write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps({k: v for k, v in result.items() if k != "rows"}))
