@@ -187,6 +187,7 @@ def plan_memory(
     load_in_4bit: bool = False,
     nested_quant: bool = True,
     deepspeed_config=None,
+    traced: TracedStep | None = None,
 ) -> MemoryPlan:
     """The memory plan of rank `rank` of a `world_size`-process run of `stage` ('sft', 'simpo_grm', 'simpo_disrm') with
     `training_args` (the stage's config, as a recipe builds it) on a model of `model_config` (a transformers config, or
@@ -203,6 +204,8 @@ def plan_memory(
     (`trl_longrm.memory_plan.planned_kernels.planned_cuda_attention`). `load_in_4bit` (QLoRA; `nested_quant`:
     bitsandbytes' double quantization): the model as a 4-bit load trains it, its 4-bit layers traced in `dtype` (their
     compute dtype, default bfloat16) and their weights then counted in 4 bits (`trl_longrm.memory_plan.quantized`).
+    `traced`: a step already traced with these arguments (`trace_step`), whose terms are recombined for
+    `distributed` and `deepspeed_config` instead of tracing again (what a search over ZeRO settings reuses).
     `deepspeed_config` (ZeRO): the DeepSpeed config
     the run uses, a dict or a JSON path (default: `training_args.deepspeed`, else what accelerate builds from an
     accelerate YAML: the stage alone, DeepSpeed's defaults for the rest; `accelerate_deepspeed_config` builds it from
@@ -232,10 +235,11 @@ def plan_memory(
         config = deepspeed_config if deepspeed_config is not None else getattr(training_args, "deepspeed", None)
         zero = zero_settings(config, int(distributed[-1]), getattr(model_config, "hidden_size", None))
     started = time.perf_counter()
-    traced = trace_step(stage, training_args, model_config, shape, peft_config=peft_config, dtype=dtype,
-                        world_size=world_size, rank=rank, max_traced_layers=max_traced_layers,
-                        ddp=distributed not in ("zero2", "zero3"), stock=stock, kernels=device,
-                        attention=attention, load_in_4bit=load_in_4bit, nested_quant=nested_quant)  # fmt: skip
+    if traced is None:
+        traced = trace_step(stage, training_args, model_config, shape, peft_config=peft_config, dtype=dtype,
+                            world_size=world_size, rank=rank, max_traced_layers=max_traced_layers,
+                            ddp=distributed not in ("zero2", "zero3"), stock=stock, kernels=device,
+                            attention=attention, load_in_4bit=load_in_4bit, nested_quant=nested_quant)  # fmt: skip
     seconds = time.perf_counter() - started
     sp = 1 if stock else getattr(training_args, "sequence_parallel_size", 1) or 1
     groups = communicator_sizes(world_size, sp, getattr(training_args, "sequence_parallel_mode", "ring") or "ring",

@@ -1,0 +1,424 @@
+"""What fits my GPUs: the settings this package supports searched for a model, a stage, a data shape and a cluster,
+each candidate's memory planned (`plan_memory`: traced, never a formula) and its step timed by the step-time model
+(`step_time`), the fitting ones ranked by tokens per second.
+
+The search, per training method (full parameters, LoRA):
+
+- layouts: the sequence-parallel size (each divisor of the world size, largest first: its trace is the cheapest) and
+  mode (ring, Ulysses where the heads divide), ZeRO (DDP, ZeRO-2, ZeRO-3, ZeRO-3 with the optimizer's states and the
+  weights offloaded: the last only where nothing else fits);
+- activation settings on a ladder from the fastest: gradient checkpointing (TRL's default), then the tiled MLP, then
+  checkpoint offload, then both; a layout's first rung that fits is its candidate (the rungs below it are rejected
+  with their planned peak);
+- spare memory spent on speed, for the fastest candidates: selective checkpointing and as many unchecked layers as fit
+  (`propose.largest_unchecked_layers`' rule), each planned.
+
+Traces are reused: ZeRO settings are recombined from one trace (`plan_memory(traced=...)`), and a layout whose
+smaller sequence-parallel size is estimated (the larger one's activations scaled by the tokens a rank holds) to need
+more than 1.15x the card is rejected without being traced. Finalists are planned on the first and the last rank of a
+group, as `--dry_run` does.
+
+Not modelled: fragmentation beyond the plan's allowance (`CUDA_FRAGMENTATION_FRACTION`), NVMe offload, Liger's kernels
+(they do not run on fake tensors; measured to keep less), pipeline and tensor parallelism.
+
+Example:
+```python
+>>> from trl_longrm.memory_plan import GroupShape
+>>> from trl_longrm.memory_plan.search import Cluster, search
+>>> result = search("simpo_grm", "bench/configs/qwen3-8b.json", GroupShape(1046528, 2048, 4),
+...                 Cluster.parse("8xh100-80gb"))
+>>> print(result.table())
+```
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from trl_longrm.memory_plan.devices import DEVICE_MEMORY_BYTES, device_memory_bytes
+from trl_longrm.memory_plan.plan import DEFAULT_MAX_TRACED_LAYERS, GIB, MemoryPlan, load_model_config, plan_memory
+from trl_longrm.memory_plan.step_time import CARDS, estimate_step_seconds, settings_of
+from trl_longrm.memory_plan.trace import GroupShape, trace_step
+
+
+DEFAULT_MARGIN = 0.03
+DEFAULT_TILE_TOKENS = 16384
+# A layout estimated to need more than this share of the card (from a traced layout) is not traced.
+ESTIMATE_REJECT = 1.15
+
+
+@dataclass
+class Cluster:
+    """The GPUs a run gets: `gpus_per_node` cards of `card` on each of `nodes` machines, `device_bytes` per card (what
+    a process gets: `devices.DEVICE_MEMORY_BYTES`, or given), `host_bytes_per_node` of host memory (None: unchecked)."""
+
+    card: str
+    gpus_per_node: int
+    nodes: int = 1
+    device_bytes: int = 0
+    host_bytes_per_node: int | None = None
+
+    @property
+    def world_size(self) -> int:
+        return self.gpus_per_node * self.nodes
+
+    @classmethod
+    def parse(cls, cards: str, nodes: int = 1, device_memory_gib: float | None = None,
+              host_memory_gib: float | None = None) -> Cluster:  # fmt: skip
+        """`"8xh100-80gb"` (cards per machine x card; a card `devices.DEVICE_MEMORY_BYTES` knows, or any name with
+        `device_memory_gib`)."""
+        match = re.fullmatch(r"(?:(\d+)x)?([\w.-]+)", cards.strip().lower())
+        if not match:
+            raise ValueError(f"--cards {cards!r}: expected COUNTxCARD, e.g. 8xh100-80gb or 1xh200.")
+        count, card = int(match.group(1) or 1), match.group(2)
+        if card not in DEVICE_MEMORY_BYTES and device_memory_gib is None:
+            raise ValueError(f"--cards {cards!r}: {card!r} is not a card whose memory was measured "
+                             f"({', '.join(DEVICE_MEMORY_BYTES)}); give --device_memory_gib.")  # fmt: skip
+        return cls(card=card, gpus_per_node=count, nodes=nodes,
+                   device_bytes=device_memory_bytes(card, device_memory_gib),
+                   host_bytes_per_node=None if host_memory_gib is None else int(host_memory_gib * GIB))  # fmt: skip
+
+    @property
+    def rates(self) -> str:
+        """The step-time model's card (`step_time.CARDS`): this card's, else the H100's."""
+        return self.card if self.card in CARDS else "h100-80gb"
+
+
+@dataclass(frozen=True)
+class Layout:
+    sequence_parallel_size: int = 1
+    mode: str = "ring"
+    distributed: str = "single"  # 'single', 'ddp', 'zero2', 'zero3'
+    offload: bool = False  # ZeRO-3 with the optimizer's states and the weights in host memory
+
+    def describe(self) -> str:
+        parts = [f"sp {self.sequence_parallel_size} {self.mode}" if self.sequence_parallel_size > 1 else "no sp",
+                 {"single": "one GPU", "ddp": "DDP"}.get(self.distributed, self.distributed.replace("zero", "ZeRO-"))]
+        return ", ".join(parts) + (" + offload" if self.offload else "")
+
+
+@dataclass(frozen=True)
+class Activations:
+    tile_tokens: int | None = None
+    checkpoint_offload: bool = False
+    selective: bool = False
+    unchecked_layers: int = 0
+
+    def describe(self) -> str:
+        parts = ["checkpointing" + (" (selective)" if self.selective else "")]
+        if self.unchecked_layers:
+            parts.append(f"{self.unchecked_layers} layers unchecked")
+        if self.tile_tokens:
+            parts.append(f"tiled MLP {self.tile_tokens}")
+        if self.checkpoint_offload:
+            parts.append("checkpoint offload")
+        return ", ".join(parts)
+
+
+# The ladder, fastest first: what a layout tries until something fits.
+LADDER = (Activations(), Activations(tile_tokens=DEFAULT_TILE_TOKENS), Activations(checkpoint_offload=True),
+          Activations(tile_tokens=DEFAULT_TILE_TOKENS, checkpoint_offload=True))  # fmt: skip
+
+
+@dataclass
+class Candidate:
+    method: str
+    layout: Layout
+    activations: Activations
+    peak_bytes: int
+    host_bytes_per_node: int
+    fits: bool
+    step_seconds: float | None = None
+    tokens_per_s: float | None = None  # the unshared layout's tokens (the prompt once per response), whole cluster
+    computed_tokens_per_s: float | None = None  # the tokens computed (the prompt once), whole cluster
+    reason: str = ""
+    estimated: bool = False  # peak estimated from another layout's trace, not traced
+    plans: list[MemoryPlan] = field(default_factory=list, repr=False)
+
+    def overrides(self, stage: str, lora_r: int) -> dict:
+        """The recipe keys of this candidate (`trl-longrm plan --write`)."""
+        kwargs = {"use_reentrant": False}
+        if self.activations.checkpoint_offload:
+            kwargs["offload"] = True
+        if self.activations.selective:
+            kwargs["selective"] = True
+        if self.activations.unchecked_layers:
+            kwargs["unchecked_layers"] = self.activations.unchecked_layers
+        out = {"sequence_parallel_size": self.layout.sequence_parallel_size,
+               "sequence_parallel_mode": self.layout.mode, "gradient_checkpointing": True,
+               "gradient_checkpointing_kwargs": kwargs, "mlp_tile_tokens": self.activations.tile_tokens}  # fmt: skip
+        if self.method == "lora":
+            out.update(use_peft=True, lora_r=lora_r, lora_alpha=2 * lora_r if stage != "simpo_disrm" else lora_r,
+                       lora_dropout=0.0, lora_target_modules="all-linear", fused_lora=True)  # fmt: skip
+        return out
+
+
+@dataclass
+class SearchResult:
+    stage: str
+    cluster: Cluster
+    shape: GroupShape
+    margin: float
+    proposals: list[Candidate]
+    rejected: list[Candidate]
+    traces: int
+    seconds: float
+
+    def table(self, top: int = 5) -> str:
+        budget = (1 - self.margin) * self.cluster.device_bytes
+        lines = [f"{self.stage} on {self.cluster.nodes} x {self.cluster.gpus_per_node} x {self.cluster.card} "
+                 f"({self.cluster.device_bytes / GIB:.1f} GiB a process, {self.margin:.0%} kept free: "
+                 f"{budget / GIB:.1f} GiB); groups of {self.shape.prompt_tokens:,} prompt tokens + "
+                 f"{1 + self.shape.num_rejected if self.stage != 'sft' else 1} x {self.shape.response_tokens:,}",
+                 f"{'#':>2} {'method':6} {'layout':28} {'activations':52} {'peak GiB':>9} {'host GiB':>9} "
+                 f"{'step s':>7} {'tokens/s':>10} {'computed':>9}"]  # fmt: skip
+        for i, c in enumerate(self.proposals[:top], 1):
+            lines.append(f"{i:>2} {c.method:6} {c.layout.describe():28} {c.activations.describe():52} "
+                         f"{c.peak_bytes / GIB:9.2f} {c.host_bytes_per_node / GIB:9.1f} {c.step_seconds:7.2f} "
+                         f"{c.tokens_per_s:10,.0f} {c.computed_tokens_per_s:9,.0f}")  # fmt: skip
+        if not self.proposals:
+            lines.append("   nothing fits")
+        if self.rejected:
+            lines.append("rejected:")
+            for c in self.rejected:
+                lines.append(f"   {c.method:6} {c.layout.describe():28} {c.activations.describe():52} {c.reason}")
+        lines.append(f"({self.traces} traces, {self.seconds:.0f} s; step times by the step-time model, see "
+                     "docs/memory_plan.md#what-fits-my-gpus)")
+        return "\n".join(lines)
+
+
+def _sp_sizes(world: int) -> list[int]:
+    return [n for n in range(world, 0, -1) if world % n == 0 and n & (n - 1) == 0]
+
+
+def _modes(sp: int, config) -> list[str]:
+    if sp == 1:
+        return ["ring"]
+    modes = ["ring"]
+    heads, kv = config.num_attention_heads, config.num_key_value_heads
+    if heads % sp == 0 and (kv % sp == 0 or sp % kv == 0):
+        modes.append("ulysses")
+    return modes
+
+
+def _distributions(method: str, world: int) -> list[tuple[str, bool]]:
+    if world == 1:
+        return [("single", False)]
+    if method == "lora":
+        return [("ddp", False), ("zero3", False)]
+    return [("zero2", False), ("zero3", False), ("zero3", True)]
+
+
+def _deepspeed(distributed: str, offload: bool) -> dict | None:
+    if not distributed.startswith("zero"):
+        return None
+    zero = {"stage": int(distributed[-1])}
+    if offload:
+        zero.update(offload_optimizer={"device": "cpu"}, offload_param={"device": "cpu"})
+    return {"zero_optimization": zero}
+
+
+class _Planner:
+    """Plans candidates, with every trace cached by what it depends on (not the ZeRO settings)."""
+
+    def __init__(self, stage, config, shape, cluster, base_args, peft_configs, dtype, max_traced_layers, attention,
+                 margin):  # fmt: skip
+        self.stage, self.config, self.shape, self.cluster = stage, config, shape, cluster
+        self.budget = (1 - margin) * cluster.device_bytes
+        self.base_args, self.peft_configs, self.dtype = base_args, peft_configs, dtype
+        self.max_traced_layers, self.attention = max_traced_layers, attention
+        self.cache: dict = {}
+
+    def args(self, method: str, layout: Layout, activations: Activations):
+        kwargs = {"use_reentrant": False}
+        if activations.checkpoint_offload:
+            kwargs["offload"] = True
+        if activations.selective:
+            kwargs["selective"] = True
+        if activations.unchecked_layers:
+            kwargs["unchecked_layers"] = activations.unchecked_layers
+        values = {f.name: getattr(self.base_args, f.name) for f in dataclasses.fields(self.base_args) if f.init}
+        values.update(sequence_parallel_size=layout.sequence_parallel_size, sequence_parallel_mode=layout.mode,
+                      gradient_checkpointing=True, activation_checkpointing=True, gradient_checkpointing_kwargs=kwargs,
+                      activation_checkpointing_kwargs=kwargs, mlp_tile_tokens=activations.tile_tokens,
+                      fused_lora=method == "lora")  # fmt: skip
+        return type(self.base_args)(**values)
+
+    def plan(self, method: str, layout: Layout, activations: Activations, rank: int = 0) -> MemoryPlan:
+        world = self.cluster.world_size
+        args = self.args(method, layout, activations)
+        ddp = not layout.distributed.startswith("zero")
+        key = (method, layout.sequence_parallel_size, layout.mode, activations, rank, ddp)
+        if key not in self.cache:
+            self.cache[key] = trace_step(self.stage, args, self.config, self.shape, peft_config=self.peft_configs[method],
+                                         dtype=self.dtype, world_size=world, rank=rank,
+                                         max_traced_layers=self.max_traced_layers, ddp=ddp, kernels="cuda",
+                                         attention=self.attention)  # fmt: skip
+        return plan_memory(self.stage, args, self.config, self.shape, peft_config=self.peft_configs[method],
+                           dtype=self.dtype, world_size=world, rank=rank, distributed=layout.distributed,
+                           device="cuda", attention=self.attention,
+                           deepspeed_config=_deepspeed(layout.distributed, layout.offload),
+                           traced=self.cache[key])  # fmt: skip
+
+    def candidate(self, method, layout, activations, lora_r, plans) -> Candidate:
+        peak = max(p.peak for p in plans)
+        host = max(p.host_memory for p in plans) * self.cluster.gpus_per_node
+        fits = peak <= self.budget
+        reason = ""
+        if not fits:
+            reason = f"peak {peak / GIB:.1f} GiB over {self.budget / GIB:.1f}"
+        elif self.cluster.host_bytes_per_node is not None and host > self.cluster.host_bytes_per_node:
+            fits, reason = False, f"host memory {host / GIB:.0f} GiB a machine over {self.cluster.host_bytes_per_node / GIB:.0f}"
+        candidate = Candidate(method, layout, activations, peak, host, fits, reason=reason, plans=plans)
+        if fits:
+            self.time(candidate, lora_r)
+        return candidate
+
+    def time(self, candidate: Candidate, lora_r: int) -> None:
+        args = self.args(candidate.method, candidate.layout, candidate.activations)
+        zero = int(candidate.layout.distributed[-1]) if candidate.layout.distributed.startswith("zero") else 0
+        settings = settings_of(args, lora_r=lora_r if candidate.method == "lora" else 0, attention=self.attention,
+                               world_size=self.cluster.world_size, zero_stage=zero)  # fmt: skip
+        settings = dataclasses.replace(settings, gpus_per_node=self.cluster.gpus_per_node)
+        seconds = estimate_step_seconds(self.config, self.stage, self.shape, settings, self.cluster.rates)
+        replicas = self.cluster.world_size // candidate.layout.sequence_parallel_size
+        candidate.step_seconds = seconds
+        candidate.tokens_per_s = replicas * self.shape.tokens(False, self.stage) / seconds
+        candidate.computed_tokens_per_s = replicas * self.shape.tokens(True, self.stage) / seconds
+
+
+def default_lora_r(stage: str) -> int:
+    """The recipes' LoRA rank: 8 for the DisRM (`simpo_disrm_lora.yaml`), 16 otherwise."""
+    return 8 if stage == "simpo_disrm" else 16
+
+
+def search(stage: str, model_config, shape: GroupShape, cluster: Cluster, *, methods=("lora", "full"),
+           lora_r: int | None = None, base_args=None, margin: float = DEFAULT_MARGIN,
+           max_traced_layers: int = DEFAULT_MAX_TRACED_LAYERS, spend_spare_memory: int = 2,
+           progress=None) -> SearchResult:  # fmt: skip
+    """Search the settings that fit (module docstring); the proposals sorted by tokens per second, fastest first.
+    `base_args`: the stage's config the candidates start from (default: TRL's defaults, bf16). `spend_spare_memory`:
+    how many of the fastest candidates also try selective checkpointing and unchecked layers. `progress(message)` is
+    called as the search goes."""
+    from peft import LoraConfig
+
+    from trl_longrm.memory_plan.planned_kernels import planned_cuda_attention
+    from trl_longrm.stages import stage_classes
+
+    started = time.perf_counter()
+    if isinstance(model_config, (str, bytes)) or hasattr(model_config, "__fspath__"):
+        model_config = load_model_config(model_config)
+    lora_r = lora_r or default_lora_r(stage)
+    _, config_cls, _ = stage_classes(stage)
+    tmp = tempfile.mkdtemp(prefix="trl_longrm_plan_")
+    if base_args is None:
+        extra = {"shared_prefix": True} if stage != "sft" else {"packing": True}
+        base_args = config_cls(output_dir=tmp, use_cpu=True, bf16=True, report_to=[], gradient_checkpointing=True,
+                               per_device_train_batch_size=1, max_length=shape.tokens(True, stage), **extra)  # fmt: skip
+    task = "SEQ_CLS" if stage == "simpo_disrm" else "CAUSAL_LM"
+    peft_configs = {"full": None, "lora": LoraConfig(r=lora_r, lora_alpha=lora_r if stage == "simpo_disrm" else 2 * lora_r,
+                                                     lora_dropout=0.0, target_modules="all-linear", task_type=task)}
+    attention = planned_cuda_attention(getattr(base_args, "ring_attn_backend", "auto") or "auto")
+    planner = _Planner(stage, model_config, shape, cluster, base_args, peft_configs, torch.bfloat16, max_traced_layers,
+                       attention, margin)  # fmt: skip
+    say = progress or (lambda message: None)
+    budget = (1 - margin) * cluster.device_bytes
+    fitting, rejected = [], []
+    for method in methods:
+        reference = {}  # activations -> (sp, traced peak parts that scale with the tokens a rank holds)
+        for sp in _sp_sizes(cluster.world_size):
+            for mode in _modes(sp, model_config):
+                for distributed, offload in _distributions(method, cluster.world_size):
+                    layout = Layout(sp, mode, distributed, offload)
+                    if offload and any(c.method == method for c in fitting):
+                        continue  # host offload of ZeRO's states only where nothing else fits
+                    for activations in LADDER:
+                        estimate = _estimate(reference.get((activations, distributed)), sp)
+                        if estimate is not None and estimate > ESTIMATE_REJECT * budget:
+                            rejected.append(Candidate(method, layout, activations, int(estimate), 0, False,
+                                                      reason=f"estimated {estimate / GIB:.0f} GiB (from sp "
+                                                             f"{reference[(activations, distributed)][0]})",
+                                                      estimated=True))  # fmt: skip
+                            continue
+                        say(f"{method}: {layout.describe()}, {activations.describe()}")
+                        try:
+                            plan = planner.plan(method, layout, activations)
+                        except (ValueError, NotImplementedError) as error:  # a layout the model cannot take
+                            rejected.append(Candidate(method, layout, activations, 0, 0, False,
+                                                      reason=str(error).splitlines()[0][:120]))  # fmt: skip
+                            break
+                        reference.setdefault((activations, distributed), (sp, _scaling_parts(plan)))
+                        candidate = planner.candidate(method, layout, activations, lora_r, [plan])
+                        (fitting if candidate.fits else rejected).append(candidate)
+                        if candidate.fits:
+                            break
+    # Confirm on the group's last rank too, then spend spare memory on the fastest.
+    fitting.sort(key=lambda c: -c.tokens_per_s)
+    confirmed = []
+    for candidate in fitting:
+        sp = candidate.layout.sequence_parallel_size
+        plans = [planner.plan(candidate.method, candidate.layout, candidate.activations, rank)
+                 for rank in sorted({0, sp - 1})]  # fmt: skip
+        checked = planner.candidate(candidate.method, candidate.layout, candidate.activations, lora_r, plans)
+        (confirmed if checked.fits else rejected).append(checked)
+    confirmed.sort(key=lambda c: -c.tokens_per_s)
+    upgraded = []
+    for candidate in confirmed[:spend_spare_memory]:
+        upgraded += _spend_spare_memory(planner, candidate, lora_r, say)
+    proposals = sorted(confirmed + upgraded, key=lambda c: -c.tokens_per_s)
+    return SearchResult(stage, cluster, shape, margin, proposals, rejected, len(planner.cache),
+                        time.perf_counter() - started)  # fmt: skip
+
+
+def _scaling_parts(plan: MemoryPlan) -> tuple[int, int]:
+    """(what does not scale with a rank's tokens, what does): a plan's activations and temporaries scale."""
+    scaling = plan.activations + plan.temporaries
+    return plan.peak - scaling, scaling
+
+
+def _estimate(reference, sp: int) -> float | None:
+    if reference is None:
+        return None
+    reference_sp, (fixed, scaling) = reference
+    return fixed + scaling * reference_sp / sp
+
+
+def _spend_spare_memory(planner: _Planner, candidate: Candidate, lora_r: int, say) -> list[Candidate]:
+    """Selective checkpointing and unchecked layers on a fitting candidate, each planned; those that fit."""
+    out = []
+    sp = candidate.layout.sequence_parallel_size
+    ranks = sorted({0, sp - 1})
+
+    def planned(activations):
+        plans = [planner.plan(candidate.method, candidate.layout, activations, rank) for rank in ranks]
+        return planner.candidate(candidate.method, candidate.layout, activations, lora_r, plans)
+
+    base = candidate.activations
+    selective = planned(dataclasses.replace(base, selective=True))
+    if selective.fits:
+        out.append(selective)
+        base = selective.activations
+    layers = planner.config.num_hidden_layers
+    one = planned(dataclasses.replace(base, unchecked_layers=1))
+    if not one.fits:
+        return out
+    two = planned(dataclasses.replace(base, unchecked_layers=min(2, layers)))
+    slope = max(two.peak_bytes - one.peak_bytes, 1)
+    n = min(layers, 1 + int((planner.budget - one.peak_bytes) // slope))
+    say(f"{candidate.method}: {candidate.layout.describe()}: {n} layers unchecked")
+    best = planned(dataclasses.replace(base, unchecked_layers=n)) if n > 2 else (two if n == 2 else one)
+    while not best.fits and n > 1:
+        n -= 1
+        best = planned(dataclasses.replace(base, unchecked_layers=n))
+    if best.fits:
+        out.append(best)
+    return out
+
+
+__all__ = ["Activations", "Candidate", "Cluster", "Layout", "SearchResult", "search"]
