@@ -61,6 +61,8 @@ class JudgeOutput:
         bounded_verdict_probs: how many of this request's verdict probabilities are bounds, not exact: the engine
             (a server returning only its top-k log-probabilities) did not report every verdict token
             (`GenerativeJudge._verdict_probs`).
+        refusal: why the engine refused (one of) this request's prompts, with `GenerativeJudge(refusals="keep")`:
+            that prompt has no text (its `text`, or its entry of `judgments`, is None) and no verdict probabilities.
     """
 
     text: str | None = None
@@ -69,6 +71,7 @@ class JudgeOutput:
     judgments: list[str] | None = None
     truncated: bool = False
     bounded_verdict_probs: int = 0
+    refusal: str | None = None
 
 
 @runtime_checkable
@@ -258,6 +261,9 @@ class GenerativeJudge:
     `VLLMGenerator` in process, `OpenAIGenerator` for an OpenAI-compatible server): prompts, their cut and the reading
     of verdicts are the same whatever generates.
 
+    A prompt the engine refuses (a server's 4xx) raises an `EngineError` (`refusals="raise"`, the evaluation's), or
+    with `refusals="keep"` leaves that request's output without text, its `refusal` saying why (`JudgeReward`).
+
     Example:
     ```python
     >>> judge = GenerativeJudge.from_pretrained("./LongReward_Qwen3-8B", max_length=131072, max_new_tokens=2048)
@@ -278,7 +284,10 @@ class GenerativeJudge:
         protocol: str = "pairwise",
         template: PromptTemplate | None = None,
         evaluation_protocol: str = "default",
+        refusals: str = "raise",
     ):
+        if refusals not in ("raise", "keep"):
+            raise ValueError(f"`refusals` must be 'raise' or 'keep', got {refusals!r}.")
         if protocol not in JUDGE_PROTOCOLS:
             raise ValueError(f"`protocol` must be one of {list(JUDGE_PROTOCOLS)}, got {protocol!r}.")
         if evaluation_protocol not in PROTOCOLS:
@@ -300,6 +309,7 @@ class GenerativeJudge:
         self.protocol = protocol
         self.template = template or PromptTemplate.default()
         self.evaluation_protocol = evaluation_protocol
+        self.refusals = refusals
         score_format = self.template.pointwise_format
         low, high = score_format.scale
         self.score_values = list(range(low, high + 1))
@@ -341,10 +351,22 @@ class GenerativeJudge:
         generations = self.engine.generate(
             prompts, self.max_new_tokens, logprob_token_ids=self.verdict_ids if read_verdicts else None
         )
-        texts = [self.tokenizer.decode(g.token_ids, skip_special_tokens=True) for g in generations]
+        self._refused = [getattr(g, "refusal", None) for g in generations]
+        refused = next((reason for reason in self._refused if reason), None)
+        if refused and self.refusals == "raise":
+            from trl_longrm.serving.base import EngineError
+
+            raise EngineError(refused)
+        texts = [
+            None if reason else self.tokenizer.decode(g.token_ids, skip_special_tokens=True)
+            for g, reason in zip(generations, self._refused)
+        ]
         if not read_verdicts:
             return texts
-        probs = [self._probs_at_verdict(g.token_ids, text, g.logprobs) for g, text in zip(generations, texts)]
+        probs = [
+            None if text is None else self._probs_at_verdict(g.token_ids, text, g.logprobs)
+            for g, text in zip(generations, texts)
+        ]
         return texts, probs
 
     def _probs_at_verdict(self, tokens: list[int], text: str, step_logprobs) -> list[float] | None:
@@ -375,7 +397,8 @@ class GenerativeJudge:
         """Texts, the verdict probabilities of the `wanted` rows (default all; None for the others): from the
         generation pass where it can, else from a forced pass; and per row whether its probabilities are bounds."""
         texts, probs = self._generate(prompts, read_verdicts=True)
-        wanted = wanted or [True] * len(prompts)
+        # A refused prompt has no judgment to read a verdict from.
+        wanted = [text is not None and want for text, want in zip(texts, wanted or [True] * len(prompts))]
         probs = [p if want else None for p, want in zip(probs, wanted)]
         bounded = [False] * len(prompts)
         missing = [i for i, p in enumerate(probs) if p is None and wanted[i]]
@@ -404,8 +427,8 @@ class GenerativeJudge:
         else:
             texts, probs, bounded = self._generate(prompts), [None] * len(prompts), [False] * len(prompts)
         return [
-            JudgeOutput(text=text, truncated=cut, verdict_probs=p, bounded_verdict_probs=int(b))
-            for text, cut, p, b in zip(texts, truncated, probs, bounded)
+            JudgeOutput(text=text, truncated=cut, verdict_probs=p, bounded_verdict_probs=int(b), refusal=reason)
+            for text, cut, p, b, reason in zip(texts, truncated, probs, bounded, self._refused)
         ]
 
     def _judge_pointwise(self, requests: Sequence[JudgeRequest]) -> list[JudgeOutput]:
@@ -424,15 +447,16 @@ class GenerativeJudge:
             # The runner then ranks by the judgments' parsed scores.
             texts, probs = self._generate(prompts), None
         outputs = [JudgeOutput(judgments=[], truncated=cut) for cut in truncated]
-        for owner, text, b in zip(owners, texts, bounded):
+        for owner, text, b, reason in zip(owners, texts, bounded, self._refused):
             outputs[owner].judgments.append(text)
             outputs[owner].bounded_verdict_probs += int(b)
+            outputs[owner].refusal = outputs[owner].refusal or reason
         if probs is not None:
             values = torch.tensor(self.score_values, dtype=torch.float)
             for output in outputs:
                 output.scores = []
             for owner, p in zip(owners, probs):
-                outputs[owner].scores.append(float(torch.tensor(p) @ values))
+                outputs[owner].scores.append(None if p is None else float(torch.tensor(p) @ values))
         return outputs
 
     def _verdict_probs(self, prompts: list[list[int]], texts: list[str]) -> list[list[float]]:
@@ -451,6 +475,14 @@ class GenerativeJudge:
         probs = []
         self._bounded_rows = []
         for generation in self.engine.generate(rows, 1, logprob_token_ids=self.verdict_ids):
+            if getattr(generation, "refusal", None):
+                if self.refusals == "raise":
+                    from trl_longrm.serving.base import EngineError
+
+                    raise EngineError(generation.refusal)
+                self._bounded_rows.append(False)
+                probs.append(None)
+                continue
             step = generation.logprobs[0]
             self._bounded_rows.append(any(token not in step for token in self.verdict_ids))
             if self._bounded_rows[-1]:

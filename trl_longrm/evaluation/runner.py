@@ -320,7 +320,15 @@ def _openai_engine(config: EvalConfig, tokenizer=None):
     settings.update({key: value for key, value in given.items() if value is not None})
     if config.is_disrm:
         return OpenAIScorer(config.base_url, config.served_model, api_key=config.api_key, **settings)
-    return OpenAIGenerator(config.base_url, config.served_model, api_key=config.api_key, tokenizer=tokenizer, **settings)
+    from trl_longrm.serving.base import greedy_settings
+
+    try:
+        # The checkpoint's repetition penalty, sent with each request as the other backends apply it.
+        greedy = greedy_settings(config.model_path, "openai")
+    except ValueError as error:
+        raise RunConfigError(str(error)) from None
+    return OpenAIGenerator(config.base_url, config.served_model, api_key=config.api_key, tokenizer=tokenizer,
+                           **greedy, **settings)  # fmt: skip
 
 
 def engine_identity(config: EvalConfig, engine=None) -> dict:
