@@ -20,8 +20,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 # (name, trainer, protocol, per_device_train_batch_size, num_generations): every case splits groups over the processes.
 CASES = [
     ("grpo_pairwise_4x8", "grpo", "pairwise", 4, 8),  # one group of 8, four rows on each process
+    ("grpo_pairwise_3x2", "grpo", "pairwise", 3, 2),  # three groups of 2, the middle one on both processes
     ("grpo_pairwise_1x2", "grpo", "pairwise", 1, 2),  # one row per process: each process alone would compare nothing
-    ("grpo_ranking_3x4", "grpo", "ranking", 3, 4),  # groups straddling the processes (rows 0-2 | 3, 4-5 | 6-7 ...)
+    ("grpo_ranking_3x6", "grpo", "ranking", 3, 6),  # one group of 6 ranked at once, three rows on each process
     ("rloo_pairwise_2x4", "rloo", "pairwise", 2, 4),
 ]
 PROMPTS = [
