@@ -466,11 +466,16 @@ class GenerativeJudge:
         an upper bound; such requests are counted in `bounded_verdict_probs` (and flagged, per row of this call, in
         `_bounded_rows`, from which each `JudgeOutput` counts its own)."""
         rows = []
+        limit = self.max_length if self.evaluation_protocol == "default" else getattr(self.engine, "max_model_len", None)
         for prompt, text in zip(prompts, texts):
             # Reasoning up to the verdict stays in context, so the probe reads the judgment at its own verdict spot.
             start = text.find(self.verdict_prefix)
             reasoning = text[:start] if start >= 0 else text
             reasoning_ids = self.tokenizer(reasoning, add_special_tokens=False)["input_ids"] if reasoning else []
+            if limit is not None:
+                # Re-tokenized, a judgment may take more tokens than were generated (a partial character's U+FFFD):
+                # its end is dropped so that the pass fits the context the judgment was generated in.
+                reasoning_ids = reasoning_ids[: max(limit - 1 - len(prompt) - len(self.forced_ids), 0)]
             rows.append(prompt + reasoning_ids + self.forced_ids)
         probs = []
         self._bounded_rows = []

@@ -13,6 +13,7 @@ leaves that row unscored). The API key (the argument or `OPENAI_API_KEY`) goes i
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -63,8 +64,11 @@ class _Server:
         openai = self._openai
         try:
             if payload is None:
-                return self._client.get(url, cast_to=object)
-            return self._client.post(url, body=payload, cast_to=object)
+                answer = self._client.get(url, cast_to=object)
+            else:
+                answer = self._client.post(url, body=payload, cast_to=object)
+            # The client parses JSON by the answer's content type; a server that does not set it sends text.
+            return json.loads(answer) if isinstance(answer, (str, bytes)) else answer
         except openai.APIStatusError as error:
             raise _HTTPRefusal(url, error.status_code, error.response.text) from None
         except openai.APITimeoutError:
@@ -223,7 +227,7 @@ class OpenAIGenerator(_OpenAIEngine):
             if self.vllm_fields and error.status in (400, 422) and any(f in error.body for f in _VLLM_FIELDS):
                 self.vllm_fields = False  # not vLLM: ask again without its fields
                 return self._complete(prompt, max_new_tokens, asked)
-            if 400 <= error.status < 500 and error.status not in (401, 403, 404):
+            if error.status in (400, 413, 422):
                 # This prompt's own fault (too long, a field refused): the others of the batch go on.
                 return Generation(token_ids=[], refusal=f"The server refused a completion request: {error}")
             raise EngineError(f"The server refused a completion request: {error}") from None
