@@ -138,3 +138,10 @@ def test_the_api_key_is_sent_and_never_shown():
         assert server.auth[-1] == f"Bearer {SECRET}"
         for shown in (repr(engine), repr(engine.server), str(engine.identity()), repr(vars(engine))):
             assert SECRET not in shown
+
+
+def test_no_config_repr_shows_the_api_key():
+    from trl_longrm.evaluation import EvalConfig
+
+    config = EvalConfig(model_path="judge", data_path="data", backend="openai", base_url="http://x/v1", api_key=SECRET)
+    assert SECRET not in repr(config) and SECRET not in str(config) and config.api_key == SECRET
