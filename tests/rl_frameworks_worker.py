@@ -26,9 +26,8 @@ sys.path.insert(0, str(ROOT))  # this tree's trl_longrm, before the venv's
 
 
 def verl_config(policy: str, manager: str):
-    from omegaconf import OmegaConf
-
     import verl
+    from omegaconf import OmegaConf
 
     config = OmegaConf.load(Path(verl.__file__).parent / "trainer" / "config" / "_generated_ppo_trainer.yaml")
     from verl.experimental.reward_loop.reward_loop import migrate_legacy_reward_impl
@@ -52,7 +51,6 @@ def verl_batch(policy: str, samples: dict):
     import numpy as np
     import torch
     from transformers import AutoTokenizer
-
     from verl import DataProto
 
     tokenizer = AutoTokenizer.from_pretrained(policy)
@@ -104,10 +102,9 @@ async def run_verl(kind: str, policy: str, samples: dict) -> dict:
 
 
 async def run_openrlhf(remote: str, policy: str, samples: dict) -> dict:
+    from openrlhf.utils.agent import SingleTurnAgentExecutor
     from transformers import AutoTokenizer
     from vllm import SamplingParams
-
-    from openrlhf.utils.agent import SingleTurnAgentExecutor
 
     tokenizer = AutoTokenizer.from_pretrained(policy)
     executor = SingleTurnAgentExecutor(remote_rm_url=[remote])

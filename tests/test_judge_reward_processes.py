@@ -13,9 +13,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from datasets import Dataset
-from transformers import AutoTokenizer
-from trl import GRPOConfig, GRPOTrainer
 from vllm_support import VLLM_SHAPE, vllm_server
 
 

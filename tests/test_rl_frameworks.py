@@ -85,7 +85,7 @@ def reward_server(paths, judge_server):
             break
         except OSError:
             if process.poll() is not None:
-                raise AssertionError((paths["root"] / "reward_server.log").read_text()[-3000:])
+                raise AssertionError((paths["root"] / "reward_server.log").read_text()[-3000:]) from None
             time.sleep(1)
     yield url
     process.terminate()

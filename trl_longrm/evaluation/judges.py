@@ -343,14 +343,38 @@ class GenerativeJudge:
         # The judgment must fit in the context too.
         return truncate_head_tail(ids, self.max_length - self.max_new_tokens)
 
+    def _budgets(self, prompts: list[list[int]]) -> list[int] | None:
+        """Under `evaluation_protocol="longrm"`, each prompt's new-token budget as LongRM's vLLM call gives it: its
+        engine sets no `max_model_len` (the model's own length), so a prompt cut to `max_length - 5` tokens keeps only
+        what the model's length leaves (`max_new_tokens` at most). None when every prompt gets `max_new_tokens` (the
+        default protocol cuts prompts to leave it) or the model's length is unknown."""
+        if self.evaluation_protocol != "longrm":
+            return None
+        limit = getattr(self.engine, "max_model_len", None)
+        if limit is None and isinstance(self.engine, TransformersGenerator):
+            # What vLLM derives for the same checkpoint (its `max_model_len` default).
+            limit = getattr(self.engine.model.config, "max_position_embeddings", None)
+        if limit is None:
+            return None
+        # A prompt as long as the model itself is left to the engine, which refuses it (as LongRM's run would fail).
+        budgets = [min(self.max_new_tokens, limit - len(p)) if len(p) < limit else self.max_new_tokens for p in prompts]
+        return None if all(b == self.max_new_tokens for b in budgets) else budgets
+
     def _generate(self, prompts: list[list[int]], read_verdicts: bool = False):
         """Greedy judgments of `prompts`: their texts, and with `read_verdicts` also, per row, the probabilities of the
         verdict tokens at the step after the verdict's opening, read from the generation's own log-probabilities (None
         where the judgment has no verdict opening, it does not end on a token boundary, or the engine did not report
         every verdict token there)."""
-        generations = self.engine.generate(
-            prompts, self.max_new_tokens, logprob_token_ids=self.verdict_ids if read_verdicts else None
-        )
+        asked = self.verdict_ids if read_verdicts else None
+        budgets = self._budgets(prompts)
+        if budgets is None:
+            generations = self.engine.generate(prompts, self.max_new_tokens, logprob_token_ids=asked)
+        else:  # one call per budget (few distinct ones: only prompts near the model's length get less)
+            generations = [None] * len(prompts)
+            for budget in sorted(set(budgets)):
+                rows = [i for i, b in enumerate(budgets) if b == budget]
+                for i, generation in zip(rows, self.engine.generate([prompts[i] for i in rows], budget, asked)):
+                    generations[i] = generation
         self._refused = [getattr(g, "refusal", None) for g in generations]
         refused = next((reason for reason in self._refused if reason), None)
         if refused and self.refusals == "raise":

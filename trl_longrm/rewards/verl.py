@@ -120,5 +120,5 @@ def compute_score(data_source=None, solution_str=None, ground_truth=None, extra_
                          "extra_info['prompt'] when preparing verl's data.")  # fmt: skip
     [score] = reward.rewards([_messages(prompt)], [solution_str])
     if score is None:
-        raise ValueError(f"The judge gave no score to this sample (its request was refused); see the warning above.")
+        raise ValueError("The judge gave no score to this sample (its request was refused); see the warning above.")
     return float(score)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+
 from trl_longrm.serving.base import Generation
 
 
