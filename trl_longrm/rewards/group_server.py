@@ -294,7 +294,7 @@ def run_reward_server(args: argparse.Namespace) -> int:
     reward = JudgeReward(args.base_url, args.tokenizer, model=args.served_model, protocol=args.protocol,
                          template=args.template, max_length=args.max_length, max_new_tokens=args.max_new_tokens,
                          verdict_probs=args.verdict_probs, max_concurrency=args.max_concurrency,
-                         timeout=args.request_timeout)  # fmt: skip
+                         timeout=args.request_timeout, across_processes=False)  # fmt: skip
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     server = make_server(reward, args.group_size, args.host, args.port, args.group_timeout)

@@ -94,7 +94,8 @@ class JudgeReward:
     the reward function on each process's rows. Every call gathers the rows of all processes (`torch.distributed`, on
     a gloo group of its own), deals the whole groups out among the processes (each judged once, by one process), and
     returns each process its own rows' rewards: the rewards and logged counters are those of one process judging the
-    whole batch, whatever `per_device_train_batch_size` and `num_generations`.
+    whole batch, whatever `per_device_train_batch_size` and `num_generations`. `across_processes=False` judges each
+    call's rows alone (for callers whose processes do not all call it together).
 
     **Bounded work.** A transformers judge generates `batch_size` prompts at a time (a 128K-token pairwise group of 8
     is 56 prompts); a server gets at most `max_concurrency` requests in flight from each process. The judge's context
@@ -141,6 +142,7 @@ class JudgeReward:
         verdict_probs: bool = True,
         warm_prefix: bool = False,
         batch_size: int = 8,
+        across_processes: bool = True,
         name: str = "JudgeReward",
         **engine_kwargs: Any,
     ):
@@ -191,7 +193,9 @@ class JudgeReward:
             )
         # Only an engine with a prefix cache gains from prefilling the shared context first.
         self.warm_prefix = warm_prefix and not isinstance(self.judge.engine, TransformersGenerator)
-        self.exchange = ProcessGroupExchange()
+        # Off where the processes of a torch.distributed group do not all call the reward together (a framework's
+        # per-sample reward workers): there each call judges its own rows.
+        self.exchange = ProcessGroupExchange() if across_processes else None
         self.__name__ = name  # TRL logs each reward function under its `__name__`
 
     # -- requests -----------------------------------------------------------------------------------------------------
@@ -328,7 +332,7 @@ class JudgeReward:
         are the whole batch's. With one process, `judge_batch` (blocking)."""
         if len(prompts) != len(completions):
             raise ValueError(f"{len(prompts)} prompts but {len(completions)} completions.")
-        if self.exchange.world_size == 1:
+        if self.exchange is None or self.exchange.world_size == 1:
             return self.judge_batch(prompts, completions)
         from trl_longrm.rewards.distributed import judge_whole_groups
 
@@ -359,7 +363,7 @@ class JudgeReward:
     def rewards(self, prompts: Sequence, completions: Sequence, log_metric=None) -> list[float | None]:
         """One reward per completion, in order, None where unscored (blocking): what `__call__` returns, for callers
         without an event loop."""
-        if not prompts and self.exchange.world_size == 1:
+        if not prompts and (self.exchange is None or self.exchange.world_size == 1):
             return []
         batch = self.judge_all_processes(prompts, completions)
         self._report(batch, log_metric)
@@ -387,7 +391,7 @@ class JudgeReward:
         """One reward per completion, in order, None where unscored (TRL's reward-function signature); the engine
         calls (and, under several processes, the exchange of rows) run in a worker thread so that GRPO's event loop
         (and the other async reward functions on it) keep running."""
-        if not prompts and self.exchange.world_size == 1:
+        if not prompts and (self.exchange is None or self.exchange.world_size == 1):
             return []
         batch = await asyncio.to_thread(self.judge_all_processes, prompts, completions)
         self._report(batch, log_metric)
@@ -442,6 +446,8 @@ def judge_reward_from_env(environ=None) -> JudgeReward:
             verdict_probs=(get("TRL_LONGRM_JUDGE_VERDICT_PROBS") or "1") not in ("0", "false", "False"),
             max_concurrency=int(get("TRL_LONGRM_JUDGE_MAX_CONCURRENCY") or 8),
             timeout=float(get("TRL_LONGRM_JUDGE_TIMEOUT") or 600),
+            # Called by a framework's reward workers one at a time, never by every process of a group together.
+            across_processes=False,
         )
     return _FROM_ENV[values]
 
