@@ -347,8 +347,9 @@ def test_slow_server_is_one_timeout_error(tokenizer):
 
 
 def test_verl_and_openrlhf_entry_points_match(paths, server, tokenizer, monkeypatch):
-    """verl's batch `compute_score` and OpenRLHF's `reward_func`, called with their upstream signatures and set up by
-    the environment, give `JudgeReward`'s rewards for the same batch."""
+    """verl's per-sample `compute_score` (keyword arguments, as its `naive` manager calls it) and OpenRLHF's
+    `reward_func`, set up by the environment, give `JudgeReward`'s pointwise rewards for the same samples (their own
+    calling code: tests/test_rl_frameworks.py)."""
     from trl_longrm.rewards.openrlhf import reward_func
     from trl_longrm.rewards.verl import compute_score
 
@@ -360,22 +361,23 @@ def test_verl_and_openrlhf_entry_points_match(paths, server, tokenizer, monkeypa
     ps, cs = batch(CONVERSATIONAL)
     expected = reference.rewards(ps, cs)
     assert torch.tensor(expected).std() > 1e-3
-    got = compute_score(data_sources=["longrm"] * len(ps), solution_strs=[c[0]["content"] for c in cs],
-                        ground_truths=[None] * len(ps), extra_infos=[{"prompt": p} for p in ps])  # fmt: skip
+    got = [compute_score(data_source="longrm", solution_str=c[0]["content"], ground_truth=None, extra_info={"prompt": p})
+           for p, c in zip(ps, cs)]  # fmt: skip
     assert got == pytest.approx(expected, abs=1e-4)
 
     plain = [sentence(3, 50) + " Answer:", sentence(4, 30) + " Answer:"]
     ps, cs = batch(plain, conversational=False)
     expected = reference.rewards(ps, cs)
-    # OpenRLHF's queries are prompt + response, here with the policy's end-of-turn token kept.
-    result = reward_func(queries=[p + c + "<|im_end|>" for p, c in zip(ps, cs)], prompts=ps, labels=[""] * len(ps))
-    torch.testing.assert_close(result["rewards"], torch.tensor(expected), atol=1e-4, rtol=0)
-    torch.testing.assert_close(result["scores"], torch.tensor(expected) / 9, atol=1e-4, rtol=0)
-    assert set(result["extra_logs"]) == {"judge/unparsed_verdicts", "judge/unparsed_fraction"}
+    # OpenRLHF's queries are prompt + response, here with the policy's end-of-turn token kept; one sample per call.
+    for p, c, want in zip(ps, cs, expected):
+        result = reward_func(queries=[p + c + "<|im_end|>"], prompts=[p], labels=[""])
+        assert result["rewards"].tolist() == pytest.approx([want], abs=1e-4)
+        assert result["scores"].tolist() == pytest.approx([want / 9], abs=1e-4)
+        assert {"judge/unparsed_verdicts", "judge/unscored_rows"} <= set(result["extra_logs"])
 
-    # Recent OpenRLHF calls reward_func once per sample: a pairwise judge has nothing to compare, and says so.
+    # One sample per call: a pairwise judge has nothing to compare, and says so (at ERROR, through OpenRLHF's catch-all).
     monkeypatch.setenv("TRL_LONGRM_JUDGE_PROTOCOL", "pairwise")
     with pytest.raises(ValueError, match="TRL_LONGRM_JUDGE_PROTOCOL=pointwise"):
         reward_func(queries=[ps[0] + cs[0]], prompts=ps[:1], labels=[""])
-    grouped = reward_func(queries=[p + c for p, c in zip(ps, cs)], prompts=ps, labels=[""] * len(ps))
-    assert grouped["rewards"].numel() == len(ps)
+    with pytest.raises(ValueError, match="TRL_LONGRM_JUDGE_PROTOCOL=pointwise"):
+        compute_score(data_source="longrm", solution_str=cs[0], ground_truth=None, extra_info={"prompt": ps[0]})
