@@ -56,8 +56,8 @@ def verl_batch(policy: str, samples: dict):
     tokenizer = AutoTokenizer.from_pretrained(policy)
     rows = []
     for g, (prompt, responses) in enumerate(zip(samples["prompts"], samples["responses"])):
-        prompt_ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
-        prompt_ids = list(prompt_ids["input_ids"] if isinstance(prompt_ids, dict) else prompt_ids)
+        text = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+        prompt_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         for response in responses:
             rows.append((g, prompt, prompt_ids, tokenizer(response, add_special_tokens=False)["input_ids"]))
     width_p, width_r = max(len(r[2]) for r in rows), max(len(r[3]) + 1 for r in rows)

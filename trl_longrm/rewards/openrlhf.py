@@ -35,7 +35,8 @@ from trl_longrm.rewards.group_server import openrlhf_response
 from trl_longrm.rewards.judge import judge_reward_from_env
 
 
-logger = logging.getLogger(__name__)
+# A fixed name: OpenRLHF loads this file as a module named `reward_func`.
+logger = logging.getLogger("trl_longrm.rewards.openrlhf")
 if not logger.handlers:  # OpenRLHF configures only its own loggers: ours must print by itself
     _handler = logging.StreamHandler(sys.stderr)
     _handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
