@@ -446,6 +446,7 @@ class GenerativeJudge:
             prompts.append(ids)
             truncated.append(cut)
         wanted = [self.verdict_probs and not request.ranking for request in requests]
+        self._refused = [None] * len(prompts)  # `_generate` records the engine's refusals here
         if any(wanted):
             texts, probs, bounded = self._read_verdicts(prompts, wanted)
         else:
@@ -465,6 +466,7 @@ class GenerativeJudge:
                 owners.append(i)
                 truncated[i] = truncated[i] or cut
         bounded = [False] * len(prompts)
+        self._refused = [None] * len(prompts)  # `_generate` records the engine's refusals here
         if self.verdict_probs:
             texts, probs, bounded = self._read_verdicts(prompts)
         else:
