@@ -339,7 +339,12 @@ class GenerativeJudge:
     def _prompt_ids(self, messages: list[dict[str, str]]) -> tuple[list[int], bool]:
         ids = _chat_ids(self.tokenizer, messages, add_generation_prompt=True)
         if self.evaluation_protocol == "longrm":
-            return truncate_head_tail(ids, self.max_length, at_limit=True)
+            ids, cut = truncate_head_tail(ids, self.max_length, at_limit=True)
+            if cut:
+                # LongRM's seam: its evaluator decodes the cut ids to text and its engine tokenizes that text again, so
+                # a cut inside a multi-byte character becomes U+FFFD and then its own ids (one to three differ).
+                ids = self.tokenizer(self.tokenizer.decode(ids), add_special_tokens=False)["input_ids"]
+            return ids, cut
         # The judgment must fit in the context too.
         return truncate_head_tail(ids, self.max_length - self.max_new_tokens)
 
@@ -382,8 +387,7 @@ class GenerativeJudge:
 
             raise EngineError(refused)
         texts = [
-            None if reason else self.tokenizer.decode(g.token_ids, skip_special_tokens=True)
-            for g, reason in zip(generations, self._refused)
+            None if reason else self._decode(g.token_ids) for g, reason in zip(generations, self._refused)
         ]
         if not read_verdicts:
             return texts
@@ -392,6 +396,13 @@ class GenerativeJudge:
             for g, text in zip(generations, texts)
         ]
         return texts, probs
+
+    def _decode(self, token_ids: list[int]) -> str:
+        """A judgment's text. Under `evaluation_protocol="longrm"`, as vLLM's detokenizer ends it (LongRM stores the
+        engine's text): its incremental decoding (tokenizers' `DecodeStream`) emits nothing for bytes that do not yet
+        make a character, so a judgment stopping inside a multi-byte character ends before it, without U+FFFD."""
+        text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
+        return text.rstrip("\ufffd") if self.evaluation_protocol == "longrm" else text
 
     def _probs_at_verdict(self, tokens: list[int], text: str, step_logprobs) -> list[float] | None:
         start = text.find(self.verdict_prefix)
