@@ -23,8 +23,9 @@ class StandIn:
     """A scripted `/v1` server: `/v1/models`, `/tokenize` (with `tokens`), `/v1/completions` answering `[[A]]` as
     token ids, a 400 for a prompt holding `refuse_token`, and `busy` 429s (with `Retry-After`) before answering."""
 
-    def __init__(self, tokens=None, busy=0, retry_after="2", refuse_token=-1):
+    def __init__(self, tokens=None, busy=0, retry_after="2", refuse_token=-1, text_steps=None):
         self.tokens, self.busy, self.retry_after, self.refuse_token = tokens, busy, retry_after, refuse_token
+        self.text_steps = text_steps
         self.connections, self.posts, self.times, self.auth = set(), 0, [], []
         owner = self
 
@@ -60,7 +61,13 @@ class StandIn:
                     return self._answer(429, {"error": "busy"}, [("Retry-After", owner.retry_after)])
                 if owner.refuse_token in payload["prompt"]:
                     return self._answer(400, {"error": {"message": "This model's maximum context length is 4096"}})
-                choice = {"text": "[[A]]", "token_ids": [7, 8, 9], "logprobs": None}
+                if owner.text_steps is not None:  # a server without vLLM's fields: text and its own token strings
+                    if "return_token_ids" in payload:
+                        return self._answer(400, {"error": "unknown field return_token_ids"})
+                    pieces, steps = owner.text_steps
+                    choice = {"text": "".join(pieces), "logprobs": {"tokens": pieces, "top_logprobs": steps}}
+                else:
+                    choice = {"text": "[[A]]", "token_ids": [7, 8, 9], "logprobs": None}
                 self._answer(200, {"choices": [choice]})
 
             def log_message(self, *args):
@@ -145,3 +152,24 @@ def test_no_config_repr_shows_the_api_key():
 
     config = EvalConfig(model_path="judge", data_path="data", backend="openai", base_url="http://x/v1", api_key=SECRET)
     assert SECRET not in repr(config) and SECRET not in str(config) and config.api_key == SECRET
+
+
+def test_text_servers_steps_are_read_only_where_they_align(tokenizer):
+    """A server returning text and top log-probabilities by token string (not vLLM): its steps are read at the
+    re-tokenized ids when its tokens are ours, step for step; when they split the text otherwise, no step is read (the
+    judge then reads the verdict with its forced one-token pass) instead of reading a step at the wrong token."""
+    verdict = tokenizer("[[B]]", add_special_tokens=False)["input_ids"]
+    pieces = [tokenizer.decode([t]) for t in verdict]
+    letter = verdict.index(tokenizer("B", add_special_tokens=False)["input_ids"][0])
+    a_id, b_id = (tokenizer(x, add_special_tokens=False)["input_ids"][0] for x in "AB")
+    steps = [{piece: -0.1} for piece in pieces]
+    steps[letter] = {"B": -0.2, "A": -1.7}
+    with StandIn(text_steps=(pieces, steps)) as server:
+        engine = OpenAIGenerator(server.base_url, "judge", tokenizer=tokenizer)
+        [aligned] = engine.generate([[1, 2]], 8, logprob_token_ids=[a_id, b_id])
+        assert aligned.token_ids == verdict and aligned.logprobs[letter] == {a_id: -1.7, b_id: -0.2}
+    other = ["[", "[B", "]]"]  # the same text in other tokens than ours
+    with StandIn(text_steps=(other, [{}, {"[B": -0.1}, {"]]": -0.1}])) as server:
+        engine = OpenAIGenerator(server.base_url, "judge", tokenizer=tokenizer)
+        [misaligned] = engine.generate([[1, 2]], 8, logprob_token_ids=[a_id, b_id])
+        assert misaligned.token_ids == verdict and all(step == {} for step in misaligned.logprobs)

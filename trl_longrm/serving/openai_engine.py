@@ -243,6 +243,15 @@ class OpenAIGenerator(_OpenAIEngine):
                     "OpenAIGenerator the checkpoint's tokenizer to read it."
                 )
             token_ids = self.tokenizer(choice["text"], add_special_tokens=False)["input_ids"]
+            pieces = (choice.get("logprobs") or {}).get("tokens")
+            # The server's steps are its own tokens; they are read at our re-tokenized ids only where both agree, step
+            # by step. Otherwise no step is trusted: the judge reads the verdict with its forced one-token pass, whose
+            # single step is unambiguous.
+            aligned = len(steps) == len(token_ids) and (
+                pieces is None or [self.tokenizer.decode([t]) for t in token_ids] == list(pieces)
+            )
+            if not aligned:
+                steps = [{} for _ in token_ids]
         if not asked:
             return Generation(token_ids=list(token_ids))
         wanted = {token: token for token in asked}
