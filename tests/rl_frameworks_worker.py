@@ -1,15 +1,17 @@
 """Run from vLLM's venv (where verl 0.9.1 and OpenRLHF 0.11.2 are installed) by tests/test_rl_frameworks.py: our
-reward code driven by verl's and OpenRLHF's own calling code, printing one JSON line `RESULT {...}`.
+reward code driven by verl's and OpenRLHF's own calling code, one process for every job (the imports cost more than the
+jobs), printing one JSON line `RESULT {job name: result}`.
 
-    python tests/rl_frameworks_worker.py verl-manager POLICY SAMPLES_JSON   # JudgeRewardManager in verl's reward loop
-    python tests/rl_frameworks_worker.py verl-function POLICY SAMPLES_JSON  # compute_score in verl's naive manager
-    python tests/rl_frameworks_worker.py openrlhf URL_OR_PY POLICY SAMPLES_JSON  # OpenRLHF's single-turn executor
+    python tests/rl_frameworks_worker.py JOBS_JSON POLICY SAMPLES_JSON
 
-SAMPLES_JSON: {"prompts": [messages...], "responses": [[text, ...] per prompt]}. verl: every sample is scored by
-`RewardLoopWorker.compute_score` on a worker picked at random among 2 (as verl's agent loop streams rewards), and the
-whole batch by `compute_score_batch` in chunks that split groups (as `RewardLoopManager.compute_rm_score` deals it out).
-OpenRLHF: each prompt's samples by `SingleTurnAgentExecutor.execute`, all at once (as `generate_responses` runs them);
-the policy's generation is a stand-in returning the given responses' token ids (the reward path is what is tested).
+JOBS_JSON: a list of {"name", "kind", "remote" (OpenRLHF's --reward.remote_url), "env" (set for the job)}; kinds:
+`verl-manager` (JudgeRewardManager in verl's reward loop), `verl-function` (compute_score in verl's naive manager),
+`openrlhf` (OpenRLHF's single-turn executor). SAMPLES_JSON: {"prompts": [messages...], "responses": [[text, ...] per
+prompt]}. verl: every sample is scored by `RewardLoopWorker.compute_score` on a worker picked at random among 2 (as
+verl's agent loop streams rewards), and the whole batch by `compute_score_batch` in chunks that split groups (as
+`RewardLoopManager.compute_rm_score` deals it out). OpenRLHF: each prompt's samples by `SingleTurnAgentExecutor.execute`,
+all at once (as `generate_responses` runs them); the policy's generation is a stand-in returning the given responses'
+token ids (the reward path is what is tested).
 """
 
 from __future__ import annotations
@@ -146,9 +148,15 @@ def _number(value):
 
 
 if __name__ == "__main__":
-    kind = sys.argv[1]
-    if kind == "openrlhf":
-        result = asyncio.run(run_openrlhf(sys.argv[2], sys.argv[3], json.loads(Path(sys.argv[4]).read_text())))
-    else:
-        result = asyncio.run(run_verl(kind, sys.argv[2], json.loads(Path(sys.argv[3]).read_text())))
-    print("RESULT " + json.dumps(result), flush=True)
+    import os
+
+    jobs = json.loads(Path(sys.argv[1]).read_text())
+    policy, samples = sys.argv[2], json.loads(Path(sys.argv[3]).read_text())
+    results = {}
+    for job in jobs:
+        os.environ.update(job.get("env", {}))
+        if job["kind"] == "openrlhf":
+            results[job["name"]] = asyncio.run(run_openrlhf(job["remote"], policy, samples))
+        else:
+            results[job["name"]] = asyncio.run(run_verl(job["kind"], policy, samples))
+    print("RESULT " + json.dumps(results), flush=True)

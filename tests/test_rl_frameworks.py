@@ -97,38 +97,6 @@ def expected_rewards():
     return [judge_steering.expected_pairwise(responses) for responses in RESPONSES]
 
 
-def result_of(run) -> dict:
-    line = next(line for line in run.stdout.splitlines() if line.startswith("RESULT "))
-    return json.loads(line[len("RESULT ") :])
-
-
-def test_expected_rewards_differ():
-    flat = [r for group in expected_rewards() for r in group]
-    assert None not in flat and len(set(flat)) > 2
-
-
-def test_verl_reward_loop_judges_uid_groups_whole(paths, reward_server, monkeypatch):
-    """verl's own `RewardLoopWorker`: every sample alone on a random worker, and the batch in chunks of 3 (groups of 4
-    split over the workers): the pairwise win rates of the whole groups."""
-    monkeypatch.setenv("TRL_LONGRM_REWARD_SERVER", reward_server)
-    result = result_of(run_in_vllm_venv(WORKER, "verl-manager", paths["policy"], paths["samples"], timeout=600))
-    expected = [r for group in expected_rewards() for r in group]
-    assert result["streamed"] == pytest.approx(expected)
-    assert result["batched"] == pytest.approx(expected)
-    assert all(extra["judge_unscored"] == 0 for extra in result["extra"])
-
-
-def test_openrlhf_executor_gets_group_rewards_from_the_reward_server(paths, reward_server):
-    """OpenRLHF's `SingleTurnAgentExecutor` posts each sample to the reward server (`--reward.remote_url`): each gets
-    its whole group's pairwise win rate, as scalars OpenRLHF reads."""
-    result = result_of(run_in_vllm_venv(WORKER, "openrlhf", f"{reward_server}/get_reward", paths["policy"],
-                                        paths["samples"], timeout=600))  # fmt: skip
-    for got, expected in zip(result["rewards"], expected_rewards()):
-        assert [sample["reward"] for sample in got] == pytest.approx(expected)
-        assert [sample["scores"] for sample in got] == pytest.approx(expected)  # already in [0, 1]
-        assert [sample["extra_logs"]["judge/unscored"] for sample in got] == [0] * G
-
-
 def judge_env(paths, judge_server, protocol):
     return {"TRL_LONGRM_JUDGE_URL": judge_server.base_url, "TRL_LONGRM_JUDGE_MODEL": "judge",
             "TRL_LONGRM_JUDGE_TOKENIZER": paths["judge"], "TRL_LONGRM_JUDGE_PROTOCOL": protocol,
@@ -136,27 +104,65 @@ def judge_env(paths, judge_server, protocol):
             "TRL_LONGRM_JUDGE_VERDICT_PROBS": "0"}  # fmt: skip
 
 
-def test_per_sample_routes_judge_pointwise(paths, judge_server, monkeypatch):
+@pytest.fixture(scope="module")
+def runs(paths, judge_server, reward_server):
+    """Every job in one process of vLLM's venv (importing verl and OpenRLHF takes longer than the jobs)."""
+    per_sample = str(ROOT / "trl_longrm" / "rewards" / "openrlhf.py")
+    jobs = [
+        {"name": "verl_manager", "kind": "verl-manager", "env": {"TRL_LONGRM_REWARD_SERVER": reward_server}},
+        {"name": "openrlhf_server", "kind": "openrlhf", "remote": f"{reward_server}/get_reward"},
+        {"name": "verl_function", "kind": "verl-function", "env": judge_env(paths, judge_server, "pointwise")},
+        {"name": "openrlhf_file", "kind": "openrlhf", "remote": per_sample,
+         "env": judge_env(paths, judge_server, "pointwise")},
+        # Last: a pairwise judge on the per-sample file route, refused.
+        {"name": "openrlhf_file_pairwise", "kind": "openrlhf", "remote": per_sample,
+         "env": judge_env(paths, judge_server, "pairwise")},
+    ]  # fmt: skip
+    jobs_file = paths["root"] / "jobs.json"
+    jobs_file.write_text(json.dumps(jobs))
+    run = run_in_vllm_venv(WORKER, str(jobs_file), paths["policy"], paths["samples"], timeout=900)
+    line = next(line for line in run.stdout.splitlines() if line.startswith("RESULT "))
+    return {"results": json.loads(line[len("RESULT ") :]), "stderr": run.stderr}
+
+
+def test_expected_rewards_differ():
+    flat = [r for group in expected_rewards() for r in group]
+    assert None not in flat and len(set(flat)) > 2
+
+
+def test_verl_reward_loop_judges_uid_groups_whole(runs):
+    """verl's own `RewardLoopWorker`: every sample alone on a random worker, and the batch in chunks of 3 (groups of 4
+    split over the workers): the pairwise win rates of the whole groups."""
+    result = runs["results"]["verl_manager"]
+    expected = [r for group in expected_rewards() for r in group]
+    assert result["streamed"] == pytest.approx(expected)
+    assert result["batched"] == pytest.approx(expected)
+    assert all(extra["judge_unscored"] == 0 for extra in result["extra"])
+
+
+def test_openrlhf_executor_gets_group_rewards_from_the_reward_server(runs):
+    """OpenRLHF's `SingleTurnAgentExecutor` posts each sample to the reward server (`--reward.remote_url`): each gets
+    its whole group's pairwise win rate, as scalars OpenRLHF reads."""
+    for got, expected in zip(runs["results"]["openrlhf_server"]["rewards"], expected_rewards()):
+        assert [sample["reward"] for sample in got] == pytest.approx(expected)
+        assert [sample["scores"] for sample in got] == pytest.approx(expected)  # already in [0, 1]
+        assert [sample["extra_logs"]["judge/unscored"] for sample in got] == [0] * G
+
+
+def test_per_sample_routes_judge_pointwise(runs):
     """verl's `naive` manager calling our `compute_score` per sample, and OpenRLHF's executor calling our `.py`
     `reward_func` per sample: the pointwise score the steered judge writes (quality % 10)."""
-    for key, value in judge_env(paths, judge_server, "pointwise").items():
-        monkeypatch.setenv(key, value)
     expected = [judge_steering.quality(text) % 10 for group in RESPONSES for text in group]
-    verl = result_of(run_in_vllm_venv(WORKER, "verl-function", paths["policy"], paths["samples"], timeout=600))
+    verl = runs["results"]["verl_function"]
     assert verl["streamed"] == pytest.approx(expected) and verl["batched"] == pytest.approx(expected)
-    openrlhf = result_of(run_in_vllm_venv(WORKER, "openrlhf", str(ROOT / "trl_longrm" / "rewards" / "openrlhf.py"),
-                                          paths["policy"], paths["samples"], timeout=600))  # fmt: skip
-    got = [sample["reward"] for group in openrlhf["rewards"] for sample in group]
+    got = [sample["reward"] for group in runs["results"]["openrlhf_file"]["rewards"] for sample in group]
     assert got == pytest.approx(expected)
 
 
-def test_openrlhf_shows_our_error_despite_its_catch_all(paths, judge_server, monkeypatch):
+def test_openrlhf_shows_our_error_despite_its_catch_all(runs):
     """A pairwise judge through the per-sample `.py` route: OpenRLHF catches the error and logs it at INFO; ours is
     logged at ERROR on stderr first, naming the fix."""
-    for key, value in judge_env(paths, judge_server, "pairwise").items():
-        monkeypatch.setenv(key, value)
-    run = run_in_vllm_venv(WORKER, "openrlhf", str(ROOT / "trl_longrm" / "rewards" / "openrlhf.py"), paths["policy"],
-                           paths["samples"], timeout=600)  # fmt: skip
-    assert all(sample["reward"] is None for group in result_of(run)["rewards"] for sample in group)
-    assert "ERROR trl_longrm.rewards.openrlhf" in run.stderr
-    assert "trl-longrm reward-server --group-size N" in run.stderr
+    rewards = runs["results"]["openrlhf_file_pairwise"]["rewards"]
+    assert all(sample["reward"] is None for group in rewards for sample in group)
+    assert "ERROR trl_longrm.rewards.openrlhf" in runs["stderr"]
+    assert "trl-longrm reward-server --group-size N" in runs["stderr"]
