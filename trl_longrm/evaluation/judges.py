@@ -61,6 +61,8 @@ class JudgeOutput:
         bounded_verdict_probs: how many of this request's verdict probabilities are bounds, not exact: the engine
             (a server returning only its top-k log-probabilities) did not report every verdict token
             (`GenerativeJudge._verdict_probs`).
+        refusal: why the engine refused (one of) this request's prompts, with `GenerativeJudge(refusals="keep")`:
+            that prompt has no text (its `text`, or its entry of `judgments`, is None) and no verdict probabilities.
     """
 
     text: str | None = None
@@ -69,6 +71,7 @@ class JudgeOutput:
     judgments: list[str] | None = None
     truncated: bool = False
     bounded_verdict_probs: int = 0
+    refusal: str | None = None
 
 
 @runtime_checkable
@@ -258,6 +261,9 @@ class GenerativeJudge:
     `VLLMGenerator` in process, `OpenAIGenerator` for an OpenAI-compatible server): prompts, their cut and the reading
     of verdicts are the same whatever generates.
 
+    A prompt the engine refuses (a server's 4xx) raises an `EngineError` (`refusals="raise"`, the evaluation's), or
+    with `refusals="keep"` leaves that request's output without text, its `refusal` saying why (`JudgeReward`).
+
     Example:
     ```python
     >>> judge = GenerativeJudge.from_pretrained("./LongReward_Qwen3-8B", max_length=131072, max_new_tokens=2048)
@@ -278,7 +284,10 @@ class GenerativeJudge:
         protocol: str = "pairwise",
         template: PromptTemplate | None = None,
         evaluation_protocol: str = "default",
+        refusals: str = "raise",
     ):
+        if refusals not in ("raise", "keep"):
+            raise ValueError(f"`refusals` must be 'raise' or 'keep', got {refusals!r}.")
         if protocol not in JUDGE_PROTOCOLS:
             raise ValueError(f"`protocol` must be one of {list(JUDGE_PROTOCOLS)}, got {protocol!r}.")
         if evaluation_protocol not in PROTOCOLS:
@@ -300,6 +309,7 @@ class GenerativeJudge:
         self.protocol = protocol
         self.template = template or PromptTemplate.default()
         self.evaluation_protocol = evaluation_protocol
+        self.refusals = refusals
         score_format = self.template.pointwise_format
         low, high = score_format.scale
         self.score_values = list(range(low, high + 1))
@@ -329,23 +339,70 @@ class GenerativeJudge:
     def _prompt_ids(self, messages: list[dict[str, str]]) -> tuple[list[int], bool]:
         ids = _chat_ids(self.tokenizer, messages, add_generation_prompt=True)
         if self.evaluation_protocol == "longrm":
-            return truncate_head_tail(ids, self.max_length, at_limit=True)
+            ids, cut = truncate_head_tail(ids, self.max_length, at_limit=True)
+            if cut:
+                # LongRM's seam: its evaluator decodes the cut ids to text and its engine tokenizes that text again, so
+                # a cut inside a multi-byte character becomes U+FFFD and then its own ids (one to three differ).
+                ids = self.tokenizer(self.tokenizer.decode(ids), add_special_tokens=False)["input_ids"]
+            return ids, cut
         # The judgment must fit in the context too.
         return truncate_head_tail(ids, self.max_length - self.max_new_tokens)
+
+    def _budgets(self, prompts: list[list[int]]) -> list[int] | None:
+        """Under `evaluation_protocol="longrm"`, each prompt's new-token budget as LongRM's vLLM call gives it: its
+        engine sets no `max_model_len` (the model's own length), so a prompt cut to `max_length - 5` tokens keeps only
+        what the model's length leaves (`max_new_tokens` at most). None when every prompt gets `max_new_tokens` (the
+        default protocol cuts prompts to leave it) or the model's length is unknown."""
+        if self.evaluation_protocol != "longrm":
+            return None
+        limit = getattr(self.engine, "max_model_len", None)
+        if limit is None and isinstance(self.engine, TransformersGenerator):
+            # What vLLM derives for the same checkpoint (its `max_model_len` default).
+            limit = getattr(self.engine.model.config, "max_position_embeddings", None)
+        if limit is None:
+            return None
+        # A prompt as long as the model itself is left to the engine, which refuses it (as LongRM's run would fail).
+        budgets = [min(self.max_new_tokens, limit - len(p)) if len(p) < limit else self.max_new_tokens for p in prompts]
+        return None if all(b == self.max_new_tokens for b in budgets) else budgets
 
     def _generate(self, prompts: list[list[int]], read_verdicts: bool = False):
         """Greedy judgments of `prompts`: their texts, and with `read_verdicts` also, per row, the probabilities of the
         verdict tokens at the step after the verdict's opening, read from the generation's own log-probabilities (None
         where the judgment has no verdict opening, it does not end on a token boundary, or the engine did not report
         every verdict token there)."""
-        generations = self.engine.generate(
-            prompts, self.max_new_tokens, logprob_token_ids=self.verdict_ids if read_verdicts else None
-        )
-        texts = [self.tokenizer.decode(g.token_ids, skip_special_tokens=True) for g in generations]
+        asked = self.verdict_ids if read_verdicts else None
+        budgets = self._budgets(prompts)
+        if budgets is None:
+            generations = self.engine.generate(prompts, self.max_new_tokens, logprob_token_ids=asked)
+        else:  # one call per budget (few distinct ones: only prompts near the model's length get less)
+            generations = [None] * len(prompts)
+            for budget in sorted(set(budgets)):
+                rows = [i for i, b in enumerate(budgets) if b == budget]
+                for i, generation in zip(rows, self.engine.generate([prompts[i] for i in rows], budget, asked)):
+                    generations[i] = generation
+        self._refused = [getattr(g, "refusal", None) for g in generations]
+        refused = next((reason for reason in self._refused if reason), None)
+        if refused and self.refusals == "raise":
+            from trl_longrm.serving.base import EngineError
+
+            raise EngineError(refused)
+        texts = [
+            None if reason else self._decode(g.token_ids) for g, reason in zip(generations, self._refused)
+        ]
         if not read_verdicts:
             return texts
-        probs = [self._probs_at_verdict(g.token_ids, text, g.logprobs) for g, text in zip(generations, texts)]
+        probs = [
+            None if text is None else self._probs_at_verdict(g.token_ids, text, g.logprobs)
+            for g, text in zip(generations, texts)
+        ]
         return texts, probs
+
+    def _decode(self, token_ids: list[int]) -> str:
+        """A judgment's text. Under `evaluation_protocol="longrm"`, as vLLM's detokenizer ends it (LongRM stores the
+        engine's text): its incremental decoding (tokenizers' `DecodeStream`) emits nothing for bytes that do not yet
+        make a character, so a judgment stopping inside a multi-byte character ends before it, without U+FFFD."""
+        text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
+        return text.rstrip("\ufffd") if self.evaluation_protocol == "longrm" else text
 
     def _probs_at_verdict(self, tokens: list[int], text: str, step_logprobs) -> list[float] | None:
         start = text.find(self.verdict_prefix)
@@ -375,7 +432,8 @@ class GenerativeJudge:
         """Texts, the verdict probabilities of the `wanted` rows (default all; None for the others): from the
         generation pass where it can, else from a forced pass; and per row whether its probabilities are bounds."""
         texts, probs = self._generate(prompts, read_verdicts=True)
-        wanted = wanted or [True] * len(prompts)
+        # A refused prompt has no judgment to read a verdict from.
+        wanted = [text is not None and want for text, want in zip(texts, wanted or [True] * len(prompts))]
         probs = [p if want else None for p, want in zip(probs, wanted)]
         bounded = [False] * len(prompts)
         missing = [i for i, p in enumerate(probs) if p is None and wanted[i]]
@@ -399,13 +457,14 @@ class GenerativeJudge:
             prompts.append(ids)
             truncated.append(cut)
         wanted = [self.verdict_probs and not request.ranking for request in requests]
+        self._refused = [None] * len(prompts)  # `_generate` records the engine's refusals here
         if any(wanted):
             texts, probs, bounded = self._read_verdicts(prompts, wanted)
         else:
             texts, probs, bounded = self._generate(prompts), [None] * len(prompts), [False] * len(prompts)
         return [
-            JudgeOutput(text=text, truncated=cut, verdict_probs=p, bounded_verdict_probs=int(b))
-            for text, cut, p, b in zip(texts, truncated, probs, bounded)
+            JudgeOutput(text=text, truncated=cut, verdict_probs=p, bounded_verdict_probs=int(b), refusal=reason)
+            for text, cut, p, b, reason in zip(texts, truncated, probs, bounded, self._refused)
         ]
 
     def _judge_pointwise(self, requests: Sequence[JudgeRequest]) -> list[JudgeOutput]:
@@ -418,21 +477,23 @@ class GenerativeJudge:
                 owners.append(i)
                 truncated[i] = truncated[i] or cut
         bounded = [False] * len(prompts)
+        self._refused = [None] * len(prompts)  # `_generate` records the engine's refusals here
         if self.verdict_probs:
             texts, probs, bounded = self._read_verdicts(prompts)
         else:
             # The runner then ranks by the judgments' parsed scores.
             texts, probs = self._generate(prompts), None
         outputs = [JudgeOutput(judgments=[], truncated=cut) for cut in truncated]
-        for owner, text, b in zip(owners, texts, bounded):
+        for owner, text, b, reason in zip(owners, texts, bounded, self._refused):
             outputs[owner].judgments.append(text)
             outputs[owner].bounded_verdict_probs += int(b)
+            outputs[owner].refusal = outputs[owner].refusal or reason
         if probs is not None:
             values = torch.tensor(self.score_values, dtype=torch.float)
             for output in outputs:
                 output.scores = []
             for owner, p in zip(owners, probs):
-                outputs[owner].scores.append(float(torch.tensor(p) @ values))
+                outputs[owner].scores.append(None if p is None else float(torch.tensor(p) @ values))
         return outputs
 
     def _verdict_probs(self, prompts: list[list[int]], texts: list[str]) -> list[list[float]]:
@@ -442,15 +503,28 @@ class GenerativeJudge:
         an upper bound; such requests are counted in `bounded_verdict_probs` (and flagged, per row of this call, in
         `_bounded_rows`, from which each `JudgeOutput` counts its own)."""
         rows = []
+        limit = self.max_length if self.evaluation_protocol == "default" else getattr(self.engine, "max_model_len", None)
         for prompt, text in zip(prompts, texts):
             # Reasoning up to the verdict stays in context, so the probe reads the judgment at its own verdict spot.
             start = text.find(self.verdict_prefix)
             reasoning = text[:start] if start >= 0 else text
             reasoning_ids = self.tokenizer(reasoning, add_special_tokens=False)["input_ids"] if reasoning else []
+            if limit is not None:
+                # Re-tokenized, a judgment may take more tokens than were generated (a partial character's U+FFFD):
+                # its end is dropped so that the pass fits the context the judgment was generated in.
+                reasoning_ids = reasoning_ids[: max(limit - 1 - len(prompt) - len(self.forced_ids), 0)]
             rows.append(prompt + reasoning_ids + self.forced_ids)
         probs = []
         self._bounded_rows = []
         for generation in self.engine.generate(rows, 1, logprob_token_ids=self.verdict_ids):
+            if getattr(generation, "refusal", None):
+                if self.refusals == "raise":
+                    from trl_longrm.serving.base import EngineError
+
+                    raise EngineError(generation.refusal)
+                self._bounded_rows.append(False)
+                probs.append(None)
+                continue
             step = generation.logprobs[0]
             self._bounded_rows.append(any(token not in step for token in self.verdict_ids))
             if self._bounded_rows[-1]:

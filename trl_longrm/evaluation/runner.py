@@ -320,7 +320,15 @@ def _openai_engine(config: EvalConfig, tokenizer=None):
     settings.update({key: value for key, value in given.items() if value is not None})
     if config.is_disrm:
         return OpenAIScorer(config.base_url, config.served_model, api_key=config.api_key, **settings)
-    return OpenAIGenerator(config.base_url, config.served_model, api_key=config.api_key, tokenizer=tokenizer, **settings)
+    from trl_longrm.serving.base import greedy_settings
+
+    try:
+        # The checkpoint's repetition penalty, sent with each request as the other backends apply it.
+        greedy = greedy_settings(config.model_path, "openai")
+    except ValueError as error:
+        raise RunConfigError(str(error)) from None
+    return OpenAIGenerator(config.base_url, config.served_model, api_key=config.api_key, tokenizer=tokenizer,
+                           **greedy, **settings)  # fmt: skip
 
 
 def engine_identity(config: EvalConfig, engine=None) -> dict:
@@ -378,15 +386,17 @@ def build_judge(config: EvalConfig, template: PromptTemplate, device: str | None
             _user_import_vllm()
             from trl_longrm.serving.vllm_engine import VLLMGenerator, VLLMScorer
 
-            # vLLM's context is the evaluation's `max_length`: the judge cuts every input to fit it. LongRM's cut keeps
-            # up to max_length - 5 prompt tokens, so there the judgment's tokens come on top (as with transformers,
-            # which does not stop a judgment at max_length).
-            longrm_judgment = config.max_new_tokens if config.protocol == "longrm" and not config.is_disrm else 0
+            # vLLM's context is the evaluation's `max_length`: the judge cuts every input to fit it. Under LongRM's
+            # protocol, a generative judge's engine is built as LongRM's evaluator builds it, without `max_model_len`
+            # (the model's own length): prompts are cut to max_length - 5 tokens and a judgment gets what the model's
+            # length leaves (`GenerativeJudge._budgets`); asking for max_length + max_new_tokens was refused by vLLM
+            # on a 128K model (133,120 is above its derived 131,072).
+            longrm_judge = config.protocol == "longrm" and not config.is_disrm
             engine = (VLLMScorer if config.is_disrm else VLLMGenerator)(
                 config.model_path,
                 tensor_parallel_size=config.tensor_parallel_size or 1,
                 gpu_memory_utilization=config.gpu_memory_utilization,
-                max_model_len=config.max_length + longrm_judgment,
+                max_model_len=None if longrm_judge else config.max_length,
                 dtype=config.dtype,
                 enable_prefix_caching=config.enable_prefix_caching is not False,
                 seed=config.seed,

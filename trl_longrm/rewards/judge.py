@@ -13,33 +13,37 @@ from trl_longrm.evaluation.benchmark import task_text
 from trl_longrm.evaluation.judges import GenerativeJudge, JudgeRequest, load_tokenizer
 from trl_longrm.evaluation.prompts import parse_pairwise_verdict, parse_ranking_verdict
 from trl_longrm.evaluation.templates import PromptTemplate
+from trl_longrm.serving.base import GenerationEngine
 from trl_longrm.serving.transformers_engine import TransformersGenerator
 
 
 logger = logging.getLogger(__name__)
 
 PROTOCOLS = ("pairwise", "ranking", "pointwise")
-# What a comparison, a ranking or a score the judge left unparsable is worth: a tie (pairwise: half a win), the middle
-# rank (ranking) or the middle of the score scale (pointwise), so that it moves no completion's advantage either way.
-TIE = 0.5
-UNPARSED_RULE = {
-    "pairwise": "each counted as a tie: half a win to each side",
-    "ranking": "each group's completions given 0.5",
-    "pointwise": "given the expected score with verdict_probs, else the scale's middle",
+# When a row has no reward: TRL's GRPO/RLOO take None as "unscorable" (NaN, left out of the group's baseline, advantage
+# 0). A made-up value (a tie, the scale's middle) would move the row's advantage on nothing the judge said.
+UNSCORED_RULE = {
+    "pairwise": "a comparison without a readable verdict is left out of the win rate; a completion with none left is unscored",
+    "ranking": "an unreadable ranking leaves its group unscored",
+    "pointwise": "a judgment without a score (and, with verdict_probs, without score probabilities) is unscored",
 }
 
 
 @dataclass
 class JudgedBatch:
-    """One batch's rewards and what the judge said: `rewards` one per completion, in the batch's order; `requests`
-    and `outputs` the judge's requests and answers; `unparsed` how many verdicts (comparisons, rankings or
-    judgments) could not be read; `verdicts` how many were asked for."""
+    """One batch's rewards and what the judge said: `rewards` one per completion, in the batch's order, None where
+    the judge said nothing to score it by; `requests` and `outputs` the judge's requests and answers (of this process's
+    share of the groups, under several processes); `unparsed` how many verdicts (comparisons, rankings or judgments)
+    could not be read, `verdicts` how many were asked for, `refused` how many requests the server refused, `unscored`
+    how many rows have no reward (all of them summed over the processes)."""
 
-    rewards: list[float]
+    rewards: list[float | None]
     requests: list[JudgeRequest]
     outputs: list
     unparsed: int
     verdicts: int
+    refused: int = 0
+    unscored: int = 0
 
 
 def prompt_messages(prompt) -> list[dict[str, str]]:
@@ -71,18 +75,32 @@ class JudgeReward:
     The completions of one prompt (a group) are judged together, in the format the judge was trained on:
 
     - `pairwise`: every pair of the group, in both display orders (A/B then B/A, to cancel position bias); a
-      completion's reward is its win rate over its 2(G-1) comparisons, in [0, 1]. An unparsable verdict counts as a
-      tie (half a win to each side).
+      completion's reward is its win rate over its comparisons with a readable verdict, in [0, 1].
     - `ranking`: one request listing the group in batch order; the completion ranked r-th (0 = best) gets
-      (G-1-r)/(G-1). An unparsable ranking gives every completion of the group 0.5.
+      (G-1-r)/(G-1).
     - `pointwise`: each completion judged alone; its reward is its score on the template's scale (0..9 by default):
       with `verdict_probs` (default) the expected score under the judge's score-token probabilities (a forced pass
-      reads them where the judgment has no verdict), else the parsed score, and the scale's middle where the judgment
-      has none.
+      reads them where the judgment has no verdict), else the parsed score.
 
-    A group of one completion has nothing to be compared with under `pairwise` and `ranking`: it gets 0.5, with no
-    request. Each call logs, through the `log_metric` GRPO passes, `judge/unparsed_verdicts` (the number of verdicts
-    that could not be read) and `judge/unparsed_fraction`, and warns through this module's logger when there are any.
+    **Unscored rows.** A row the judge gave nothing to score it by gets `None`, which TRL's GRPO/RLOO take as
+    unscorable (left out of the group's mean and std, advantage 0): a completion none of whose comparisons has a
+    readable verdict, a group whose ranking is unreadable, a pointwise judgment without a score, a group of one
+    completion under `pairwise` / `ranking` (nothing to compare), and the rows of a request the server refused (a 4xx:
+    the rest of the step is kept). Each call logs, through the `log_metric` GRPO passes, `judge/unparsed_verdicts`,
+    `judge/unparsed_fraction`, `judge/refused_requests` and `judge/unscored_rows`, and warns through this module's
+    logger when any is non-zero. A server that is down or too slow still fails the step with one `EngineError`.
+
+    **Several processes.** GRPO/RLOO spread a group's completions over the processes of a distributed run and call
+    the reward function on each process's rows. Every call gathers the rows of all processes (`torch.distributed`, on
+    a gloo group of its own), deals the whole groups out among the processes (each judged once, by one process), and
+    returns each process its own rows' rewards: the rewards and logged counters are those of one process judging the
+    whole batch, whatever `per_device_train_batch_size` and `num_generations`. `across_processes=False` judges each
+    call's rows alone (for callers whose processes do not all call it together).
+
+    **Bounded work.** A transformers judge generates `batch_size` prompts at a time (a 128K-token pairwise group of 8
+    is 56 prompts); a server gets at most `max_concurrency` requests in flight from each process. The judge's context
+    is `max_length`, cut down to the engine's own (`max_model_len` of a vLLM server's `/v1/models`, or of vLLM in
+    process) when that is smaller, so that no request is longer than the server takes.
 
     Every request of a group starts with the same tokens (the judge's system prompt, then the task), and the long
     context comes first, so that an engine with a prefix cache (a vLLM server with `--enable-prefix-caching`, vLLM in
@@ -94,10 +112,12 @@ class JudgeReward:
     prompt messages' contents joined by a blank line; a plain-text prompt as it is); a conversational completion is
     read as its assistant messages' contents.
 
-    `judge` is a `GenerativeJudge` (used as it is: its prompts, cut and engine), a `GenerationEngine`
-    (`OpenAIGenerator`, `VLLMGenerator`), a transformers causal LM, or the URL of an OpenAI-compatible server
-    (`model` names the served model; `max_concurrency`, `timeout`, `max_retries`, `api_key` go to `OpenAIGenerator`).
-    `tokenizer` is the judge checkpoint's tokenizer (or its path). A server down or too slow raises one `EngineError`.
+    `judge` is a `GenerativeJudge` (used as it is: its prompts, cut and engine; a request the server refuses then
+    leaves its rows unscored too), a `GenerationEngine` (`OpenAIGenerator`, `VLLMGenerator`), a transformers causal
+    LM, or the URL of an OpenAI-compatible server (`model` names the served model; `max_concurrency`, `timeout`,
+    `max_retries`, `api_key` go to `OpenAIGenerator`, which also sends the checkpoint's repetition penalty and refuses
+    a served checkpoint whose tokenizer is not `tokenizer`). `tokenizer` is the judge checkpoint's tokenizer (or its
+    path).
 
     Example:
     ```python
@@ -121,15 +141,20 @@ class JudgeReward:
         max_new_tokens: int = 2048,
         verdict_probs: bool = True,
         warm_prefix: bool = False,
+        batch_size: int = 8,
+        across_processes: bool = True,
         name: str = "JudgeReward",
         **engine_kwargs: Any,
     ):
+        from trl_longrm.rewards.distributed import ProcessGroupExchange
+
         if protocol not in PROTOCOLS:
             raise ValueError(f"`protocol` must be one of {list(PROTOCOLS)}, got {protocol!r}.")
         self.protocol = protocol
         if isinstance(judge, GenerativeJudge):
             if (judge.protocol == "pointwise") != (protocol == "pointwise"):
                 raise ValueError(f"The judge's protocol is {judge.protocol!r}; JudgeReward's is {protocol!r}.")
+            judge.refusals = "keep"  # a refused request leaves its rows unscored, the step goes on
             self.judge = judge
         else:
             if isinstance(tokenizer, str) or (tokenizer is None and isinstance(judge, str) and model):
@@ -137,13 +162,24 @@ class JudgeReward:
             if tokenizer is None:
                 raise ValueError("JudgeReward needs the judge checkpoint's tokenizer (or its path) to build prompts.")
             if isinstance(judge, str):
+                from trl_longrm.serving.base import greedy_settings
                 from trl_longrm.serving.openai_engine import OpenAIGenerator
 
-                judge = OpenAIGenerator(judge, model, tokenizer=tokenizer, **engine_kwargs)
+                greedy = greedy_settings(getattr(tokenizer, "name_or_path", None), "openai")
+                judge = OpenAIGenerator(judge, model, tokenizer=tokenizer, **greedy, **engine_kwargs)
             elif engine_kwargs:
                 raise TypeError(f"{sorted(engine_kwargs)} apply to a server URL only.")
+            elif not isinstance(judge, GenerationEngine):
+                judge = TransformersGenerator(judge, tokenizer, batch_size=batch_size)
             if isinstance(template, str):
                 template = PromptTemplate.from_yaml(template)
+            engine_length = getattr(judge, "max_model_len", None)
+            if engine_length is not None and engine_length < max_length:
+                logger.warning(
+                    "%s: the judge engine takes %d tokens (its max_model_len), fewer than max_length=%d: requests are "
+                    "cut to %d tokens (prompt + judgment).", name, engine_length, max_length, engine_length,
+                )  # fmt: skip
+                max_length = engine_length
             # Pairwise and ranking read parsed verdicts only: their probabilities would cost a forced pass for nothing.
             self.judge = GenerativeJudge(
                 judge,
@@ -153,16 +189,21 @@ class JudgeReward:
                 verdict_probs=verdict_probs and protocol == "pointwise",
                 protocol="pointwise" if protocol == "pointwise" else "pairwise",
                 template=template,
+                refusals="keep",
             )
         # Only an engine with a prefix cache gains from prefilling the shared context first.
         self.warm_prefix = warm_prefix and not isinstance(self.judge.engine, TransformersGenerator)
+        # Off where the processes of a torch.distributed group do not all call the reward together (a framework's
+        # per-sample reward workers): there each call judges its own rows.
+        self.exchange = ProcessGroupExchange() if across_processes else None
         self.__name__ = name  # TRL logs each reward function under its `__name__`
 
     # -- requests -----------------------------------------------------------------------------------------------------
 
     def _requests(self, prompts: Sequence, completions: Sequence) -> tuple[list[JudgeRequest], list, list[list[int]]]:
         """The judge's requests, and for each request what it compares (pairwise: the two rows shown as A and B;
-        ranking: the group's rows in display order; pointwise: the row), groups' requests consecutive."""
+        ranking: the group's rows in display order; pointwise: the group's rows, one judgment each), groups' requests
+        consecutive."""
         requests, plan = [], []
         groups = group_by_prompt(prompts)
         for g, rows in enumerate(groups):
@@ -187,6 +228,12 @@ class JudgeReward:
                             )
                             plan.append([a, b])
         return requests, plan, groups
+
+    def _request_count(self, size: int) -> int:
+        """How many requests (pairwise) or judgments (pointwise, ranking: one) a group of `size` costs."""
+        if self.protocol == "pairwise":
+            return size * (size - 1)
+        return size if self.protocol == "pointwise" else int(size > 1)
 
     def _group_prompt_ids(self, requests: list[JudgeRequest]) -> list[list[int]]:
         """The judge's prompt token ids of each request (as `GenerativeJudge.judge` renders and cuts them)."""
@@ -222,28 +269,29 @@ class JudgeReward:
     # -- rewards ------------------------------------------------------------------------------------------------------
 
     def judge_batch(self, prompts: Sequence, completions: Sequence) -> JudgedBatch:
-        """The rewards of a batch and the judge's answers (blocking; `__call__` runs it in a worker thread)."""
+        """The rewards of a batch judged here, on this process alone, and the judge's answers (blocking)."""
         if len(prompts) != len(completions):
             raise ValueError(f"{len(prompts)} prompts but {len(completions)} completions.")
         requests, plan, groups = self._requests(prompts, completions)
         if self.warm_prefix and requests:
             self._warm(requests)
         outputs = self.judge.judge(requests) if requests else []
-        rewards = [TIE] * len(prompts)
-        unparsed = verdicts = 0
+        rewards: list[float | None] = [None] * len(prompts)
+        unparsed = verdicts = refused = 0
         if self.protocol == "pairwise":
             wins = [0.0] * len(prompts)
             comparisons = [0] * len(prompts)
             for (a, b), output in zip(plan, outputs):
-                ranks = parse_pairwise_verdict(output.text)
                 verdicts += 1
+                if output.refusal:
+                    refused += 1
+                    continue
+                ranks = parse_pairwise_verdict(output.text)
                 if ranks is None:
                     unparsed += 1
-                    won = (TIE, TIE)
-                else:
-                    won = (float(ranks[0] == 0), float(ranks[1] == 0))
-                for row, w in zip((a, b), won):
-                    wins[row] += w
+                    continue
+                for row, rank in zip((a, b), ranks):
+                    wins[row] += float(rank == 0)
                     comparisons[row] += 1
             for row, n in enumerate(comparisons):
                 if n:
@@ -251,6 +299,9 @@ class JudgeReward:
         elif self.protocol == "ranking":
             for rows, output in zip(plan, outputs):
                 verdicts += 1
+                if output.refusal:
+                    refused += 1
+                    continue
                 ranks = parse_ranking_verdict(output.text, len(rows))
                 if ranks is None:
                     unparsed += 1
@@ -259,46 +310,90 @@ class JudgeReward:
                     rewards[row] = (len(rows) - 1 - rank) / (len(rows) - 1)
         else:
             score_format = self.judge.template.pointwise_format
-            low, high = score_format.scale
             for rows, output in zip(plan, outputs):
                 for k, (row, judgment) in enumerate(zip(rows, output.judgments)):
                     verdicts += 1
+                    if judgment is None:  # its prompt was refused
+                        refused += 1
+                        continue
                     parsed = score_format.parse(judgment)
                     unparsed += parsed is None
-                    if output.scores is not None:
-                        rewards[row] = float(output.scores[k])
-                    else:
-                        rewards[row] = float(parsed) if parsed is not None else (low + high) / 2
-        return JudgedBatch(rewards, requests, outputs, unparsed, verdicts)
+                    expected = output.scores[k] if output.scores is not None else None
+                    if expected is not None:
+                        rewards[row] = float(expected)
+                    elif parsed is not None:
+                        rewards[row] = float(parsed)
+        unscored = sum(reward is None for reward in rewards)
+        return JudgedBatch(rewards, requests, outputs, unparsed, verdicts, refused, unscored)
 
-    def rewards(self, prompts: Sequence, completions: Sequence, log_metric=None) -> list[float]:
-        """One reward per completion, in order (blocking): what `__call__` returns, for callers without an event
-        loop (verl, OpenRLHF)."""
-        if not prompts:
+    def judge_all_processes(self, prompts: Sequence, completions: Sequence) -> JudgedBatch:
+        """This process's rewards with every group judged whole: under several processes, the rows of all of them
+        gathered, the groups dealt out (each judged once), the rewards returned to their rows' processes; the counters
+        are the whole batch's. With one process, `judge_batch` (blocking)."""
+        if len(prompts) != len(completions):
+            raise ValueError(f"{len(prompts)} prompts but {len(completions)} completions.")
+        if self.exchange is None or self.exchange.world_size == 1:
+            return self.judge_batch(prompts, completions)
+        from trl_longrm.rewards.distributed import judge_whole_groups
+
+        def judge(rows):
+            batch = self.judge_batch([p for p, _ in rows], [c for _, c in rows])
+            counters = {"unparsed": batch.unparsed, "verdicts": batch.verdicts, "refused": batch.refused}
+            return batch.rewards, counters, batch
+
+        def cost(rows, group):  # requests x their length: what a group costs the judge
+            size = sum(len(completion_text(rows[i][1])) for i in group) + len(repr(rows[group[0]][0]))
+            return self._request_count(len(group)) * size
+
+        rewards, totals, own = judge_whole_groups(
+            self.exchange, list(zip(prompts, completions)), lambda rows: group_by_prompt([p for p, _ in rows]), cost,
+            judge,
+        )  # fmt: skip
+        return JudgedBatch(
+            rewards,
+            own.requests if own else [],
+            own.outputs if own else [],
+            totals.get("unparsed", 0),
+            totals.get("verdicts", 0),
+            totals.get("refused", 0),
+            # Each process counts its own rows: the sum over the processes is the batch's, as one process counts it.
+            sum(int(count) for count in self.exchange.all_gather(sum(r is None for r in rewards))),
+        )
+
+    def rewards(self, prompts: Sequence, completions: Sequence, log_metric=None) -> list[float | None]:
+        """One reward per completion, in order, None where unscored (blocking): what `__call__` returns, for callers
+        without an event loop."""
+        if not prompts and (self.exchange is None or self.exchange.world_size == 1):
             return []
-        batch = self.judge_batch(prompts, completions)
+        batch = self.judge_all_processes(prompts, completions)
         self._report(batch, log_metric)
         return batch.rewards
 
     def _report(self, batch: JudgedBatch, log_metric) -> None:
-        if batch.unparsed:
+        if batch.unparsed or batch.refused or batch.unscored:
             logger.warning(
-                "%s: %d of %d judge verdicts could not be read (%s).",
+                "%s: %d of %d judge verdicts could not be read, %d requests were refused, %d rows are unscored "
+                "(None: %s).",
                 self.__name__,
                 batch.unparsed,
                 batch.verdicts,
-                UNPARSED_RULE[self.protocol],
+                batch.refused,
+                batch.unscored,
+                UNSCORED_RULE[self.protocol],
             )
         if log_metric is not None:
             log_metric("judge/unparsed_verdicts", float(batch.unparsed))
             log_metric("judge/unparsed_fraction", batch.unparsed / batch.verdicts if batch.verdicts else 0.0)
+            log_metric("judge/refused_requests", float(batch.refused))
+            log_metric("judge/unscored_rows", float(batch.unscored))
 
-    async def __call__(self, prompts: list, completions: list, log_metric=None, **kwargs) -> list[float]:
-        """One reward per completion, in order (TRL's reward-function signature); the engine calls run in a worker
-        thread so that GRPO's event loop (and the other async reward functions on it) keep running."""
-        if not prompts:
+    async def __call__(self, prompts: list, completions: list, log_metric=None, **kwargs) -> list[float | None]:
+        """One reward per completion, in order, None where unscored (TRL's reward-function signature); the engine
+        calls (and, under several processes, the exchange of rows) run in a worker thread so that GRPO's event loop
+        (and the other async reward functions on it) keep running."""
+        if not prompts and (self.exchange is None or self.exchange.world_size == 1):
             return []
-        batch = await asyncio.to_thread(self.judge_batch, prompts, completions)
+        batch = await asyncio.to_thread(self.judge_all_processes, prompts, completions)
         self._report(batch, log_metric)
         return batch.rewards
 
@@ -351,6 +446,8 @@ def judge_reward_from_env(environ=None) -> JudgeReward:
             verdict_probs=(get("TRL_LONGRM_JUDGE_VERDICT_PROBS") or "1") not in ("0", "false", "False"),
             max_concurrency=int(get("TRL_LONGRM_JUDGE_MAX_CONCURRENCY") or 8),
             timeout=float(get("TRL_LONGRM_JUDGE_TIMEOUT") or 600),
+            # Called by a framework's reward workers one at a time, never by every process of a group together.
+            across_processes=False,
         )
     return _FROM_ENV[values]
 

@@ -1,67 +1,67 @@
-"""The generative judge of `trl_longrm.rewards.judge` as OpenRLHF's reward function file (`--remote_rm_url` given a
-`.py` path; newer releases name the flag `--reward_func`).
+"""The generative judge of `trl_longrm.rewards.judge` in OpenRLHF (0.11: `--reward.remote_url`, the samples per prompt
+`--rollout.n_samples_per_prompt`). OpenRLHF asks for one sample's reward at a time (its single-turn executor, for each
+generated sample), by one of two routes:
 
-OpenRLHF calls `reward_func(queries, prompts, labels)` with a batch's texts: each query is the prompt followed by the
-response, each prompt the prompt text as the policy saw it (rendered by its chat template with
-`--apply_chat_template`, so the judge then reads that text as the task), labels from `--label_key` (not read). The
-response is the query after its prompt, without trailing special tokens of the judge's tokenizer (OpenRLHF may keep
-the policy's end-of-turn token in the query). Rows with equal prompts form a group (OpenRLHF lays a prompt's
-`--n_samples_per_prompt` samples consecutively).
+- an HTTP URL: `trl-longrm reward-server` (`trl_longrm.rewards.group_server`) holds each sample until its prompt's
+  `--group-size` samples have arrived, judges them as one group (pairwise, ranking or pointwise) and answers each;
+- a `.py` path: this file's `reward_func(queries, prompts, labels)`, called with one sample, judges it alone: the
+  pointwise protocol only (`TRL_LONGRM_JUDGE_PROTOCOL=pointwise`, settings from the `TRL_LONGRM_JUDGE_*` environment,
+  `trl_longrm.rewards.judge.ENVIRONMENT`).
 
-Pairwise and ranking judge a group's samples together, so they need the whole group in one call: releases that call
-the function on chunks of `--micro_rollout_batch_size` samples need it a multiple of `--n_samples_per_prompt`, and
-recent releases (the single-turn and agent executors) call it once per sample, where only `pointwise` can work
-(`TRL_LONGRM_JUDGE_PROTOCOL=pointwise`). A pairwise or ranking call whose groups are all single samples is refused
-with a `ValueError` saying so, not rewarded a constant 0.5.
+Each query is the prompt followed by the response, decoded with special tokens; the prompt the text the policy saw
+(rendered by its chat template with `--data.apply_chat_template`, and then the judge reads that text as the task). The
+response is the query after its prompt, without trailing special tokens of the judge's tokenizer.
 
-The judge's server and protocol come from the `TRL_LONGRM_JUDGE_*` environment variables
-(`trl_longrm.rewards.judge.ENVIRONMENT`) of the process that loads this file. Example:
+OpenRLHF catches any exception of a reward call and logs it at INFO ("Failed to fetch reward from remote RM"), then
+stops on the missing reward with "reward_model_group is required": `reward_func` logs its error at ERROR first (the
+`trl_longrm.rewards.openrlhf` logger, on stderr), so that the cause reaches the user. Example:
 ```bash
 export TRL_LONGRM_JUDGE_URL=http://127.0.0.1:8000/v1 TRL_LONGRM_JUDGE_MODEL=judge \
-       TRL_LONGRM_JUDGE_TOKENIZER=./LongReward_Qwen3-8B
-python -m openrlhf.cli.train_ppo_ray ... --n_samples_per_prompt 8 \
-    --remote_rm_url $(python -c "import trl_longrm.rewards.openrlhf as m; print(m.__file__)")
+       TRL_LONGRM_JUDGE_TOKENIZER=./LongReward_Qwen3-8B TRL_LONGRM_JUDGE_PROTOCOL=pointwise
+python -m openrlhf.cli.train_ppo_ray ... --rollout.n_samples_per_prompt 8 \
+    --reward.remote_url $(python -c "import trl_longrm.rewards.openrlhf as m; print(m.__file__)")
 ```
 """
 
 from __future__ import annotations
 
+import logging
+import sys
 from collections.abc import Sequence
 
 import torch
 
+from trl_longrm.rewards.group_server import openrlhf_response
 from trl_longrm.rewards.judge import judge_reward_from_env
 
 
-def _response(query: str, prompt: str, special: list[str]) -> str:
-    response = query[len(prompt) :] if query.startswith(prompt) else query
-    stripped = True
-    while stripped:
-        stripped = False
-        response = response.rstrip()
-        for token in special:
-            if token and response.endswith(token):
-                response = response[: -len(token)]
-                stripped = True
-    return response
+# A fixed name: OpenRLHF loads this file as a module named `reward_func`.
+logger = logging.getLogger("trl_longrm.rewards.openrlhf")
+if not logger.handlers:  # OpenRLHF configures only its own loggers: ours must print by itself
+    _handler = logging.StreamHandler(sys.stderr)
+    _handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    logger.addHandler(_handler)
 
 
-def reward_func(queries: Sequence[str], prompts: Sequence[str], labels: Sequence | None = None) -> dict:
-    """OpenRLHF's reward-function result for a batch: `rewards` (a float tensor, one per query: `JudgeReward`'s win
-    rate, rank or score), `scores` (the same rescaled to [0, 1], what `--dynamic_filtering` reads) and `extra_logs`
-    (`judge/unparsed_verdicts`, `judge/unparsed_fraction`)."""
+def _rewards(queries: Sequence[str], prompts: Sequence[str]) -> dict:
     reward = judge_reward_from_env()
     if reward.protocol != "pointwise" and len(set(prompts)) == len(prompts):
         raise ValueError(
-            f"The {reward.protocol} judge compares a prompt's samples, but this call holds {len(prompts)} sample(s) of "
-            f"{len(prompts)} different prompt(s): every reward would be 0.5. OpenRLHF calling reward_func once per "
-            "sample needs TRL_LONGRM_JUDGE_PROTOCOL=pointwise; a release batching --micro_rollout_batch_size samples "
-            "needs it a multiple of --n_samples_per_prompt."
+            f"The {reward.protocol} judge compares a prompt's samples, but OpenRLHF called reward_func with "
+            f"{len(prompts)} sample(s) of {len(prompts)} different prompt(s): nothing to compare. With a .py "
+            "--reward.remote_url set TRL_LONGRM_JUDGE_PROTOCOL=pointwise; to judge groups, run `trl-longrm "
+            "reward-server --group-size N` and pass its URL as --reward.remote_url."
         )
     special = sorted(reward.judge.tokenizer.all_special_tokens, key=len, reverse=True)
-    responses = [_response(q, p, special) for q, p in zip(queries, prompts, strict=True)]
+    responses = [openrlhf_response(q, p, special) for q, p in zip(queries, prompts, strict=True)]
     logs: dict[str, float] = {}
     rewards = reward.rewards(list(prompts), responses, log_metric=logs.__setitem__)
+    if any(r is None for r in rewards):
+        raise ValueError(
+            f"The judge gave no reward to {sum(r is None for r in rewards)} of {len(rewards)} sample(s) (a request "
+            "refused, or a judgment without a score: see the trl_longrm.rewards.judge warning); OpenRLHF takes no "
+            "missing reward."
+        )
     values = torch.tensor(rewards, dtype=torch.float32)
     low, high = reward.judge.template.pointwise_format.scale if reward.protocol == "pointwise" else (0, 1)
     return {
@@ -69,3 +69,14 @@ def reward_func(queries: Sequence[str], prompts: Sequence[str], labels: Sequence
         "scores": (values - low) / (high - low),
         "extra_logs": {key: torch.tensor(value) for key, value in logs.items()},
     }
+
+
+def reward_func(queries: Sequence[str], prompts: Sequence[str], labels: Sequence | None = None) -> dict:
+    """OpenRLHF's reward-function result: `rewards` (a float tensor, one per query: `JudgeReward`'s score, win rate
+    or rank), `scores` (the same rescaled to [0, 1], what `--dynamic_filtering` reads) and `extra_logs`
+    (`judge/unparsed_verdicts`, ...). An error is logged at ERROR before it is raised (OpenRLHF hides it)."""
+    try:
+        return _rewards(queries, prompts)
+    except Exception as error:
+        logger.error("trl_longrm reward_func: %s: %s", type(error).__name__, error)
+        raise

@@ -1,19 +1,20 @@
 """OpenAI-compatible servers (`vllm serve`, SGLang, llama.cpp's server): a judge's prompts sent as token ids to
 `/v1/completions`, a DisRM's sequences to `/classify` (vLLM's pooling runner).
 
-Requests go out in parallel, at most `max_concurrency` in flight (the server batches them; with its prefix cache the
-shared context of a group is prefilled once), each with a timeout and a few retries on a dropped connection, a 429 or
-a 5xx. A server that is down, too slow or refuses the request gives one `EngineError` naming it. The API key (the
-argument or `OPENAI_API_KEY`) goes in the request header only: never in `identity()`, logs or `repr`.
+The HTTP client is the `openai` package's (httpx underneath: pooled keep-alive connections, a timeout per request,
+retries of a dropped connection, a timeout, a 408/409/429 or a 5xx with exponential backoff and jitter, honouring the
+server's `Retry-After`). Requests go out in parallel, at most `max_concurrency` in flight (the server batches them;
+with its prefix cache the shared context of a group is prefilled once). A server that is down, too slow or overloaded
+past the retries gives one `EngineError` naming it; a request the server refuses (a 4xx: too long for its context, a
+bad field) comes back as a `Generation` with its `refusal`, so that the caller decides (the evaluation stops, a reward
+leaves that row unscored). The API key (the argument or `OPENAI_API_KEY`) goes in the request header only: never in
+`identity()`, logs or `repr`.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import time
-import urllib.error
-import urllib.request
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
@@ -23,63 +24,75 @@ from trl_longrm.serving.base import EngineError, Generation
 # Fields only vLLM reads: the exact log-probabilities of asked tokens, and token ids in place of token strings. Another
 # server that refuses them is asked again without them (then its top-k log-probabilities are what it reports).
 _VLLM_FIELDS = ("logprob_token_ids", "return_tokens_as_token_ids", "return_token_ids")
-_RETRIED_STATUS = {429, 500, 502, 503, 504}
+
+
+class _HTTPRefusal(Exception):
+    """A server's answer with an error status that retrying does not change (or that retries did not)."""
+
+    def __init__(self, url: str, status: int, body: str):
+        super().__init__(f"{url} answered {status}: {body[:500]}")
+        self.url, self.status, self.body = url, status, body
 
 
 class _Server:
-    """JSON over HTTP to one server, with retries, a timeout and one clear error."""
+    """JSON over HTTP to one server through the `openai` client: its retries (backoff with jitter, `Retry-After`),
+    timeouts and pooled connections, and one clear error."""
 
     def __init__(self, base_url: str, api_key: str | None, timeout: float, max_retries: int):
+        try:
+            import openai
+        except ImportError as error:
+            raise ImportError(f"An OpenAI-compatible server is reached with the `openai` client: pip install openai ({error}).") from None
         self.base_url = base_url.rstrip("/")
         # `/classify`, `/version` and `/metrics` live beside `/v1`, at the server's root.
         self.root = self.base_url[: -len("/v1")] if self.base_url.endswith("/v1") else self.base_url
-        self._api_key = api_key if api_key is not None else os.environ.get("OPENAI_API_KEY")
         self.timeout = timeout
         self.max_retries = max_retries
+        api_key = api_key if api_key is not None else os.environ.get("OPENAI_API_KEY")
+        # A server started without --api-key ignores the header; the client needs some key to send.
+        self._client = openai.OpenAI(
+            base_url=self.base_url, api_key=api_key or "EMPTY", timeout=timeout, max_retries=max_retries
+        )
+        self._openai = openai
 
     def __repr__(self) -> str:
         return f"_Server({self.base_url!r})"
 
     def request(self, url: str, payload: dict | None = None) -> dict:
-        headers = {"Content-Type": "application/json"}
-        if self._api_key:
-            headers["Authorization"] = f"Bearer {self._api_key}"
-        data = json.dumps(payload).encode() if payload is not None else None
-        for attempt in range(self.max_retries + 1):
-            last = attempt == self.max_retries
-            try:
-                with urllib.request.urlopen(
-                    urllib.request.Request(url, data=data, headers=headers), timeout=self.timeout
-                ) as response:
-                    return json.loads(response.read())
-            except urllib.error.HTTPError as error:
-                body = error.read().decode(errors="replace")
-                if error.code in _RETRIED_STATUS and not last:
-                    time.sleep(2**attempt)
-                    continue
-                raise _HTTPRefusal(url, error.code, body) from None
-            except (urllib.error.URLError, TimeoutError, ConnectionError) as error:
-                if not last:
-                    time.sleep(2**attempt)
-                    continue
-                reason = getattr(error, "reason", error)
-                if isinstance(reason, TimeoutError) or isinstance(error, TimeoutError):
-                    raise EngineError(
-                        f"{url} did not answer within {self.timeout:g} s ({self.max_retries + 1} tries); raise "
-                        "--request-timeout or check the server."
-                    ) from None
-                raise EngineError(
-                    f"Cannot reach the server at {self.base_url} ({reason}; {self.max_retries + 1} tries). Is it "
-                    "running? Start one with `python -m vllm.entrypoints.openai.api_server --model PATH` (or `vllm "
-                    "serve PATH`) and pass its address as --base-url."
-                ) from None
-        raise AssertionError("unreachable")
-
-    def served_models(self) -> list[str]:
+        """The JSON answer of a GET (no `payload`) or POST to `url`; `_HTTPRefusal` for an error status the retries
+        did not clear, `EngineError` for a server that cannot be reached or does not answer in time."""
+        openai = self._openai
         try:
-            return [model["id"] for model in self.request(f"{self.base_url}/models")["data"]]
+            if payload is None:
+                answer = self._client.get(url, cast_to=object)
+            else:
+                answer = self._client.post(url, body=payload, cast_to=object)
+            # The client parses JSON by the answer's content type; a server that does not set it sends text.
+            return json.loads(answer) if isinstance(answer, (str, bytes)) else answer
+        except openai.APIStatusError as error:
+            raise _HTTPRefusal(url, error.status_code, error.response.text) from None
+        except openai.APITimeoutError:
+            raise EngineError(
+                f"{url} did not answer within {self.timeout:g} s ({self.max_retries + 1} tries); raise "
+                "--request-timeout or check the server."
+            ) from None
+        except openai.APIConnectionError as error:
+            reason = error.__cause__ or error
+            raise EngineError(
+                f"Cannot reach the server at {self.base_url} ({reason}; {self.max_retries + 1} tries). Is it "
+                "running? Start one with `python -m vllm.entrypoints.openai.api_server --model PATH` (or `vllm "
+                "serve PATH`) and pass its address as --base-url."
+            ) from None
+
+    def models(self) -> list[dict]:
+        """`/v1/models`' entries (vLLM's carry `root`, the checkpoint it loaded, and `max_model_len`)."""
+        try:
+            return list(self.request(f"{self.base_url}/models")["data"])
         except _HTTPRefusal as error:
             raise EngineError(f"{self.base_url}/models answered {error.status}: {error.body[:300]}") from None
+
+    def served_models(self) -> list[str]:
+        return [model["id"] for model in self.models()]
 
     def resolve_model(self, model: str | None) -> str:
         """The served model to ask for: `model`, checked against `/v1/models`, or the only one served."""
@@ -94,12 +107,6 @@ class _Server:
                 "--served-model (vLLM names a model by its path unless started with --served-model-name)."
             )
         return model
-
-
-class _HTTPRefusal(Exception):
-    def __init__(self, url: str, status: int, body: str):
-        super().__init__(f"{url} answered {status}: {body[:500]}")
-        self.url, self.status, self.body = url, status, body
 
 
 class _OpenAIEngine:
@@ -117,7 +124,14 @@ class _OpenAIEngine:
             raise ValueError(f"`max_concurrency` must be >= 1, got {max_concurrency}.")
         self.server = _Server(base_url, api_key, timeout, max_retries)
         self.model = self.server.resolve_model(model)
+        card = next((entry for entry in self.server.models() if entry.get("id") == self.model), {})
+        # vLLM reports the checkpoint it loaded and its context (prompt + generation); other servers may not.
+        self.served_checkpoint = card.get("root")
+        self.max_model_len = card.get("max_model_len")
         self.max_concurrency = max_concurrency
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.server.base_url!r}, model={self.model!r})"
 
     def identity(self) -> dict:
         return {"backend": "openai", "base_url": self.server.base_url, "served_model": self.model}
@@ -127,6 +141,11 @@ class _OpenAIEngine:
             return [function(item) for item in items]
         with ThreadPoolExecutor(max_workers=min(self.max_concurrency, len(items))) as pool:
             return list(pool.map(function, items))
+
+
+# What a served checkpoint's tokenizer is compared on with the local one: chat markup, verdicts, digits, words and
+# multi-byte characters.
+_TOKENIZER_PROBE = "<|im_start|>user\nJudge [[A]] or [[B]], [[C>A>B]], [[7]]: 0123456789 the quick brown fox, déjà vu, 漢字 😀<|im_end|>\n"
 
 
 class OpenAIGenerator(_OpenAIEngine):
@@ -145,11 +164,45 @@ class OpenAIGenerator(_OpenAIEngine):
     ```
     """
 
-    def __init__(self, base_url: str, model: str | None = None, *, tokenizer=None, top_logprobs: int = 20, **kwargs):
+    def __init__(
+        self,
+        base_url: str,
+        model: str | None = None,
+        *,
+        tokenizer=None,
+        top_logprobs: int = 20,
+        repetition_penalty: float | None = None,
+        **kwargs,
+    ):
         super().__init__(base_url, model, **kwargs)
         self.tokenizer = tokenizer
         self.top_logprobs = top_logprobs
+        # Sent with every request when set (the judge's checkpoint's generation config), so that a server started
+        # with `--generation-config vllm` (its defaults, not the checkpoint's) decodes as the other backends do.
+        self.repetition_penalty = repetition_penalty
         self.vllm_fields = True
+        if tokenizer is not None:
+            self._check_tokenizer(tokenizer)
+
+    def _check_tokenizer(self, tokenizer) -> None:
+        """Refuse a server whose tokenizer splits a probe text otherwise than `tokenizer` (the judge renders, cuts
+        and reads every prompt with the local one; another checkpoint served would read other tokens). Checked on
+        vLLM's `/tokenize`; a server without it is not checked."""
+        try:
+            served = self.server.request(
+                f"{self.server.root}/tokenize",
+                {"model": self.model, "prompt": _TOKENIZER_PROBE, "add_special_tokens": False},
+            )["tokens"]
+        except (_HTTPRefusal, KeyError, TypeError):
+            return
+        local = tokenizer(_TOKENIZER_PROBE, add_special_tokens=False)["input_ids"]
+        if list(served) != list(local):
+            raise EngineError(
+                f"The server at {self.server.base_url} serves {self.model!r} (checkpoint "
+                f"{self.served_checkpoint or 'unknown'}) with a tokenizer other than the local one "
+                f"({getattr(tokenizer, 'name_or_path', tokenizer)!r}): the same text gives other token ids. Serve the "
+                "judge's checkpoint, or give the tokenizer of the checkpoint served."
+            )
 
     def _complete(self, prompt: list[int], max_new_tokens: int, asked: list[int]) -> Generation:
         payload = {
@@ -159,6 +212,8 @@ class OpenAIGenerator(_OpenAIEngine):
             "temperature": 0.0,
             "top_p": 1.0,
         }
+        if self.repetition_penalty is not None:
+            payload["repetition_penalty"] = self.repetition_penalty
         if asked:
             payload["logprobs"] = self.top_logprobs
         if self.vllm_fields:
@@ -172,6 +227,9 @@ class OpenAIGenerator(_OpenAIEngine):
             if self.vllm_fields and error.status in (400, 422) and any(f in error.body for f in _VLLM_FIELDS):
                 self.vllm_fields = False  # not vLLM: ask again without its fields
                 return self._complete(prompt, max_new_tokens, asked)
+            if error.status in (400, 413, 422):
+                # This prompt's own fault (too long, a field refused): the others of the batch go on.
+                return Generation(token_ids=[], refusal=f"The server refused a completion request: {error}")
             raise EngineError(f"The server refused a completion request: {error}") from None
         return self._generation(choice, asked)
 
@@ -185,6 +243,15 @@ class OpenAIGenerator(_OpenAIEngine):
                     "OpenAIGenerator the checkpoint's tokenizer to read it."
                 )
             token_ids = self.tokenizer(choice["text"], add_special_tokens=False)["input_ids"]
+            pieces = (choice.get("logprobs") or {}).get("tokens")
+            # The server's steps are its own tokens; they are read at our re-tokenized ids only where both agree, step
+            # by step. Otherwise no step is trusted: the judge reads the verdict with its forced one-token pass, whose
+            # single step is unambiguous.
+            aligned = len(steps) == len(token_ids) and (
+                pieces is None or [self.tokenizer.decode([t]) for t in token_ids] == list(pieces)
+            )
+            if not aligned:
+                steps = [{} for _ in token_ids]
         if not asked:
             return Generation(token_ids=list(token_ids))
         wanted = {token: token for token in asked}

@@ -5,8 +5,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from transformers import LogitsProcessor
-from transformers.generation import LogitsProcessorList
 
 from trl_longrm.serving.base import Generation
 
@@ -31,35 +29,44 @@ def pad_token_id(tokenizer) -> int:
     return pad
 
 
-class _StepLogprobs(LogitsProcessor):
-    """Keeps, at every generation step, the log-probabilities of a few tokens, so that they are read from the pass that
-    wrote the continuation instead of a second forward over the whole prompt.
+class _RawStepLogprobs:
+    """Keeps, at every generation step, the model's own log-probabilities of a few tokens (read at the output
+    embedding, before `generate`'s generation-config processors such as a repetition penalty), so that they are read
+    from the pass that wrote the continuation instead of a second forward over the whole prompt. The raw ones, as
+    vLLM reports them (its default `logprobs_mode`) and as the one-token forced pass reads them: the processors change
+    which token greedy decoding picks, not what the model believes."""
 
-    It runs after the model's own generation-config processors, so it sees the logits greedy decoding chose from (with
-    a repetition penalty in the checkpoint's generation config, the penalised ones)."""
-
-    def __init__(self, token_ids: list[int]):
+    def __init__(self, head: torch.nn.Module, token_ids: list[int]):
         self.token_ids = token_ids
         self.steps: list[torch.Tensor] = []
+        self.handle = head.register_forward_hook(self._record)
 
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        self.steps.append(scores.float().log_softmax(dim=-1)[:, self.token_ids].detach())
-        return scores
+    def _record(self, module, args, output):
+        self.steps.append(output[:, -1, :].float().log_softmax(dim=-1)[:, self.token_ids].detach())
+
+    def remove(self) -> None:
+        self.handle.remove()
 
 
 class TransformersGenerator:
-    """A `GenerationEngine` over a transformers causal LM: greedy `generate` of a left-padded batch, with the KV cache.
+    """A `GenerationEngine` over a transformers causal LM: greedy `generate` with the KV cache, `batch_size` prompts
+    at a time (left-padded), under the checkpoint's generation config (its repetition penalty, end tokens).
 
     Example:
     ```python
-    >>> engine = TransformersGenerator(model, tokenizer)
+    >>> engine = TransformersGenerator(model, tokenizer, batch_size=4)
     >>> engine.generate([[1, 2, 3]], max_new_tokens=4, logprob_token_ids=[65, 66])[0].token_ids
     ```
     """
 
-    def __init__(self, model, tokenizer):
+    max_model_len = None  # no limit of its own: the judge's `max_length` bounds what it is given
+
+    def __init__(self, model, tokenizer, batch_size: int | None = None):
+        if batch_size is not None and batch_size < 1:
+            raise ValueError(f"`batch_size` must be >= 1, got {batch_size}.")
         self.model = model.eval()
         self.tokenizer = tokenizer
+        self.batch_size = batch_size
         self.pad_id = pad_token_id(tokenizer)
         eos = model.generation_config.eos_token_id if model.generation_config is not None else None
         eos = eos if eos is not None else tokenizer.eos_token_id
@@ -75,27 +82,41 @@ class TransformersGenerator:
                 return row[: i + 1]
         return row
 
-    @torch.no_grad()
     def generate(
+        self, prompts: Sequence[list[int]], max_new_tokens: int, logprob_token_ids: list[int] | None = None
+    ) -> list[Generation]:
+        """Greedy continuations, `batch_size` prompts per `generate` call (all at once when None)."""
+        size = self.batch_size or max(len(prompts), 1)
+        return [
+            generation
+            for start in range(0, len(prompts), size)
+            for generation in self._generate_batch(prompts[start : start + size], max_new_tokens, logprob_token_ids)
+        ]
+
+    @torch.no_grad()
+    def _generate_batch(
         self, prompts: Sequence[list[int]], max_new_tokens: int, logprob_token_ids: list[int] | None = None
     ) -> list[Generation]:
         device = self.model.device
         input_ids, attention_mask = left_padded(prompts, self.pad_id, left=True)
         if max_new_tokens == 1:
             return self._one_step(input_ids.to(device), attention_mask.to(device), logprob_token_ids)
-        recorder = _StepLogprobs(logprob_token_ids) if logprob_token_ids else None
-        generated = self.model.generate(
-            input_ids=input_ids.to(device),
-            attention_mask=attention_mask.to(device),
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            # With the KV cache whatever the saved configs say: transformers' Trainer saves the models it trains with
-            # `use_cache: false` (TrainingArguments' default), and without the cache each new token recomputes the
-            # whole prompt (a 16-token judgment: 16 prompt-length passes instead of one).
-            use_cache=True,
-            pad_token_id=self.pad_id,
-            logits_processor=LogitsProcessorList([recorder]) if recorder else None,
-        )[:, input_ids.shape[1] :]
+        recorder = _RawStepLogprobs(self.model.get_output_embeddings(), logprob_token_ids) if logprob_token_ids else None
+        try:
+            generated = self.model.generate(
+                input_ids=input_ids.to(device),
+                attention_mask=attention_mask.to(device),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                # With the KV cache whatever the saved configs say: transformers' Trainer saves the models it trains
+                # with `use_cache: false` (TrainingArguments' default), and without the cache each new token
+                # recomputes the whole prompt (a 16-token judgment: 16 prompt-length passes instead of one).
+                use_cache=True,
+                pad_token_id=self.pad_id,
+            )[:, input_ids.shape[1] :]
+        finally:
+            if recorder is not None:
+                recorder.remove()
         rows = [self._until_eos(row) for row in generated.tolist()]
         if recorder is None:
             return [Generation(token_ids=row) for row in rows]
@@ -111,13 +132,19 @@ class TransformersGenerator:
     @torch.no_grad()
     def _one_step(self, input_ids, attention_mask, logprob_token_ids) -> list[Generation]:
         """One token: a plain forward over the prompts' last positions (the forced-decoding pass of a verdict), without
-        `generate`'s overhead or its generation-config processors: the model's own next-token distribution."""
+        `generate`'s overhead: the model's own next-token distribution (its log-probabilities raw, as `generate`'s;
+        the token is the greedy one under the generation config's repetition penalty, as `generate` picks it)."""
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
         logits = self.model(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, logits_to_keep=1,
             use_cache=False,
         ).logits[:, -1, :].float()  # fmt: skip
         logprobs = logits.log_softmax(dim=-1)
+        penalty = getattr(self.model.generation_config, "repetition_penalty", None)
+        if penalty not in (None, 1.0):
+            from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+            logits = RepetitionPenaltyLogitsProcessor(penalty)(input_ids, logits.clone())
         tokens = logits.argmax(dim=-1).tolist()
         if not logprob_token_ids:
             return [Generation(token_ids=[token]) for token in tokens]

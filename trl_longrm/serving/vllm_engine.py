@@ -80,6 +80,8 @@ class _VLLMEngine:
             )
         else:
             self.llm, self.model_path = model, model.llm_engine.model_config.model
+        # The longest prompt + generation the engine takes (the judge cuts its prompts to fit it).
+        self.max_model_len = self.llm.llm_engine.model_config.max_model_len
 
     def identity(self) -> dict:
         return {"backend": "vllm", "vllm": self.version, "model": self.model_path, **self.settings}
@@ -104,6 +106,14 @@ class VLLMGenerator(_VLLMEngine):
     ```
     """
 
+    def __init__(self, model, **kwargs):
+        super().__init__(model, **kwargs)
+        from trl_longrm.serving.base import greedy_settings
+
+        # `LLM.generate` with explicit sampling parameters does not apply the checkpoint's generation config (a server
+        # and transformers do): its repetition penalty is passed here, and what vLLM cannot apply is refused.
+        self.greedy = greedy_settings(self.model_path, "vllm")
+
     def generate(
         self, prompts: Sequence[list[int]], max_new_tokens: int, logprob_token_ids: list[int] | None = None
     ) -> list[Generation]:
@@ -111,12 +121,14 @@ class VLLMGenerator(_VLLMEngine):
         from vllm.inputs import TokensPrompt
 
         asked = list(logprob_token_ids or [])
+        # Log-probabilities are vLLM's default raw ones (before the penalty), as the other backends report them.
         params = SamplingParams(
             temperature=0.0,
             top_p=1.0,
             max_tokens=max_new_tokens,
             logprobs=len(asked) if asked else None,
             logprob_token_ids=asked or None,
+            **self.greedy,
         )
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False)
         generations = []
