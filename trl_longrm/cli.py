@@ -1,4 +1,5 @@
-"""`trl-longrm` command line: `train` runs a training stage from a recipe, `eval` runs Long-RewardBench."""
+"""`trl-longrm` command line: `train` runs a training stage from a recipe, `eval` runs Long-RewardBench, `plan` finds
+the settings that fit your GPUs."""
 
 from __future__ import annotations
 
@@ -60,6 +61,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_reward_server_arguments(server_parser)
     server_parser.set_defaults(handler=run_reward_server)
+    plan_parser = subparsers.add_parser(
+        "plan",
+        help="The settings that fit a model, a stage and a data shape on your GPUs, ranked by estimated speed.",
+        description="Search sequence parallelism, ZeRO, offloads, the tiled MLP and gradient checkpointing (full, "
+        "selective, partial) for a model, a stage and a group shape on the given cards: each candidate's memory "
+        "traced (the memory plan), its step time estimated, the fitting ones ranked by tokens per second; why each "
+        "other layout failed. --write saves the fastest as a recipe (docs/memory_plan.md#what-fits-my-gpus).",
+    )
+    from trl_longrm.memory_plan.command import add_plan_arguments, run_plan
+
+    add_plan_arguments(plan_parser)
+    plan_parser.set_defaults(handler=run_plan)
     return parser
 
 

@@ -99,7 +99,7 @@ class Layout:
 
     def describe(self) -> str:
         parts = [f"sp {self.sequence_parallel_size} {self.mode}" if self.sequence_parallel_size > 1 else "no sp",
-                 {"single": "one GPU", "ddp": "DDP"}.get(self.distributed, self.distributed.replace("zero", "ZeRO-"))]
+                 {"single": "one process", "ddp": "DDP"}.get(self.distributed, self.distributed.replace("zero", "ZeRO-"))]
         return ", ".join(parts) + (" + offload" if self.offload else "")
 
 
@@ -169,6 +169,7 @@ class SearchResult:
     rejected: list[Candidate]
     traces: int
     seconds: float
+    planner: object = field(default=None, repr=False)
 
     def table(self, top: int = 5) -> str:
         budget = (1 - self.margin) * self.cluster.device_bytes
@@ -185,8 +186,12 @@ class SearchResult:
         if not self.proposals:
             lines.append("   nothing fits")
         if self.rejected:
-            lines.append("rejected:")
+            # Per layout, what it was rejected for: its last rung (the one keeping the least on the card).
+            last = {}
             for c in self.rejected:
+                last[(c.method, c.layout, c.activations.selective, c.activations.unchecked_layers)] = c
+            lines.append("rejected (each layout's last setting tried):")
+            for c in last.values():
                 lines.append(f"   {c.method:6} {c.layout.describe():28} {c.activations.describe():52} {c.reason}")
         lines.append(f"({self.traces} traces, {self.seconds:.0f} s; step times by the step-time model, see "
                      "docs/memory_plan.md#what-fits-my-gpus)")
@@ -228,8 +233,8 @@ class _Planner:
     """Plans candidates, with every trace cached by what it depends on (not the ZeRO settings)."""
 
     def __init__(self, stage, config, shape, cluster, base_args, peft_configs, dtype, max_traced_layers, attention,
-                 margin):  # fmt: skip
-        self.stage, self.config, self.shape, self.cluster = stage, config, shape, cluster
+                 margin, device="cuda"):  # fmt: skip
+        self.stage, self.config, self.shape, self.cluster, self.device = stage, config, shape, cluster, device
         self.budget = (1 - margin) * cluster.device_bytes
         self.base_args, self.peft_configs, self.dtype = base_args, peft_configs, dtype
         self.max_traced_layers, self.attention = max_traced_layers, attention
@@ -258,11 +263,11 @@ class _Planner:
         if key not in self.cache:
             self.cache[key] = trace_step(self.stage, args, self.config, self.shape, peft_config=self.peft_configs[method],
                                          dtype=self.dtype, world_size=world, rank=rank,
-                                         max_traced_layers=self.max_traced_layers, ddp=ddp, kernels="cuda",
+                                         max_traced_layers=self.max_traced_layers, ddp=ddp, kernels=self.device,
                                          attention=self.attention)  # fmt: skip
         return plan_memory(self.stage, args, self.config, self.shape, peft_config=self.peft_configs[method],
                            dtype=self.dtype, world_size=world, rank=rank, distributed=layout.distributed,
-                           device="cuda", attention=self.attention,
+                           device=self.device, attention=self.attention,
                            deepspeed_config=_deepspeed(layout.distributed, layout.offload),
                            traced=self.cache[key])  # fmt: skip
 
@@ -301,11 +306,12 @@ def default_lora_r(stage: str) -> int:
 def search(stage: str, model_config, shape: GroupShape, cluster: Cluster, *, methods=("lora", "full"),
            lora_r: int | None = None, base_args=None, margin: float = DEFAULT_MARGIN,
            max_traced_layers: int = DEFAULT_MAX_TRACED_LAYERS, spend_spare_memory: int = 2,
-           progress=None) -> SearchResult:  # fmt: skip
+           device: str = "cuda", dtype: torch.dtype = torch.bfloat16, progress=None) -> SearchResult:  # fmt: skip
     """Search the settings that fit (module docstring); the proposals sorted by tokens per second, fastest first.
     `base_args`: the stage's config the candidates start from (default: TRL's defaults, bf16). `spend_spare_memory`:
-    how many of the fastest candidates also try selective checkpointing and unchecked layers. `progress(message)` is
-    called as the search goes."""
+    how many of the fastest candidates also try selective checkpointing and unchecked layers. `device`: 'cuda' plans
+    a GPU run (its kernels and CUDA terms), 'cpu' a CPU run (what a CPU run allocates: checked against measured CPU
+    peaks); the step times are a GPU's either way. `progress(message)` is called as the search goes."""
     from peft import LoraConfig
 
     from trl_longrm.memory_plan.planned_kernels import planned_cuda_attention
@@ -319,14 +325,15 @@ def search(stage: str, model_config, shape: GroupShape, cluster: Cluster, *, met
     tmp = tempfile.mkdtemp(prefix="trl_longrm_plan_")
     if base_args is None:
         extra = {"shared_prefix": True} if stage != "sft" else {"packing": True}
-        base_args = config_cls(output_dir=tmp, use_cpu=True, bf16=True, report_to=[], gradient_checkpointing=True,
+        base_args = config_cls(output_dir=tmp, use_cpu=True, bf16=dtype == torch.bfloat16, report_to=[],
+                               gradient_checkpointing=True,
                                per_device_train_batch_size=1, max_length=shape.tokens(True, stage), **extra)  # fmt: skip
     task = "SEQ_CLS" if stage == "simpo_disrm" else "CAUSAL_LM"
     peft_configs = {"full": None, "lora": LoraConfig(r=lora_r, lora_alpha=lora_r if stage == "simpo_disrm" else 2 * lora_r,
                                                      lora_dropout=0.0, target_modules="all-linear", task_type=task)}
     attention = planned_cuda_attention(getattr(base_args, "ring_attn_backend", "auto") or "auto")
-    planner = _Planner(stage, model_config, shape, cluster, base_args, peft_configs, torch.bfloat16, max_traced_layers,
-                       attention, margin)  # fmt: skip
+    planner = _Planner(stage, model_config, shape, cluster, base_args, peft_configs, dtype, max_traced_layers,
+                       attention, margin, device)  # fmt: skip
     say = progress or (lambda message: None)
     budget = (1 - margin) * cluster.device_bytes
     fitting, rejected = [], []
@@ -373,7 +380,26 @@ def search(stage: str, model_config, shape: GroupShape, cluster: Cluster, *, met
         upgraded += _spend_spare_memory(planner, candidate, lora_r, say)
     proposals = sorted(confirmed + upgraded, key=lambda c: -c.tokens_per_s)
     return SearchResult(stage, cluster, shape, margin, proposals, rejected, len(planner.cache),
-                        time.perf_counter() - started)  # fmt: skip
+                        time.perf_counter() - started, planner)  # fmt: skip
+
+
+def longest_prompt(result: SearchResult, candidate: Candidate) -> dict:
+    """The longest prompt (a multiple of 1,024 tokens; same responses) `candidate`'s settings fit with the search's
+    margin, on the first and last rank of a group: `recipe.longest_group`'s secant search, each step a traced plan."""
+    from trl_longrm.memory_plan.recipe import longest_group
+
+    searched = result.planner
+    sp = candidate.layout.sequence_parallel_size
+
+    def plans_for(shape, args):
+        planner = _Planner(result.stage, searched.config, shape, result.cluster, args, searched.peft_configs,
+                           searched.dtype, searched.max_traced_layers, searched.attention, result.margin,
+                           searched.device)  # fmt: skip
+        return [planner.plan(candidate.method, candidate.layout, candidate.activations, rank)
+                for rank in sorted({0, sp - 1})]  # fmt: skip
+
+    args = searched.args(candidate.method, candidate.layout, candidate.activations)
+    return longest_group(plans_for, args, result.stage, result.shape, candidate.plans, searched.budget)
 
 
 def _scaling_parts(plan: MemoryPlan) -> tuple[int, int]:
@@ -421,4 +447,4 @@ def _spend_spare_memory(planner: _Planner, candidate: Candidate, lora_r: int, sa
     return out
 
 
-__all__ = ["Activations", "Candidate", "Cluster", "Layout", "SearchResult", "search"]
+__all__ = ["Activations", "Candidate", "Cluster", "Layout", "SearchResult", "longest_prompt", "search"]
