@@ -123,9 +123,7 @@ def write_recipe(path: str, recipe: dict, header: str) -> None:
 
 
 def run_plan(args: argparse.Namespace) -> int:
-    import logging
-    import warnings
-
+    from trl_longrm.memory_plan.recipe import quiet_trace
     from trl_longrm.memory_plan.search import Cluster, default_lora_r, longest_prompt, search
     from trl_longrm.memory_plan.trace import GroupShape
 
@@ -145,14 +143,13 @@ def run_plan(args: argparse.Namespace) -> int:
         base = yaml.safe_load(Path(args.recipe).read_text(encoding="utf-8")) or {}
     shape = GroupShape(args.prompt_tokens, args.response_tokens, 0 if args.stage == "sft" else args.num_rejected)
     lora_r = args.lora_r or default_lora_r(args.stage)
-    logging.getLogger("transformers").setLevel(logging.ERROR)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    with quiet_trace():  # what the traced steps print (their logs, progress bars, warnings of a fake run)
         result = search(args.stage, config_path, shape, cluster, methods=methods, lora_r=lora_r, margin=args.margin,
-                        device=args.device, progress=lambda message: print(f"  planning {message}", file=sys.stderr, flush=True))  # fmt: skip
-    longest = None
-    if args.longest and result.proposals:
-        longest = longest_prompt(result, result.proposals[0])["prompt_tokens"]
+                        device=args.device,
+                        progress=lambda message: print(f"  planning {message}", file=sys.stderr, flush=True))  # fmt: skip
+        longest = None
+        if args.longest and result.proposals:
+            longest = longest_prompt(result, result.proposals[0])["prompt_tokens"]
     if args.json:
         print(json.dumps({
             "stage": result.stage, "cluster": dataclasses.asdict(result.cluster), "group": dataclasses.asdict(result.shape),

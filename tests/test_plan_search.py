@@ -1,0 +1,89 @@
+"""What fits my GPUs (`trl-longrm plan`, `trl_longrm.memory_plan.search`): the proposals fit the card with the stated
+margin, as a full trace of each plans them (no per-layer extrapolation, no cached trace); a proposal runs on CPU with
+its measured peak within 2% of its plan and under the card; a layout that cannot fit is rejected with its planned peak;
+`--write` gives a recipe whose `--dry_run` plans the same peak."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from test_memory_plan import assert_within, model_config
+
+from trl_longrm.memory_plan import GroupShape, plan_memory
+from trl_longrm.memory_plan.search import Cluster, search
+
+
+SHAPE = GroupShape(2048, 256, 4)
+GIB = 2**30
+
+
+@pytest.fixture(scope="module")
+def searched():
+    """A 6-layer model's GRM on one CPU 'card' of 0.3 GiB: plain checkpointing fits with room to spare, so the search
+    also spends it (selective checkpointing, unchecked layers)."""
+    return search("simpo_grm", model_config(layers=6), SHAPE, Cluster.parse("1xcpu", device_memory_gib=0.3),
+                  methods=("full",), device="cpu", dtype=torch.float32)  # fmt: skip
+
+
+def test_proposals_fit_as_full_traces_plan_them_and_spend_spare_memory(searched):
+    budget = 0.97 * 0.3 * GIB
+    assert searched.proposals, searched.table()
+    speeds = [c.tokens_per_s for c in searched.proposals]
+    assert speeds == sorted(speeds, reverse=True)
+    assert any(c.activations.unchecked_layers for c in searched.proposals)
+    assert any(c.activations.selective for c in searched.proposals)
+    planner = searched.planner
+    for candidate in searched.proposals:
+        assert candidate.peak_bytes <= budget
+        # Planned again from a full trace of all 6 layers, nothing cached: within 2% and still fitting.
+        args = planner.args(candidate.method, candidate.layout, candidate.activations)
+        full = plan_memory("simpo_grm", args, planner.config, SHAPE, dtype=torch.float32, max_traced_layers=None)
+        assert abs(candidate.peak_bytes / full.peak - 1) < 0.02, (candidate.activations, candidate.peak_bytes, full.peak)
+        assert full.peak <= budget
+
+
+def test_the_fastest_proposal_runs_within_its_plan_and_under_the_card(searched):
+    from memory_plan_worker import measure_step
+
+    best = searched.proposals[0]
+    args = searched.planner.args(best.method, best.layout, best.activations)
+    measured = measure_step("simpo_grm", args, searched.planner.config, SHAPE, None, torch.float32, 1)
+    assert measured <= 0.3 * GIB
+    assert_within(best.peak_bytes, measured, f"plan search: grm_6_layers {best.activations.describe()}")
+
+
+def test_a_card_too_small_rejects_every_layout_with_its_peak():
+    result = search("simpo_grm", model_config(layers=6), SHAPE, Cluster.parse("1xcpu", device_memory_gib=0.02),
+                    methods=("full",), device="cpu", dtype=torch.float32, spend_spare_memory=0)  # fmt: skip
+    assert not result.proposals
+    assert {c.activations for c in result.rejected} and all("over" in c.reason for c in result.rejected)
+    assert "nothing fits" in result.table()
+
+
+def test_cli_writes_a_recipe_whose_dry_run_plans_the_same(tmp_path):
+    """`trl-longrm plan ... --write` then `trl-longrm train RECIPE --dry_run` (the recipe keeps a base recipe's data)."""
+    config = model_config(layers=6)
+    config.save_pretrained(tmp_path / "model")
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"prompt": "a", "chosen": "b", "rejected": "c"}\n')
+    base = tmp_path / "base.yaml"
+    base.write_text(f"dataset_name: {data}\noutput_dir: {tmp_path / 'out'}\nreport_to: none\n")
+    recipe = tmp_path / "planned.yaml"
+    command = [sys.executable, "-m", "trl_longrm", "plan", "--model", str(tmp_path / "model"), "--stage", "simpo_grm",
+               "--prompt_tokens", "2048", "--response_tokens", "256", "--num_rejected", "4", "--cards", "1xcpu",
+               "--device", "cpu", "--device_memory_gib", "0.3", "--methods", "full", "--write", str(recipe),
+               "--recipe", str(base), "--top", "2", "--json"]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"wrote {recipe}" in done.stdout and recipe.read_text().startswith("# coding: trl_longrm")
+    result = json.loads(done.stdout[: done.stdout.rindex("wrote")])
+    best_peak = result["proposals"][0]["peak_gib"]
+    dry = subprocess.run([sys.executable, "-m", "trl_longrm", "train", str(recipe), "--dry_run"], capture_output=True,
+                         text=True, timeout=900)  # fmt: skip
+    line = next(x for x in dry.stdout.splitlines() if x.startswith("peak of the traced ranks"))
+    assert ": fits" in line, dry.stdout[-3000:]
+    assert float(line.split()[5]) == pytest.approx(best_peak, abs=0.01)
