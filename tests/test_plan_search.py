@@ -5,9 +5,11 @@ its measured peak within 2% of its plan and under the card; a layout that cannot
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
+import types
 
 import pytest
 import torch
@@ -34,7 +36,12 @@ def test_proposals_fit_as_full_traces_plan_them_and_spend_spare_memory(searched)
     assert searched.proposals, searched.table()
     speeds = [c.tokens_per_s for c in searched.proposals]
     assert speeds == sorted(speeds, reverse=True)
-    assert any(c.activations.unchecked_layers for c in searched.proposals)
+    unchecked = max(searched.proposals, key=lambda c: c.activations.unchecked_layers)
+    assert unchecked.activations.unchecked_layers
+    # The most unchecked layers that fit (`propose.most_unchecked_layers`): one more does not.
+    more = dataclasses.replace(unchecked.activations, unchecked_layers=unchecked.activations.unchecked_layers + 1)
+    if more.unchecked_layers <= 6:
+        assert searched.planner.plan(unchecked.method, unchecked.layout, more).peak > budget
     assert any(c.activations.selective for c in searched.proposals)
     planner = searched.planner
     for candidate in searched.proposals:
@@ -87,3 +94,20 @@ def test_cli_writes_a_recipe_whose_dry_run_plans_the_same(tmp_path):
     line = next(x for x in dry.stdout.splitlines() if x.startswith("peak of the traced ranks"))
     assert ": fits" in line, dry.stdout[-3000:]
     assert float(line.split()[5]) == pytest.approx(best_peak, abs=0.01)
+
+
+def test_most_unchecked_layers_is_the_affine_rule_confirmed_by_a_plan():
+    """By hand: plans of peak 10 + 3 n (n >= 1) against a budget of 30 give n = 6 (28), from the plans of 1, 2 and 6;
+    where the confirming plan does not fit (its top layer differs), n steps down; where one layer does not fit, none."""
+    from trl_longrm.memory_plan.propose import most_unchecked_layers
+
+    planned = []
+
+    def plan(n, bump=0):
+        planned.append(n)
+        return types.SimpleNamespace(peak=10 + 3 * n + (bump if n >= 6 else 0))
+
+    assert most_unchecked_layers(plan, 32, 30)[0] == 6 and planned == [1, 2, 6]
+    assert most_unchecked_layers(lambda n: plan(n, bump=5), 32, 30)[0] == 5
+    assert most_unchecked_layers(plan, 4, 30)[0] == 4  # capped at the model's layers
+    assert most_unchecked_layers(plan, 32, 12) == (0, None)

@@ -43,6 +43,7 @@ import torch
 
 from trl_longrm.memory_plan.devices import DEVICE_MEMORY_BYTES, device_memory_bytes
 from trl_longrm.memory_plan.plan import DEFAULT_MAX_TRACED_LAYERS, GIB, MemoryPlan, load_model_config, plan_memory
+from trl_longrm.memory_plan.propose import most_unchecked_layers
 from trl_longrm.memory_plan.step_time import CARDS, estimate_step_seconds, settings_of
 from trl_longrm.memory_plan.trace import GroupShape, trace_step
 
@@ -140,6 +141,10 @@ class Candidate:
     reason: str = ""
     estimated: bool = False  # peak estimated from another layout's trace, not traced
     plans: list[MemoryPlan] = field(default_factory=list, repr=False)
+
+    @property
+    def peak(self) -> int:  # (as a `MemoryPlan`'s: `propose.most_unchecked_layers` reads either)
+        return self.peak_bytes
 
     def overrides(self, stage: str, lora_r: int) -> dict:
         """The recipe keys of this candidate (`trl-longrm plan --write`)."""
@@ -430,19 +435,10 @@ def _spend_spare_memory(planner: _Planner, candidate: Candidate, lora_r: int, sa
     if selective.fits:
         out.append(selective)
         base = selective.activations
-    layers = planner.config.num_hidden_layers
-    one = planned(dataclasses.replace(base, unchecked_layers=1))
-    if not one.fits:
-        return out
-    two = planned(dataclasses.replace(base, unchecked_layers=min(2, layers)))
-    slope = max(two.peak_bytes - one.peak_bytes, 1)
-    n = min(layers, 1 + int((planner.budget - one.peak_bytes) // slope))
-    say(f"{candidate.method}: {candidate.layout.describe()}: {n} layers unchecked")
-    best = planned(dataclasses.replace(base, unchecked_layers=n)) if n > 2 else (two if n == 2 else one)
-    while not best.fits and n > 1:
-        n -= 1
-        best = planned(dataclasses.replace(base, unchecked_layers=n))
-    if best.fits:
+    n, best = most_unchecked_layers(lambda n: planned(dataclasses.replace(base, unchecked_layers=n)),
+                                    planner.config.num_hidden_layers, planner.budget)  # fmt: skip
+    if best is not None:
+        say(f"{candidate.method}: {candidate.layout.describe()}: {n} layers unchecked")
         out.append(best)
     return out
 
