@@ -46,7 +46,9 @@ def test_sample_rejects_mostly_agree(shared_sample_path):
     """The figures docs/data.md quotes: of the 64 rejected judgments of the 16 training rows, 45 carry the chosen
     one's score, 14 of the first two of each row (why recipes train on the first V = 2)."""
     rows = [row for split, row in _sample_rows(shared_sample_path) if split == "train"]
-    same = [[row["scores"][judge] == row["scores"][row["chosen_model"]] for judge in row["reject_models"]] for row in rows]
+    same = [
+        [row["scores"][judge] == row["scores"][row["chosen_model"]] for judge in row["reject_models"]] for row in rows
+    ]
     assert sum(map(len, same)) == 64
     assert sum(sum(flags) for flags in same) == 45
     assert sum(sum(flags[:2]) for flags in same) == 14
@@ -58,7 +60,12 @@ RULES = VoteRules(judge_priority=("a", "b", "c", "d", "e"))
 def test_hand_computed_votes():
     # 3 x 7 against 1 x 2 and an unparsable one: b is the first of the consensus; c, e disagree (priority order).
     verdict = vote_scores({"a": 2, "b": 7, "c": -1, "d": 7, "e": 7}, RULES)
-    assert (verdict.consensus, verdict.chosen, verdict.rejected, verdict.conf) == (7, "b", ["a", "c", "d", "e"], [3, 1, 1])
+    assert (verdict.consensus, verdict.chosen, verdict.rejected, verdict.conf) == (
+        7,
+        "b",
+        ["a", "c", "d", "e"],
+        [3, 1, 1],
+    )
     # Two -1 judgments agree with each other but never form a consensus: the 2 x 5 does.
     verdict = vote_scores({"a": -1, "b": -1, "c": 5, "d": 5, "e": 1}, RULES)
     assert (verdict.chosen, verdict.rejected) == ("c", ["a", "b", "e", "d"])
