@@ -211,6 +211,30 @@ class OpenAIGenerator(_OpenAIEngine):
     def identity(self) -> dict:
         return {**super().identity(), "top_logprobs": self.top_logprobs}
 
+    def _sample_one(self, prompt: list[int], max_new_tokens: int, sampling) -> list[Generation]:
+        payload = {"model": self.model, "prompt": list(prompt), "max_tokens": max_new_tokens, "n": sampling.n,
+                   "temperature": sampling.temperature, "top_p": sampling.top_p}  # fmt: skip
+        if sampling.seed is not None:
+            payload["seed"] = sampling.seed
+        if self.vllm_fields:
+            payload.update(return_tokens_as_token_ids=True, return_token_ids=True)
+        try:
+            choices = self.server.request(f"{self.server.base_url}/completions", payload)["choices"]
+        except _HTTPRefusal as error:
+            if self.vllm_fields and error.status in (400, 422) and any(f in error.body for f in _VLLM_FIELDS):
+                self.vllm_fields = False  # not vLLM: ask again without its fields
+                return self._sample_one(prompt, max_new_tokens, sampling)
+            raise EngineError(f"The server refused a completion request: {error}") from None
+        return [self._generation(choice, []) for choice in sorted(choices, key=lambda c: c.get("index", 0))]
+
+    def sample(self, prompts: Sequence[list[int]], max_new_tokens: int, sampling) -> list[list[Generation]]:
+        """`Sampling.n` continuations of each prompt (`trl_longrm.serving.sampling`): one request per prompt with `n`,
+        so the server prefills the prompt once for its samples; requests in parallel, at most `max_concurrency`."""
+        from trl_longrm.serving.sampling import per_prompt
+
+        jobs = list(zip(prompts, per_prompt(sampling, len(prompts)), strict=True))
+        return self._map(lambda job: self._sample_one(job[0], max_new_tokens, job[1]), jobs)
+
 
 class OpenAIScorer(_OpenAIEngine):
     """A `ScoringEngine` on a vLLM server started with the pooling runner (`--runner pooling`): each token-id sequence
