@@ -101,3 +101,57 @@ def test_rules_refuse_what_they_cannot_honour():
         VoteRules(judge_priority=("a", "b"), reject_order=("a", "c"))
     with pytest.raises(ValueError, match="on_tie"):
         VoteRules(judge_priority=("a", "b"), on_tie="first")
+
+
+def test_vote_step_rebuilds_the_sample_rows(shared_sample_path, tmp_path):
+    """The `vote` step on the sample's judgments (each judge's text and score, in alphabetical order of the judges)
+    with LongRM's rules writes each row's `chosen`, `rejects` (in order), `conf`, `chosen_model`, `reject_models` and
+    `scores`, and its SFT row's `golden` is the chosen judgment."""
+    from datagen_helpers import read_jsonl, write_jsonl
+
+    from trl_longrm.datagen.vote import LONGRM_RULES, VoteConfig, vote
+
+    rows = _sample_rows(shared_sample_path)
+    records = []
+    for _, row in rows:
+        texts = {row["chosen_model"]: row["chosen"], **dict(zip(row["reject_models"], row["rejects"], strict=True))}
+        judges = sorted(texts)
+        records.append({
+            "id": str(row["index"]), "question": row["query"], "long_context": row["context"],
+            "responses": [{"id": "r0", "model": "sample", "text": row["chat_template"][-1]["content"][-300:]}],
+            "judgments": [[{"judge": j, "text": texts[j], "score": row["scores"][j]} for j in judges]],
+        })  # fmt: skip
+    judged = write_jsonl(tmp_path / "judged.jsonl", records)
+    config = VoteConfig(input=judged, sft_output=str(tmp_path / "sft.jsonl"), simpo_output=str(tmp_path / "simpo.jsonl"),
+                        judge_priority=list(LONGRM_RULES.judge_priority), reject_order=list(LONGRM_RULES.reject_order))  # fmt: skip
+    summary = vote(config)
+    simpo, sft = read_jsonl(tmp_path / "simpo.jsonl"), read_jsonl(tmp_path / "sft.jsonl")
+    assert summary["written"] == len(simpo) == len(sft) == 20 and summary["dropped"] == {}
+    for (_, row), out, sft_row in zip(rows, simpo, sft, strict=True):
+        assert out["id"] == f"{row['index']}/r0"
+        assert (out["chosen"], out["rejects"]) == (row["chosen"], row["rejects"])
+        assert (out["conf"], out["chosen_model"], out["reject_models"]) == (row["conf"], row["chosen_model"], row["reject_models"])
+        assert out["scores"] == row["scores"] and sft_row["golden"] == row["chosen"]
+        assert out["chat_template"][-1]["content"].count(row["context"]) == 1  # the long context, in the judge's prompt
+
+
+def test_vote_step_counts_drops_by_reason(tmp_path):
+    from datagen_helpers import read_jsonl, write_jsonl
+
+    from trl_longrm.datagen.vote import VoteConfig, vote
+
+    def judged(scores):
+        return [{"judge": judge, "text": f"[Analysis] {judge}. [Score: {score}]", "score": score} for judge, score in scores.items()]
+
+    record = {
+        "id": "q", "question": "Q?", "long_context": "The context.",
+        "responses": [{"id": f"r{i}", "model": "m", "text": f"answer {i}"} for i in range(4)],
+        "judgments": [judged({"a": 7, "b": 7, "c": 2}), judged({"a": 1, "b": 5, "c": 9}), judged({"a": -1, "b": -1, "c": -1}),
+                      judged({"a": 3, "b": 8, "c": 8})],
+    }  # fmt: skip
+    path = write_jsonl(tmp_path / "judged.jsonl", [record])
+    summary = vote(VoteConfig(input=path, simpo_output=str(tmp_path / "simpo.jsonl")))
+    rows = read_jsonl(tmp_path / "simpo.jsonl")
+    assert summary["dropped"] == {"no_consensus": 1, "no_parsable_score": 1}
+    # Judges in the records' order (a, b, c) are the priority: b chosen where a disagrees.
+    assert [(r["chosen_model"], r["reject_models"]) for r in rows] == [("a", ["c", "b"]), ("b", ["a", "c"])]

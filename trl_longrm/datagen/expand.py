@@ -203,6 +203,7 @@ class Expander:
         self.corpus = corpus
         self.separator_tokens = len(tokenizer(config.separator, add_special_tokens=False)["input_ids"])
         self.unchecked_answers = 0
+        self.excluded = 0  # distractors passed over: they held the answer, a chunk or the tag
 
     def count(self, text: str) -> int:
         return len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
@@ -315,6 +316,7 @@ class Expander:
             if used >= budget:
                 break
             if not self._usable(index, banned, answer_pattern):
+                self.excluded += 1
                 continue
             cost = self.corpus.tokens(index) + self.separator_tokens
             if used + cost <= budget:
@@ -368,6 +370,11 @@ def expand(config: ExpandConfig) -> dict:
         str(Path(config.tokenizer).resolve()) if Path(config.tokenizer).exists() else config.tokenizer
     )
     expander = Expander(config, tokenizer, corpus)
+    for where, record in source:  # every record's chunks and texts, before anything is written
+        expander.chunks(where, record)
+        for key in ("question", "answer"):
+            if not isinstance(record[key], str) or not record[key].strip():
+                raise where.error("must be a non-empty text", key=key)
     with ResumableWriter(config.output, identity) as writer:
         stats = StepStats("expand", config.output, total, resumed=len(writer.done))
         for where, record in source:
@@ -383,5 +390,6 @@ def expand(config: ExpandConfig) -> dict:
                 stats.written += 1
                 stats.advance()
         stats.extra["answers_too_short_to_check"] = expander.unchecked_answers
+        stats.extra["distractors_excluded"] = expander.excluded
         stats.extra["corpus_documents"] = len(corpus)
         return stats.finish()
