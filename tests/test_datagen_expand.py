@@ -123,5 +123,8 @@ def test_user_mistakes_name_the_file_and_record(assets, tmp_path):
     with pytest.raises(DataFormatError, match=r"missing.jsonl, line 1, key 'answer'"):
         _expand(assets, "missing_out.jsonl", input=missing)
     small = write_corpus(tmp_path / "small.jsonl", num_documents=3)
-    with pytest.raises(DataFormatError, match=r"short.jsonl, line 1: the corpus .*small.jsonl is too short for a context of 1200 tokens"):
+    with pytest.raises(
+        DataFormatError,
+        match=r"short.jsonl, line 1: the corpus .*small.jsonl is too short for a context of 1200 tokens",
+    ):
         _expand(assets, "small_out.jsonl", corpus=small)

@@ -130,9 +130,15 @@ def test_vote_step_rebuilds_the_sample_rows(shared_sample_path, tmp_path):
     for (_, row), out, sft_row in zip(rows, simpo, sft, strict=True):
         assert out["id"] == f"{row['index']}/r0"
         assert (out["chosen"], out["rejects"]) == (row["chosen"], row["rejects"])
-        assert (out["conf"], out["chosen_model"], out["reject_models"]) == (row["conf"], row["chosen_model"], row["reject_models"])
+        assert (out["conf"], out["chosen_model"], out["reject_models"]) == (
+            row["conf"],
+            row["chosen_model"],
+            row["reject_models"],
+        )
         assert out["scores"] == row["scores"] and sft_row["golden"] == row["chosen"]
-        assert out["chat_template"][-1]["content"].count(row["context"]) == 1  # the long context, in the judge's prompt
+        assert (
+            out["chat_template"][-1]["content"].count(row["context"]) == 1
+        )  # the long context, in the judge's prompt
 
 
 def test_vote_step_counts_drops_by_reason(tmp_path):
@@ -141,7 +147,10 @@ def test_vote_step_counts_drops_by_reason(tmp_path):
     from trl_longrm.datagen.vote import VoteConfig, vote
 
     def judged(scores):
-        return [{"judge": judge, "text": f"[Analysis] {judge}. [Score: {score}]", "score": score} for judge, score in scores.items()]
+        return [
+            {"judge": judge, "text": f"[Analysis] {judge}. [Score: {score}]", "score": score}
+            for judge, score in scores.items()
+        ]
 
     record = {
         "id": "q", "question": "Q?", "long_context": "The context.",

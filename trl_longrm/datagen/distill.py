@@ -64,10 +64,8 @@ class DistillConfig:
 
     def __post_init__(self):
         self.policy = ModelSpec.from_dict(self.policy, "distill: policy")
-        if not isinstance(self.scorer, dict) or not self.scorer.get("model_path"):
-            raise RunConfigError(
-                "distill: `scorer` must be a mapping with `model_path` (and EvalConfig's other fields)"
-            )
+        if not isinstance(self.scorer, dict):
+            raise RunConfigError("distill: `scorer` must be a mapping of EvalConfig's fields, `model_path` at least")
         if self.num_rollouts < 2:
             raise RunConfigError(
                 f"distill: `num_rollouts` must be >= 2 (one best of several), got {self.num_rollouts}"
@@ -79,6 +77,8 @@ class DistillConfig:
         from trl_longrm.evaluation.config import EvalConfig
         from trl_longrm.evaluation.score import _detect_disrm
 
+        if not self.scorer.get("model_path"):
+            raise RunConfigError("distill: `scorer` must be a mapping of EvalConfig's fields, `model_path` at least")
         known = {f.name for f in dataclasses.fields(EvalConfig)} - {"data_path", "save_path", "tasks", "formats"}
         unknown = sorted(set(self.scorer) - known)
         if unknown:
@@ -152,7 +152,8 @@ def distill(config: DistillConfig, judge=None) -> dict:
     total = source.check()
     for where, record in source:  # every prompt readable, before any model loads
         prompt_of(where, record)
-    eval_config = config.eval_config()
+    eval_config = config.eval_config() if judge is None else None
+    protocol = eval_config.judge_protocol if eval_config is not None else getattr(judge, "protocol", "pointwise")
     identity = {key: value for key, value in asdict(config).items() if key not in ("output", "batch_size")}
     identity["policy"] = config.policy.identity()
     with ResumableWriter(config.output, identity) as writer:
@@ -174,7 +175,7 @@ def distill(config: DistillConfig, judge=None) -> dict:
                                   seed=request_seed(config.seed, rid)) for _, rid, _ in batch]  # fmt: skip
             groups = policy.answer(conversations, config.max_new_tokens, samplings)
             requests, orders = [], []
-            pairwise = judge.model_type == "GRM" and eval_config.judge_protocol == "pairwise"
+            pairwise = judge.model_type == "GRM" and protocol == "pairwise"
             for (_, rid, _), prompt, group in zip(batch, prompts, groups, strict=True):
                 stats.count_answers(group)
                 rollouts = [answer.text for answer in group]

@@ -151,7 +151,12 @@ def judge(config: JudgeConfig) -> dict:
                 f"perspective {perspective!r} has no rubric in {prompts.source} ({prompts.perspectives})",
                 key="perspective",
             )
-    identity = {key: value for key, value in asdict(config).items() if key not in ("output", "batch_size", "cache")}
+    # Not what only paces or watches the step: the batch size, the cache, `max_unparsable`.
+    identity = {
+        key: value
+        for key, value in asdict(config).items()
+        if key not in ("output", "batch_size", "cache", "max_unparsable")
+    }
     identity["judges"] = [spec.identity() for spec in config.judges]
     cache = AnswerCache(config.cache)
     watch = ScoreWatch(config.max_unparsable, cache.path, config.max_new_tokens)
@@ -195,12 +200,26 @@ def _judge_round(batch, judges, config, prompts, cache, stats, watch) -> dict[st
                                   sampling.top_p, sampling.seed if not sampling.greedy else None))  # fmt: skip
             samplings.append(sampling)
         todo = [i for i, key in enumerate(keys) if key not in cache.answers]
-        if todo:
+
+        def keep(i, group):
+            cache.add(keys[i], group[0])
+            with cache.lock:
+                stats.count_answers(group[:1])
+
+        if todo and model.spec.backend in ("transformers", "vllm"):
+            # One batch: the engine's own batching (vLLM's continuous batching, its prefix cache) is the speed.
             fresh = model.answer([asks[i][3] for i in todo], config.max_new_tokens, [samplings[i] for i in todo])
             for i, group in zip(todo, fresh, strict=True):
-                cache.add(keys[i], group[0])
-                with cache.lock:
-                    stats.count_answers(group[:1])
+                keep(i, group)
+        elif todo:
+            # A server's (or a function's) answers one by one, each cached as it arrives: a crash or a killed server
+            # loses none of those already given. At most `max_concurrency` in flight.
+            def one(i):
+                keep(i, model.answer([asks[i][3]], config.max_new_tokens, [samplings[i]])[0])
+
+            workers = model.spec.max_concurrency if model.remote else 1
+            with ThreadPoolExecutor(max_workers=min(workers, len(todo))) as pool:
+                list(pool.map(one, todo))
         with cache.lock:
             stats.cached += len(keys) - len(todo)
         return [cache.answers[key] for key in keys]

@@ -76,6 +76,9 @@ class ModelSpec:
     request_timeout: float = field(
         default=600.0, metadata={"help": "Seconds a server may take to answer. Default 600."}
     )
+    max_retries: int = field(
+        default=3, metadata={"help": "Retries of a request a server dropped or refused for now (429, 5xx). Default 3."}
+    )
     dtype: str = field(default="auto", metadata={"help": "dtype of a local checkpoint. Default auto."})
     engine_kwargs: dict = field(
         default_factory=dict, metadata={"help": "Other arguments of the engine (e.g. vLLM's `max_model_len`)."}
@@ -251,7 +254,8 @@ def build_chat_model(spec: ModelSpec) -> ChatModel:
         from trl_longrm.serving.chat import OpenAIChatGenerator
 
         engine = OpenAIChatGenerator(spec.base_url, spec.served_model, api_key=api_key,
-                                     max_concurrency=spec.max_concurrency, timeout=spec.request_timeout)  # fmt: skip
+                                     max_concurrency=spec.max_concurrency, timeout=spec.request_timeout,
+            max_retries=spec.max_retries)  # fmt: skip
         return ServerChatModel(spec, engine)
     from trl_longrm.evaluation.judges import load_tokenizer
 
@@ -264,7 +268,8 @@ def build_chat_model(spec: ModelSpec) -> ChatModel:
         from trl_longrm.serving.openai_engine import OpenAIGenerator
 
         engine = OpenAIGenerator(spec.base_url, spec.served_model, tokenizer=tokenizer, api_key=api_key,
-                                 max_concurrency=spec.max_concurrency, timeout=spec.request_timeout)  # fmt: skip
+                                 max_concurrency=spec.max_concurrency, timeout=spec.request_timeout,
+            max_retries=spec.max_retries)  # fmt: skip
         return TokenChatModel(spec, engine, tokenizer)
     try:
         if spec.backend == "vllm":
