@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 from trl_longrm.data.errors import RunConfigError
 from trl_longrm.datagen.models import ModelSpec, build_chat_model
@@ -86,9 +87,11 @@ class DistillConfig:
         values = dict(self.scorer)
         values.setdefault("judge_protocol", "pointwise")
         if values.get("is_disrm") is None:
-            values["is_disrm"] = values.get("backend", "transformers") != "openai" and _detect_disrm(
-                values["model_path"]
-            )
+            if not Path(values["model_path"]).exists():
+                raise RunConfigError(
+                    f"distill: scorer: {values['model_path']} is not here to tell a DisRM from a judge: set `is_disrm`"
+                )
+            values["is_disrm"] = _detect_disrm(values["model_path"])
         try:
             return EvalConfig(data_path=self.input, **values)
         except (TypeError, ValueError) as error:
@@ -156,8 +159,10 @@ def distill(config: DistillConfig, judge=None) -> dict:
     protocol = eval_config.judge_protocol if eval_config is not None else getattr(judge, "protocol", "pointwise")
     identity = {key: value for key, value in asdict(config).items() if key not in ("output", "batch_size")}
     identity["policy"] = config.policy.identity()
-    with ResumableWriter(config.output, identity) as writer:
-        stats = StepStats("distill", config.output, total, resumed=len(writer.done))
+    with (
+        ResumableWriter(config.output, identity) as writer,
+        StepStats("distill", config.output, total, resumed=len(writer.done)) as stats,
+    ):
         policy = None
         for batch in rounds(source, writer.done, config.batch_size):
             if policy is None:

@@ -375,8 +375,10 @@ def expand(config: ExpandConfig) -> dict:
         for key in ("question", "answer"):
             if not isinstance(record[key], str) or not record[key].strip():
                 raise where.error("must be a non-empty text", key=key)
-    with ResumableWriter(config.output, identity) as writer:
-        stats = StepStats("expand", config.output, total, resumed=len(writer.done))
+    with (
+        ResumableWriter(config.output, identity) as writer,
+        StepStats("expand", config.output, total, resumed=len(writer.done)) as stats,
+    ):
         for where, record in source:
             rid = record_id(where, record)
             for target in config.target_lengths:

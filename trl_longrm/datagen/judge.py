@@ -161,8 +161,10 @@ def judge(config: JudgeConfig) -> dict:
     cache = AnswerCache(config.cache)
     watch = ScoreWatch(config.max_unparsable, cache.path, config.max_new_tokens)
     try:
-        with ResumableWriter(config.output, identity) as writer:
-            stats = StepStats("judge", config.output, total, resumed=len(writer.done))
+        with (
+            ResumableWriter(config.output, identity) as writer,
+            StepStats("judge", config.output, total, resumed=len(writer.done)) as stats,
+        ):
             judges = None
             for batch in rounds(source, writer.done, config.batch_size):
                 judges = judges or [build_chat_model(spec) for spec in config.judges]

@@ -115,8 +115,10 @@ def respond(config: RespondConfig) -> dict:
     identity["models"] = [spec.identity() for spec in config.models]
     kinds = list(config.perturbations)
     weights = [config.perturbations[kind] for kind in kinds]
-    with ResumableWriter(config.output, identity) as writer:
-        stats = StepStats("respond", config.output, total, resumed=len(writer.done))
+    with (
+        ResumableWriter(config.output, identity) as writer,
+        StepStats("respond", config.output, total, resumed=len(writer.done)) as stats,
+    ):
         models = None
         for batch in rounds(source, writer.done, config.batch_size):
             models = models or [build_chat_model(spec) for spec in config.models]  # once there is work to do

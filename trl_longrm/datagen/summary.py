@@ -47,6 +47,12 @@ class StepStats:
         self.started = time.monotonic()
         self.bar = tqdm(total=total, initial=resumed, desc=step, unit=unit, dynamic_ncols=True, file=sys.stderr)
 
+    def __enter__(self) -> StepStats:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.bar.close()  # a step that stops on an error leaves no half-drawn bar before its message
+
     def advance(self, records: int = 1) -> None:
         self.bar.update(records)
 

@@ -277,57 +277,58 @@ def vote(config: VoteConfig) -> dict:
     sft, simpo = [], []
     output = config.simpo_output or config.sft_output or config.disrm_output
     responses = sum(len(record["responses"]) for _, record in source)
-    stats = StepStats("vote", output, responses, unit="response")
-    for where, record in source:
-        rid = record_id(where, record)
-        if len(record["judgments"]) != len(record["responses"]):
-            raise where.error(
-                f"{len(record['judgments'])} judgment lists for {len(record['responses'])} responses", key="judgments"
-            )
-        perspective = record.get("perspective") or "faithfulness"
-        if perspective not in prompts.perspectives:
-            raise where.error(f"perspective {perspective!r} has no rubric in {prompts.source}", key="perspective")
-        for index, (response, judgments) in enumerate(zip(record["responses"], record["judgments"], strict=True)):
-            stats.advance()
-            texts = {j["judge"]: j["text"] for j in judgments}
-            scores = {j["judge"]: int(j["score"]) for j in judgments}
-            if rules is None:
-                rules = config.rules([j["judge"] for j in judgments])
-            try:
-                verdict = vote_scores(scores, rules)
-            except ValueError as error:
-                raise where.error(f"response {index}: {error}", key="judgments") from None
-            if verdict.dropped:
-                stats.drop(verdict.dropped)
-                continue
-            messages = prompts.train_messages(
-                perspective, record["long_context"], record["question"], response["text"], record.get("tag")
-            )
-            provenance = {
-                "source_id": record.get("source_id", rid),
-                "response_model": response.get("model"),
-                "perspective": perspective,
-                "target_tokens": record.get("target_tokens"),
-                "context_tokens": record.get("context_tokens"),
-                "insert_index": record.get("insert_index"),
-                "consensus_score": verdict.consensus,
-            }
-            row_id = f"{rid}/{response.get('id', index)}"
-            sft.append({"id": row_id, "chat_template": messages, "golden": texts[verdict.chosen],
-                        "chosen_model": verdict.chosen, **provenance})  # fmt: skip
-            simpo.append({
-                "id": row_id, "chat_template": messages, "chosen": texts[verdict.chosen],
-                "rejects": [texts[judge] for judge in verdict.rejected], "scores": scores, "conf": verdict.conf,
-                "chosen_model": verdict.chosen, "reject_models": verdict.rejected, **provenance,
-            })  # fmt: skip
-    written = {}
-    if config.sft_output:
-        written["sft_rows"] = write_jsonl(config.sft_output, sft)
-    if config.simpo_output:
-        written["simpo_rows"] = write_jsonl(config.simpo_output, simpo)
-    if config.disrm_output:
-        written["disrm_rows"] = write_jsonl(config.disrm_output, simpo[: config.disrm_max_rows])
-    stats.written = len(simpo)
-    stats.extra.update(written)
-    stats.extra["rules"] = asdict(rules) if rules is not None else None
-    return stats.finish()
+    with StepStats("vote", output, responses, unit="response") as stats:
+        for where, record in source:
+            rid = record_id(where, record)
+            if len(record["judgments"]) != len(record["responses"]):
+                raise where.error(
+                    f"{len(record['judgments'])} judgment lists for {len(record['responses'])} responses",
+                    key="judgments",
+                )
+            perspective = record.get("perspective") or "faithfulness"
+            if perspective not in prompts.perspectives:
+                raise where.error(f"perspective {perspective!r} has no rubric in {prompts.source}", key="perspective")
+            for index, (response, judgments) in enumerate(zip(record["responses"], record["judgments"], strict=True)):
+                stats.advance()
+                texts = {j["judge"]: j["text"] for j in judgments}
+                scores = {j["judge"]: int(j["score"]) for j in judgments}
+                if rules is None:
+                    rules = config.rules([j["judge"] for j in judgments])
+                try:
+                    verdict = vote_scores(scores, rules)
+                except ValueError as error:
+                    raise where.error(f"response {index}: {error}", key="judgments") from None
+                if verdict.dropped:
+                    stats.drop(verdict.dropped)
+                    continue
+                messages = prompts.train_messages(
+                    perspective, record["long_context"], record["question"], response["text"], record.get("tag")
+                )
+                provenance = {
+                    "source_id": record.get("source_id", rid),
+                    "response_model": response.get("model"),
+                    "perspective": perspective,
+                    "target_tokens": record.get("target_tokens"),
+                    "context_tokens": record.get("context_tokens"),
+                    "insert_index": record.get("insert_index"),
+                    "consensus_score": verdict.consensus,
+                }
+                row_id = f"{rid}/{response.get('id', index)}"
+                sft.append({"id": row_id, "chat_template": messages, "golden": texts[verdict.chosen],
+                            "chosen_model": verdict.chosen, **provenance})  # fmt: skip
+                simpo.append({
+                    "id": row_id, "chat_template": messages, "chosen": texts[verdict.chosen],
+                    "rejects": [texts[judge] for judge in verdict.rejected], "scores": scores, "conf": verdict.conf,
+                    "chosen_model": verdict.chosen, "reject_models": verdict.rejected, **provenance,
+                })  # fmt: skip
+        written = {}
+        if config.sft_output:
+            written["sft_rows"] = write_jsonl(config.sft_output, sft)
+        if config.simpo_output:
+            written["simpo_rows"] = write_jsonl(config.simpo_output, simpo)
+        if config.disrm_output:
+            written["disrm_rows"] = write_jsonl(config.disrm_output, simpo[: config.disrm_max_rows])
+        stats.written = len(simpo)
+        stats.extra.update(written)
+        stats.extra["rules"] = asdict(rules) if rules is not None else None
+        return stats.finish()
