@@ -13,6 +13,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -59,6 +60,8 @@ class OpenAIChatGenerator(_OpenAIEngine):
         return self._map(lambda job: self._chat_one(job[0], max_new_tokens, job[1]), jobs)
 
     def _chat_one(self, messages: list[dict], max_new_tokens: int, sampling: Sampling) -> list[ChatCompletion]:
+        if sampling.greedy and sampling.n > 1:  # vLLM refuses n > 1 at temperature 0: one answer, n times
+            return self._chat_one(messages, max_new_tokens, dataclasses.replace(sampling, n=1)) * sampling.n
         payload = {"model": self.model, "messages": list(messages), "max_tokens": max_new_tokens, "n": sampling.n,
                    "temperature": sampling.temperature, "top_p": sampling.top_p}  # fmt: skip
         if sampling.seed is not None:

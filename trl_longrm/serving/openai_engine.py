@@ -9,6 +9,7 @@ argument or `OPENAI_API_KEY`) goes in the request header only: never in `identit
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -212,6 +213,8 @@ class OpenAIGenerator(_OpenAIEngine):
         return {**super().identity(), "top_logprobs": self.top_logprobs}
 
     def _sample_one(self, prompt: list[int], max_new_tokens: int, sampling) -> list[Generation]:
+        if sampling.greedy and sampling.n > 1:  # vLLM refuses n > 1 at temperature 0: one answer, n times
+            return self._sample_one(prompt, max_new_tokens, dataclasses.replace(sampling, n=1)) * sampling.n
         payload = {"model": self.model, "prompt": list(prompt), "max_tokens": max_new_tokens, "n": sampling.n,
                    "temperature": sampling.temperature, "top_p": sampling.top_p}  # fmt: skip
         if sampling.seed is not None:

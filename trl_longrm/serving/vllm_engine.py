@@ -140,12 +140,16 @@ class VLLMGenerator(_VLLMEngine):
 
         from trl_longrm.serving.sampling import per_prompt
 
+        samplings = per_prompt(sampling, len(prompts))
+        # vLLM refuses n > 1 at temperature 0: one greedy answer, repeated.
         params = [
-            SamplingParams(n=p.n, temperature=p.temperature, top_p=p.top_p, seed=p.seed, max_tokens=max_new_tokens)
-            for p in per_prompt(sampling, len(prompts))
-        ]
+            SamplingParams(n=1 if p.greedy else p.n, temperature=p.temperature, top_p=p.top_p, seed=p.seed,
+                           max_tokens=max_new_tokens)
+            for p in samplings
+        ]  # fmt: skip
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False)
-        return [[Generation(token_ids=list(c.token_ids)) for c in output.outputs] for output in outputs]
+        groups = [[Generation(token_ids=list(c.token_ids)) for c in output.outputs] for output in outputs]
+        return [group * p.n if p.greedy else group for group, p in zip(groups, samplings, strict=True)]
 
 
 class VLLMScorer(_VLLMEngine):
