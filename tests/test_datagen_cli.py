@@ -40,7 +40,12 @@ def test_pipeline_runs_every_step_then_resumes_all_of_them(pipeline, capsys):
     root, path = pipeline
     assert main(["data", str(path)]) == 0
     out = capsys.readouterr().out
-    assert [line.split(":")[0] for line in out.splitlines() if " rows written to " in line] == ["expand", "respond", "judge", "vote"]
+    assert [line.split(":")[0] for line in out.splitlines() if " rows written to " in line] == [
+        "expand",
+        "respond",
+        "judge",
+        "vote",
+    ]
     simpo, sft = read_jsonl(root / "simpo.jsonl"), read_jsonl(root / "sft.jsonl")
     assert len(simpo) == len(sft) > 0
     for row in simpo:
@@ -72,7 +77,7 @@ def test_one_step_from_the_command_line(pipeline, tmp_path):
 
 @pytest.mark.parametrize("name", ["longrm_stage1.yaml", "longrm_stage2.yaml", "distill.yaml"])
 def test_shipped_pipelines_are_valid(name):
-    from trl_longrm.datagen.vote import LONGRM_RULES
+    from trl_longrm.datagen.consensus import LONGRM_RULES
 
     steps = dict(read_pipeline(ROOT / "recipes" / "data" / name))
     if name == "longrm_stage2.yaml":

@@ -1,9 +1,9 @@
-"""Consistency majority voting (`trl_longrm.datagen.vote`): LongRM's released rules on its own sample, and the rules'
-settings on hand-made scores."""
+"""Consistency majority voting (`trl_longrm.datagen.consensus` and the `vote` step): LongRM's released rules on its own
+sample, and the rules' settings on hand-made scores."""
 
 import pytest
 
-from trl_longrm.datagen.vote import (
+from trl_longrm.datagen.consensus import (
     DROP_NO_CONSENSUS,
     DROP_NO_REJECTED,
     DROP_NO_VALID,
@@ -109,7 +109,8 @@ def test_vote_step_rebuilds_the_sample_rows(shared_sample_path, tmp_path):
     `scores`, and its SFT row's `golden` is the chosen judgment."""
     from datagen_helpers import read_jsonl, write_jsonl
 
-    from trl_longrm.datagen.vote import LONGRM_RULES, VoteConfig, vote
+    from trl_longrm.datagen.consensus import LONGRM_RULES
+    from trl_longrm.datagen.vote import VoteConfig, vote
 
     rows = _sample_rows(shared_sample_path)
     records = []

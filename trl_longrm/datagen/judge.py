@@ -22,12 +22,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from trl_longrm.data.errors import RunConfigError
+from trl_longrm.datagen.consensus import UNPARSABLE
 from trl_longrm.datagen.models import Answer, build_chat_model
 from trl_longrm.datagen.prompts import DataPrompts
 from trl_longrm.datagen.records import RecordSource, ResumableWriter
 from trl_longrm.datagen.steps import model_specs, request_seed, rounds
 from trl_longrm.datagen.summary import StepStats
-from trl_longrm.datagen.vote import UNPARSABLE
 from trl_longrm.serving.sampling import Sampling
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import yaml
 
 from trl_longrm.data.errors import DataFormatError
-from trl_longrm.datagen.vote import UNPARSABLE
+from trl_longrm.datagen.consensus import UNPARSABLE
 from trl_longrm.evaluation.templates import POINTWISE_FORMATS
 
 
