@@ -128,3 +128,13 @@ def test_user_mistakes_name_the_file_and_record(assets, tmp_path):
         match=r"short.jsonl, line 1: the corpus .*small.jsonl is too short for a context of 1200 tokens",
     ):
         _expand(assets, "small_out.jsonl", corpus=small)
+
+
+def test_lengths_per_record_draws_its_targets(assets):
+    rows, summary = _expand(assets, "drawn.jsonl", lengths_per_record=2)
+    targets = {}
+    for row in rows:
+        targets.setdefault(row["source_id"], []).append(row["target_tokens"])
+    assert summary["records"] == 6 and all(len(t) == 2 and set(t) <= set(TARGETS) for t in targets.values())
+    again, _ = _expand(assets, "drawn_again.jsonl", lengths_per_record=2)
+    assert again == rows

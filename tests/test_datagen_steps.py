@@ -226,3 +226,30 @@ def test_distill_reads_a_pairwise_verdict_through_the_display_order(assets, tmp_
     for row in read_jsonl(output):
         assert row["completion"] == shown[row["id"]][1] == row["rollouts"][row["kept"]]
     assert {row["kept"] for row in read_jsonl(output)} == {0, 1}  # both display orders occurred
+
+
+def test_a_prompts_file_with_its_own_verdict_and_record_columns(tmp_path):
+    from trl_longrm.datagen.prompts import DataPrompts
+    from trl_longrm.datagen.records import Location
+
+    path = tmp_path / "prompts.yaml"
+    path.write_text(
+        'verdict: "[[N]]"\ntrain:\n  system: {faithfulness: "Judge the response."}\n'
+        '  user: "# Task\\n{instruction}\\n\\n{context}\\n\\n{question}\\n# Response\\n{response}"\n'
+        'judge:\n  system: {faithfulness: "Judge."}\n  user: "{context} {response}"\n'
+    )
+    prompts = DataPrompts.from_yaml(path)
+    assert (prompts.parse_score("Fine. [[7]]"), prompts.parse_score("[Score: 8]"), prompts.parse_score("[[12]]")) == (
+        7,
+        -1,
+        -1,
+    )
+    record = {"instruction": "Answer from the notes."}
+    messages = prompts.train_messages("faithfulness", "CTX", "Q?", "R", None, record)
+    assert messages == [{"role": "system", "content": "Judge the response."},
+                        {"role": "user", "content": "# Task\nAnswer from the notes.\n\nCTX\n\nQ?\n# Response\nR"}]  # fmt: skip
+    with pytest.raises(DataFormatError, match=r"in.jsonl, line 4, key 'instruction'"):
+        prompts.check_record("train", Location("in.jsonl", line=4), {"question": "Q?"})
+    path.write_text('verdict: "[N]"\n')
+    with pytest.raises(DataFormatError, match="key 'verdict'"):
+        DataPrompts.from_yaml(path)

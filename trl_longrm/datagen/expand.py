@@ -68,6 +68,13 @@ class ExpandConfig:
             "help": "Context lengths in tokens; one long record per short record and length. Default 32K 64K 128K."
         },
     )
+    lengths_per_record: int | None = field(
+        default=None,
+        metadata={
+            "help": "Expand each record at this many of `target_lengths`, drawn per record (seeded). Default None: at "
+            "every one."
+        },
+    )
     length_tolerance: float = field(
         default=0.02,
         metadata={"help": "Largest relative difference of a context's tokens from its target. Default 0.02."},
@@ -103,6 +110,11 @@ class ExpandConfig:
         self.target_lengths = [int(length) for length in self.target_lengths]
         if not self.target_lengths or min(self.target_lengths) < 16:
             raise ValueError(f"`target_lengths` must be lengths of at least 16 tokens, got {self.target_lengths}.")
+        if self.lengths_per_record is not None and not 1 <= self.lengths_per_record <= len(self.target_lengths):
+            raise ValueError(
+                f"`lengths_per_record` must be between 1 and {len(self.target_lengths)} (the target lengths), got "
+                f"{self.lengths_per_record}."
+            )
         if not 0 < self.length_tolerance < 0.5:
             raise ValueError(f"`length_tolerance` must be in (0, 0.5), got {self.length_tolerance}.")
         if self.placement not in ("scattered", "together"):
@@ -347,13 +359,21 @@ class Expander:
         raise where.error(f"the corpus {self.corpus.path} is too short for a context of {target} tokens")
 
 
+def targets_of(config: ExpandConfig, rid: str) -> list[int]:
+    """The target lengths of record `rid`: all of them, or `lengths_per_record` drawn for it (seeded by its id)."""
+    if config.lengths_per_record is None:
+        return list(config.target_lengths)
+    drawn = _seeded(config.seed, rid, "lengths").sample(config.target_lengths, config.lengths_per_record)
+    return sorted(drawn)
+
+
 def expand(config: ExpandConfig) -> dict:
     """Run `expand`: every record of `config.input` at every target length not in `config.output` yet. Returns the
     summary (also printed and written beside the output)."""
     from transformers import AutoTokenizer
 
     source = RecordSource(config.input, required=("question", "answer"), split=config.split)
-    total = source.check() * len(config.target_lengths)
+    total = source.check() * (config.lengths_per_record or len(config.target_lengths))
     try:
         tokenizer = AutoTokenizer.from_pretrained(config.tokenizer)
     except (OSError, ValueError) as error:
@@ -381,7 +401,7 @@ def expand(config: ExpandConfig) -> dict:
     ):
         for where, record in source:
             rid = record_id(where, record)
-            for target in config.target_lengths:
+            for target in targets_of(config, rid):
                 if f"{rid}@{target}" in writer.done:
                     continue
                 out = expander.expand(where, rid, record, target)

@@ -123,8 +123,9 @@ class AnswerCache:
 class ScoreWatch:
     """Stops a step whose judge writes no score: the first `limit` answers of each judge are watched."""
 
-    def __init__(self, limit: int, cache: Path, max_new_tokens: int):
+    def __init__(self, limit: int, cache: Path, max_new_tokens: int, score_format):
         self.limit, self.cache, self.max_new_tokens = limit, cache, max_new_tokens
+        self.score_format = score_format
         self.seen: dict[str, int] = {}
         self.parsed: dict[str, int] = {}
 
@@ -133,7 +134,8 @@ class ScoreWatch:
         self.parsed[judge] = self.parsed.get(judge, 0) + (score != UNPARSABLE)
         if self.seen[judge] == self.limit and self.parsed[judge] == 0:
             raise RunConfigError(
-                f"judge {judge!r} wrote no `[Score: N]` (N from 0 to 10) in its first {self.limit} answers; the last "
+                f"judge {judge!r} wrote no `{self.score_format.name}` (N from {self.score_format.scale[0]} to "
+                f"{self.score_format.scale[1]}) in its first {self.limit} answers; the last "
                 f"one was {text[-300:]!r}. Check its prompts (`prompts`) and `max_new_tokens` ({self.max_new_tokens}); "
                 f"its answers are kept in {self.cache}, so a rerun asks again only what changed."
             )
@@ -151,6 +153,7 @@ def judge(config: JudgeConfig) -> dict:
                 f"perspective {perspective!r} has no rubric in {prompts.source} ({prompts.perspectives})",
                 key="perspective",
             )
+        prompts.check_record("judge", where, record)
     # Not what only paces or watches the step: the batch size, the cache, `max_unparsable`.
     identity = {
         key: value
@@ -159,7 +162,7 @@ def judge(config: JudgeConfig) -> dict:
     }
     identity["judges"] = [spec.identity() for spec in config.judges]
     cache = AnswerCache(config.cache)
-    watch = ScoreWatch(config.max_unparsable, cache.path, config.max_new_tokens)
+    watch = ScoreWatch(config.max_unparsable, cache.path, config.max_new_tokens, prompts.score_format)
     try:
         with (
             ResumableWriter(config.output, identity) as writer,
@@ -189,7 +192,7 @@ def _judge_round(batch, judges, config, prompts, cache, stats, watch) -> dict[st
         perspective = record.get("perspective") or "faithfulness"
         for index, response in enumerate(record["responses"]):
             messages = prompts.judge_messages(
-                perspective, record["short_context"], record["question"], record["answer"], response["text"]
+                perspective, record["short_context"], record["question"], record["answer"], response["text"], record
             )
             asks.append((rid, index, response.get("id", index), messages))
 

@@ -26,10 +26,9 @@ from trl_longrm.evaluation.templates import POINTWISE_FORMATS
 
 
 DEFAULT_PROMPTS_PATH = Path(__file__).resolve().parent / "templates" / "longrm.yaml"
-# The judgment format of LongRM's released data (one definition: the evaluator's pointwise format).
-SCORE_FORMAT = POINTWISE_FORMATS["[Score: N]"]
 
-# section -> (keys, placeholders its system may use, placeholders its user may use, those user must use)
+# section -> (keys, placeholders its system may use, placeholders the step fills in its user, those user must use).
+# Any other placeholder of a `user` template is filled from the record's own column of that name.
 _SECTIONS = {
     "respond": ({"system", "user"}, set(), {"context", "question"}, {"context", "question"}),
     "judge": ({"system", "user"}, set(), {"context", "question", "answer", "response"}, {"context", "response"}),
@@ -58,6 +57,7 @@ class DataPrompts:
     train_user: str
     focus: str
     source: str
+    verdict: str = "[Score: N]"
 
     @classmethod
     def default(cls) -> DataPrompts:
@@ -80,12 +80,14 @@ class DataPrompts:
             raise DataFormatError(
                 "expected a mapping with the sections respond, judge, train, focus", source=str(path)
             )
-        unknown = sorted(set(raw) - {*_SECTIONS, "focus"})
+        unknown = sorted(set(raw) - {*_SECTIONS, "focus", "verdict"})
         if unknown:
-            raise DataFormatError(f"unknown section(s) {unknown}; expected {[*_SECTIONS, 'focus']}", source=str(path))
+            raise DataFormatError(
+                f"unknown section(s) {unknown}; expected {[*_SECTIONS, 'focus', 'verdict']}", source=str(path)
+            )
         base = None if path == DEFAULT_PROMPTS_PATH else cls.default()
         values = {"source": str(path)}
-        for name, (keys, system_fields, user_fields, required) in _SECTIONS.items():
+        for name, (keys, system_fields, _, required) in _SECTIONS.items():
             if name not in raw:
                 if base is None:
                     raise DataFormatError(f"section `{name}` is missing", source=str(path))
@@ -99,12 +101,8 @@ class DataPrompts:
             if not isinstance(user, str):
                 raise DataFormatError("must be a string", source=str(path), key=f"{name}.user")
             found = _fields(path, f"{name}.user", user)
-            if found - user_fields or required - found:
-                raise DataFormatError(
-                    f"uses {sorted(found)}; it may use {sorted(user_fields)} and must use {sorted(required)}",
-                    source=str(path),
-                    key=f"{name}.user",
-                )
+            if required - found:
+                raise DataFormatError(f"must use {sorted(required)}", source=str(path), key=f"{name}.user")
             system = section.get("system", "" if name == "respond" else None)
             if name == "respond":
                 if not isinstance(system, str) or _fields(path, f"{name}.system", system):
@@ -132,6 +130,12 @@ class DataPrompts:
         if not isinstance(focus, str) or _fields(path, "focus", focus) - {"tag"}:
             raise DataFormatError("must be a string that may use {tag}", source=str(path), key="focus")
         values["focus"] = focus
+        verdict = raw.get("verdict", base.verdict if base is not None else "[Score: N]")
+        if verdict not in POINTWISE_FORMATS:
+            raise DataFormatError(
+                f"is {verdict!r}; supported: {list(POINTWISE_FORMATS)}", source=str(path), key="verdict"
+            )
+        values["verdict"] = verdict
         missing = sorted(set(values["judge_system"]) ^ set(values["train_system"]))
         if missing:
             raise DataFormatError(
@@ -144,26 +148,50 @@ class DataPrompts:
     def perspectives(self) -> list[str]:
         return list(self.judge_system)
 
-    def respond_messages(self, context: str, question: str) -> list[dict[str, str]]:
-        user = {"role": "user", "content": self.respond_user.format(context=context, question=question)}
+    @property
+    def score_format(self):
+        """How a judgment states its score (`verdict`: LongRM's `[Score: N]` on 0..10 by default, or `[[N]]` on 0..9)."""
+        return POINTWISE_FORMATS[self.verdict]
+
+    def record_fields(self, section: str) -> set[str]:
+        """The placeholders of `section`'s user template that a record's own columns fill."""
+        template = getattr(self, f"{section}_user")
+        return _fields(Path(self.source), f"{section}.user", template) - _SECTIONS[section][2]
+
+    def check_record(self, section: str, where, record: dict) -> None:
+        """Raise a `DataFormatError` naming the record (`where`, a `Location`) if it lacks a column `section`'s prompt
+        uses."""
+        for name in sorted(self.record_fields(section)):
+            if record.get(name) is None:
+                raise where.error(
+                    f"the {section} prompt of {self.source} uses {{{name}}}, which the record lacks", key=name
+                )
+
+    def _user(self, section: str, record: dict | None, **values) -> str:
+        extra = {name: (record or {})[name] for name in self.record_fields(section)}
+        return getattr(self, f"{section}_user").format(**extra, **values)
+
+    def respond_messages(self, context: str, question: str, record: dict | None = None) -> list[dict[str, str]]:
+        user = {"role": "user", "content": self._user("respond", record, context=context, question=question)}
         return ([{"role": "system", "content": self.respond_system}] if self.respond_system else []) + [user]
 
-    def judge_messages(self, perspective: str, context: str, question: str, answer: str, response: str) -> list[dict]:
+    def judge_messages(
+        self, perspective: str, context: str, question: str, answer: str, response: str, record: dict | None = None
+    ) -> list[dict]:
         """What a judge sees: the rubric, the short context, the question, the golden answer and the response."""
-        user = self.judge_user.format(context=context, question=question, answer=answer, response=response)
+        user = self._user("judge", record, context=context, question=question, answer=answer, response=response)
         return [{"role": "system", "content": self.judge_system[perspective]}, {"role": "user", "content": user}]
 
     def train_messages(
-        self, perspective: str, context: str, question: str, response: str, tag: str | None
+        self, perspective: str, context: str, question: str, response: str, tag: str | None, record: dict | None = None
     ) -> list[dict]:
         """The judge's training prompt: the rubric (with the tag's sentence), the long context, question, response."""
         focus = self.focus.format(tag=tag) if tag else ""
         system = self.train_system[perspective].format(focus=focus)
-        user = self.train_user.format(context=context, question=question, response=response)
+        user = self._user("train", record, context=context, question=question, response=response)
         return [{"role": "system", "content": system}, {"role": "user", "content": user}]
 
-    @staticmethod
-    def parse_score(text: str) -> int:
-        """The judgment's score (the last `[Score: N]`, N in 0..10), or `UNPARSABLE` (-1)."""
-        score = SCORE_FORMAT.parse(text)
+    def parse_score(self, text: str) -> int:
+        """The judgment's score (the last verdict of `verdict`'s format, on its scale), or `UNPARSABLE` (-1)."""
+        score = self.score_format.parse(text)
         return UNPARSABLE if score is None else score

@@ -111,6 +111,8 @@ def respond(config: RespondConfig) -> dict:
     source = RecordSource(config.input, required=("id", "long_context", "question"))
     total = source.check()
     prompts = DataPrompts.from_yaml(config.prompts)
+    for where, record in source:  # the columns the prompt uses, before any model loads
+        prompts.check_record("respond", where, record)
     identity = {key: value for key, value in asdict(config).items() if key not in ("output", "batch_size")}
     identity["models"] = [spec.identity() for spec in config.models]
     kinds = list(config.perturbations)
@@ -131,7 +133,7 @@ def respond(config: RespondConfig) -> dict:
                     for kind in kinds:
                         if drawn[kind]:
                             context = perturbed_context(record, kind, rng, config)
-                            messages = prompts.respond_messages(context, record["question"])
+                            messages = prompts.respond_messages(context, record["question"], record)
                             sampling = Sampling(n=drawn[kind], temperature=config.temperature, top_p=config.top_p,
                                                 seed=request_seed(config.seed, rid, model.name, kind))  # fmt: skip
                             requests.append((rid, kind, messages, sampling))

@@ -94,6 +94,7 @@ def vote(config: VoteConfig) -> dict:
                     key="judgments",
                 )
             perspective = record.get("perspective") or "faithfulness"
+            prompts.check_record("train", where, record)
             if perspective not in prompts.perspectives:
                 raise where.error(f"perspective {perspective!r} has no rubric in {prompts.source}", key="perspective")
             for index, (response, judgments) in enumerate(zip(record["responses"], record["judgments"], strict=True)):
@@ -110,7 +111,12 @@ def vote(config: VoteConfig) -> dict:
                     stats.drop(verdict.dropped)
                     continue
                 messages = prompts.train_messages(
-                    perspective, record["long_context"], record["question"], response["text"], record.get("tag")
+                    perspective,
+                    record["long_context"],
+                    record["question"],
+                    response["text"],
+                    record.get("tag"),
+                    record,
                 )
                 provenance = {
                     "source_id": record.get("source_id", rid),
