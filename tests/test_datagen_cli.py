@@ -47,10 +47,11 @@ def test_pipeline_runs_every_step_then_resumes_all_of_them(pipeline, capsys):
         "vote",
     ]
     simpo, sft = read_jsonl(root / "simpo.jsonl"), read_jsonl(root / "sft.jsonl")
-    assert len(simpo) == len(sft) > 0
+    assert 0 < len(simpo) <= len(sft)
     for row in simpo:
-        # The strict judges agree on every response: theirs is the consensus, the lenient one rejected first.
-        assert row["chosen_model"] == "a" and row["reject_models"][0] in ("b", "c") and len(row["rejects"]) == 2
+        # The strict judges agree on every response (the same text): a's is chosen, c's the same text (left out),
+        # and the lenient one's is rejected where it disagrees.
+        assert (row["chosen_model"], row["reject_models"]) == ("a", ["b"])
     # Each step keeps its summary; the same command finds everything done.
     first = {step: yaml.safe_load((root / f"{name}.summary.json").read_text())
              for step, name in (("respond", "responses.jsonl"), ("judge", "judged.jsonl"))}  # fmt: skip

@@ -5,7 +5,6 @@ import pytest
 
 from trl_longrm.datagen.consensus import (
     DROP_NO_CONSENSUS,
-    DROP_NO_REJECTED,
     DROP_NO_VALID,
     DROP_TIED,
     LONGRM_RULES,
@@ -79,9 +78,10 @@ def test_drops_and_their_reasons():
     # The same tie broken by priority: a's cluster.
     tie = VoteRules(judge_priority=RULES.judge_priority, on_tie="priority")
     assert vote_scores({"a": 1, "b": 3, "c": 3, "d": 1, "e": 5}, tie).chosen == "a"
-    # Only disagreeing judgments rejected: a unanimous response has none.
+    # Only disagreeing judgments rejected: a unanimous response has none (an SFT row, no preference row).
     strict = VoteRules(judge_priority=RULES.judge_priority, rejected="disagreeing")
-    assert vote_scores(dict.fromkeys("abcde", 8), strict).dropped == DROP_NO_REJECTED
+    unanimous = vote_scores(dict.fromkeys("abcde", 8), strict)
+    assert (unanimous.dropped, unanimous.chosen, unanimous.rejected) == (None, "a", [])
     assert vote_scores({"a": 8, "b": 8, "c": 8, "d": 2, "e": 8}, strict).rejected == ["d"]
 
 
@@ -159,9 +159,24 @@ def test_vote_step_counts_drops_by_reason(tmp_path):
         "judgments": [judged({"a": 7, "b": 7, "c": 2}), judged({"a": 1, "b": 5, "c": 9}), judged({"a": -1, "b": -1, "c": -1}),
                       judged({"a": 3, "b": 8, "c": 8})],
     }  # fmt: skip
+    # Two more responses whose agreeing judges write the very same text: such a "rejected" judgment rejects nothing.
+    same = [{"judge": judge, "text": "Response: 3/3 correct.\n[[9]]", "score": 9} for judge in "abc"]
+    record["responses"] += [
+        {"id": "r4", "model": "m", "text": "answer 4"},
+        {"id": "r5", "model": "m", "text": "answer 5"},
+    ]
+    record["judgments"] += [same[:2] + [{"judge": "c", "text": "No score.", "score": -1}], same]
     path = write_jsonl(tmp_path / "judged.jsonl", [record])
-    summary = vote(VoteConfig(input=path, simpo_output=str(tmp_path / "simpo.jsonl")))
+    summary = vote(
+        VoteConfig(input=path, simpo_output=str(tmp_path / "simpo.jsonl"), sft_output=str(tmp_path / "sft.jsonl"))
+    )
     rows = read_jsonl(tmp_path / "simpo.jsonl")
-    assert summary["dropped"] == {"no_consensus": 1, "no_parsable_score": 1}
+    assert summary["dropped"] == {"no_consensus": 1, "no_parsable_score": 1, "no_rejected_judgment_preference_row": 1}
+    assert summary["identical_rejects_removed"] == 3
     # Judges in the records' order (a, b, c) are the priority: b chosen where a disagrees.
-    assert [(r["chosen_model"], r["reject_models"]) for r in rows] == [("a", ["c", "b"]), ("b", ["a", "c"])]
+    assert [(r["chosen_model"], r["reject_models"]) for r in rows] == [
+        ("a", ["c", "b"]),
+        ("b", ["a", "c"]),
+        ("a", ["c"]),
+    ]
+    assert [r["id"] for r in read_jsonl(tmp_path / "sft.jsonl")] == ["q/r0", "q/r3", "q/r4", "q/r5"]

@@ -43,6 +43,8 @@ LONGRM_JUDGES = (
 DROP_NO_CONSENSUS = "no_consensus"
 DROP_TIED = "tied_consensus"
 DROP_NO_VALID = "no_parsable_score"
+# A response with a consensus but nothing to reject (every other judgment agrees, under `rejected="disagreeing"`, or
+# writes the chosen one's very text) gives an SFT row and no preference row (the `vote` step counts it).
 DROP_NO_REJECTED = "no_rejected_judgment"
 DROP_REASONS = (DROP_NO_CONSENSUS, DROP_TIED, DROP_NO_VALID, DROP_NO_REJECTED)
 
@@ -139,9 +141,10 @@ LONGRM_RULES = VoteRules(
 
 @dataclass(frozen=True)
 class Verdict:
-    """The vote on one response: `chosen` judge, `rejected` judges in order, the `consensus` score (the chosen
-    judgment's), the judges in the consensus (`agreeing`), and `conf` (score counts, largest first). `dropped` names why there is no training
-    row (then `chosen` is None)."""
+    """The vote on one response: `chosen` judge, `rejected` judges in order (empty where there is nothing to reject:
+    an SFT row and no preference row), the `consensus` score (the chosen judgment's), the judges in the consensus
+    (`agreeing`), and `conf` (score counts, largest first). `dropped` names why there is no consensus and so no
+    training row (then `chosen` is None)."""
 
     conf: list[int]
     consensus: int | None = None
@@ -196,6 +199,4 @@ def vote_scores(scores: Mapping[str, int], rules: VoteRules) -> Verdict:
         rejected = disagreeing + agreeing_others
     else:
         rejected = others
-    if not rejected:
-        return Verdict(conf=conf, consensus=consensus, agreeing=agreeing, dropped=DROP_NO_REJECTED)
     return Verdict(conf=conf, consensus=consensus, chosen=chosen, rejected=rejected, agreeing=agreeing)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from trl_longrm.datagen.consensus import VoteRules, vote_scores
+from trl_longrm.datagen.consensus import DROP_NO_REJECTED, VoteRules, vote_scores
 
 
 @dataclass
@@ -130,10 +130,21 @@ def vote(config: VoteConfig) -> dict:
                 row_id = f"{rid}/{response.get('id', index)}"
                 sft.append({"id": row_id, "chat_template": messages, "golden": texts[verdict.chosen],
                             "chosen_model": verdict.chosen, **provenance})  # fmt: skip
+                # A rejected judgment with the chosen one's very text (or an earlier rejected one's) rejects nothing.
+                seen, rejected = {texts[verdict.chosen]}, []
+                for judge in verdict.rejected:
+                    if texts[judge] in seen:
+                        stats.extra["identical_rejects_removed"] = stats.extra.get("identical_rejects_removed", 0) + 1
+                        continue
+                    seen.add(texts[judge])
+                    rejected.append(judge)
+                if not rejected:
+                    stats.drop(DROP_NO_REJECTED + "_preference_row")
+                    continue
                 simpo.append({
                     "id": row_id, "chat_template": messages, "chosen": texts[verdict.chosen],
-                    "rejects": [texts[judge] for judge in verdict.rejected], "scores": scores, "conf": verdict.conf,
-                    "chosen_model": verdict.chosen, "reject_models": verdict.rejected, **provenance,
+                    "rejects": [texts[judge] for judge in rejected], "scores": scores, "conf": verdict.conf,
+                    "chosen_model": verdict.chosen, "reject_models": rejected, **provenance,
                 })  # fmt: skip
         written = {}
         if config.sft_output:
@@ -142,7 +153,7 @@ def vote(config: VoteConfig) -> dict:
             written["simpo_rows"] = write_jsonl(config.simpo_output, simpo)
         if config.disrm_output:
             written["disrm_rows"] = write_jsonl(config.disrm_output, simpo[: config.disrm_max_rows])
-        stats.written = len(simpo)
+        stats.written = len(simpo) if config.simpo_output or config.disrm_output else len(sft)
         stats.extra.update(written)
         stats.extra["rules"] = asdict(rules) if rules is not None else None
         return stats.finish()
