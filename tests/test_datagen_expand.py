@@ -47,7 +47,7 @@ def test_contexts_hold_the_chunks_once_within_the_target(assets, placement):
         context = row["long_context"]
         measured = len(tokenizer(context, add_special_tokens=False)["input_ids"])
         assert measured == row["context_tokens"]
-        assert abs(measured - row["target_tokens"]) <= 0.02 * row["target_tokens"], row["id"]
+        assert abs(measured - row["target_tokens"]) <= max(0.02 * row["target_tokens"], 1), row["id"]
         # Each chunk verbatim, exactly once, where the record says.
         assert len(row["placements"]) == 2
         for (start, end), chunk in zip(row["placements"], record["chunks"], strict=True):

@@ -77,7 +77,10 @@ class ExpandConfig:
     )
     length_tolerance: float = field(
         default=0.02,
-        metadata={"help": "Largest relative difference of a context's tokens from its target. Default 0.02."},
+        metadata={
+            "help": "Largest relative difference of a context's tokens from its target (at least one token). Default "
+            "0.02."
+        },
     )
     seed: int = field(default=0, metadata={"help": "Seed of the draws (with each record's id). Default 0."})
     tag: bool = field(
@@ -258,20 +261,27 @@ class Expander:
                     kinds.append("document")
             text = config.separator.join(parts)
             length = self.count(text)
-            low, high = target * (1 - config.length_tolerance), target * (1 + config.length_tolerance)
-            if low <= length <= high or not documents:
+            # The tolerance, and at least one token either way (a short target cannot always be hit exactly).
+            slack = max(target * config.length_tolerance, 1)
+            low, high = target - slack, target + slack
+            if low <= length <= high or (length > high and not documents):
                 break
             # Token merges at the joins move the length a little from the sum of the parts': cut or fill the last
             # distractor by the difference, and measure again.
-            last = documents[-1]
             if length > high:
-                documents[-1] = head_tokens(self.tokenizer, last, max(self.count(last) - (length - target), 0))
+                last = documents[-1]
+                documents[-1] = head_tokens(self.tokenizer, last, max(self.count(last) - (length - target), 1))
             else:
                 extra = self.more(where, rng, target - length, banned, answer_pattern, ids, target)
-                documents[-1] = last + config.separator + extra
+                if documents:
+                    documents[-1] = documents[-1] + config.separator + extra
+                else:  # the chunks nearly fill the target: a scrap of one distractor, at a place of its own
+                    documents.append(extra)
+                    slots = sorted(rng.sample(range(len(documents) + len(blocks)), len(blocks)))
         if not low <= length <= high:
             raise where.error(
-                f"could not fit a context of {target} tokens within {config.length_tolerance:.0%} (got {length})"
+                f"could not fit a context of {target} tokens within {config.length_tolerance:.0%} (got {length}): its "
+                "chunks take most of it; raise the target"
             )
         placements, offset, first_block = [], 0, None
         block_starts = []

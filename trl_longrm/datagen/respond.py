@@ -1,7 +1,7 @@
 """`respond`: responses to each long prompt, sampled from one or more models (LongRM section 4.2: weaker models answer
 the long prompt, with perturbations for a spread of quality).
 
-Each model writes `num_responses` responses per record. Each response is given a perturbation, drawn with the
+Each model writes `num_responses` responses per record (one count, or one per model). Each response is given a perturbation, drawn with the
 `perturbations` weights: `none` (the long context as it is), `clue_dropout` (each critical chunk removed from it with
 probability `clue_dropout`, at least one) or `truncate` (only its first `truncate_keep` share). The responses of one
 model with the same perturbation are one request with `n` samples (the prompt prefilled once); each request has its
@@ -46,7 +46,10 @@ class RespondConfig:
         default_factory=list,
         metadata={"help": "The responders: mappings of `trl_longrm.datagen.models.ModelSpec` (name, backend, ...)."},
     )
-    num_responses: int = field(default=2, metadata={"help": "Responses per record and model. Default 2."})
+    num_responses: int | dict = field(
+        default=2,
+        metadata={"help": "Responses per record and model, or a mapping of model names to their count. Default 2."},
+    )
     temperature: float = field(default=1.0, metadata={"help": "Sampling temperature (0: greedy). Default 1.0."})
     top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling's mass. Default 1.0 (off)."})
     max_new_tokens: int = field(default=1024, metadata={"help": "Most tokens of a response. Default 1024."})
@@ -56,6 +59,15 @@ class RespondConfig:
         metadata={
             "help": f"Weight of each perturbation ({', '.join(PERTURBATIONS)}) in the draw of a response's. Default "
             "{none: 1.0}; LongRM's spread, e.g. {none: 0.5, clue_dropout: 0.25, truncate: 0.25}."
+        },
+    )
+    perturbation_mix: str = field(
+        default="random",
+        metadata={
+            "help": "How a record's responses get their perturbations: 'random' (each drawn with the weights) or "
+            "'proportional' (the weights' shares of a model's responses, rounded, the remainder drawn): every record "
+            "then has responses of each kind. Default random.",
+            "choices": ["random", "proportional"],
         },
     )
     clue_dropout: float = field(
@@ -80,15 +92,44 @@ class RespondConfig:
             raise RunConfigError(
                 f"respond: `perturbations` {self.perturbations} must map some of {list(PERTURBATIONS)} to weights >= 0"
             )
+        if self.perturbation_mix not in ("random", "proportional"):
+            raise RunConfigError(
+                f"respond: `perturbation_mix` must be random or proportional, got {self.perturbation_mix!r}"
+            )
         if sum(self.perturbations.values()) <= 0:
             raise RunConfigError("respond: the weights of `perturbations` sum to 0")
         for name, low, high in (("clue_dropout", 0, 1), ("truncate_keep", 0, 1)):
             value = getattr(self, name)
             if not low < value <= high:
                 raise RunConfigError(f"respond: `{name}` must be in ({low}, {high}], got {value}")
-        if self.num_responses < 1 or self.batch_size < 1 or self.max_new_tokens < 1:
+        names = [spec.name for spec in self.models]
+        counts = (
+            self.num_responses if isinstance(self.num_responses, dict) else dict.fromkeys(names, self.num_responses)
+        )
+        if sorted(counts) != sorted(names):
+            raise RunConfigError(f"respond: `num_responses` names the models {sorted(counts)}; the models are {names}")
+        if (
+            any(not isinstance(n, int) or n < 1 for n in counts.values())
+            or self.batch_size < 1
+            or self.max_new_tokens < 1
+        ):
             raise RunConfigError("respond: `num_responses`, `batch_size` and `max_new_tokens` must be >= 1")
+
+    def responses_of(self, model: str) -> int:
+        """How many responses `model` writes per record."""
+        return self.num_responses[model] if isinstance(self.num_responses, dict) else self.num_responses
         Sampling(temperature=self.temperature, top_p=self.top_p)  # checks them
+
+
+def draw_perturbations(rng: random.Random, kinds: list[str], weights: list[float], count: int, mix: str) -> Counter:
+    """How many of `count` responses get each perturbation: drawn one by one with `weights` (`random`), or the
+    weights' shares rounded down and the remainder drawn (`proportional`)."""
+    if mix == "random":
+        return Counter(rng.choices(kinds, weights, k=count))
+    total = sum(weights)
+    drawn = Counter({kind: int(count * weight / total) for kind, weight in zip(kinds, weights, strict=True)})
+    drawn.update(rng.choices(kinds, weights, k=count - sum(drawn.values())))
+    return drawn
 
 
 def perturbed_context(record: dict, kind: str, rng: random.Random, config: RespondConfig) -> str:
@@ -129,7 +170,9 @@ def respond(config: RespondConfig) -> dict:
                 requests = []  # (record id, perturbation, count, messages, sampling)
                 for _, rid, record in batch:
                     rng = random.Random(request_seed(config.seed, rid, model.name))
-                    drawn = Counter(rng.choices(kinds, weights, k=config.num_responses))
+                    drawn = draw_perturbations(
+                        rng, kinds, weights, config.responses_of(model.name), config.perturbation_mix
+                    )
                     for kind in kinds:
                         if drawn[kind]:
                             context = perturbed_context(record, kind, rng, config)

@@ -77,19 +77,29 @@ def _task_and_facts(text: str) -> tuple[str | None, dict[str, str]]:
     return None, {}
 
 
+def _task_of_question(question: str) -> str | None:
+    """The surface whose question `question` is (the text before its keys), or None."""
+    question = question.strip()
+    for task, surface in SURFACES.items():
+        if question.startswith(surface.question.split("{keys}")[0]):
+            return task
+    return None
+
+
 def _asked_keys(question: str) -> list[str]:
     return re.findall(r"\b[A-Z][0-9]{2}\b", question)
 
 
 def reader(messages, n: int = 1, seed: int | None = None) -> list[str]:
     """A responder that states, for each asked key, the value the context it was shown gives (a clue dropped from its
-    context: a value it makes up), and misreads one with probability 0.1."""
+    context: a value it makes up), and misreads one with probability 0.05."""
     prompt = messages[-1]["content"]
     context, _, question = prompt.rpartition("# Question")
-    task, facts = _task_and_facts(context)
+    facts = _task_and_facts(context)[1]
+    task = _task_of_question(question)
     asked = _asked_keys(question)
     if task is None or not asked:
-        return ["I cannot tell from the document."] * n
+        return ["I cannot tell from the question."] * n
     surface = SURFACES[task]
     answers = []
     for sample in range(n):
@@ -97,7 +107,7 @@ def reader(messages, n: int = 1, seed: int | None = None) -> list[str]:
         sentences = []
         for key in asked:
             value = facts.get(key)
-            if value is None or rng.random() < 0.1:
+            if value is None or rng.random() < 0.05:
                 value = rng.choice([v for v in VALUES if v not in facts.values()])
             sentences.append(surface.fact_sentence(key, value))
         answers.append(" ".join(sentences))
@@ -161,3 +171,16 @@ def sloppy_judge(messages, n: int = 1, seed: int | None = None) -> list[str]:
     if counted is None or rng.random() < 0.2:
         return ["The response looks plausible."] * n
     return [_judgment(*counted[:2])] * n
+
+
+def harsh_judge(messages, n: int = 1, seed: int | None = None) -> list[str]:
+    """Finds no value correct, half the time (a judge that finds fault where there is none: the mirror of
+    `lenient_judge`, so that the judges' mistakes do not all lean one way)."""
+    counted = _count(messages)
+    if counted is None:
+        return ["No facts to check.\n[[0]]"] * n
+    correct, asked = counted[:2]
+    rng = _rng(seed, "harsh", messages[-1]["content"])
+    if rng.random() < 0.5:
+        correct = 0
+    return [_judgment(correct, asked)] * n
