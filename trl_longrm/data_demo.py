@@ -95,7 +95,9 @@ class DataDemoConfig(DemoConfig):
     )
     tiny_share: float = field(
         default=0.1,
-        metadata={"help": "Share of the tiny model's voted rows the judge trains on (the rest are noise). Default 0.1."},
+        metadata={
+            "help": "Share of the tiny model's voted rows the judge trains on (the rest are noise). Default 0.1."
+        },
     )
     responder_url: str | None = field(
         default=None,
