@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 VLLM_VENV ?= .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: install vllm test test-fast demo bench bench-quick lint clean
+.PHONY: install vllm test test-fast demo demo-data bench bench-quick lint clean
 
 $(STAMP): pyproject.toml setup.py constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -59,6 +59,11 @@ lint: $(STAMP)
 
 demo: $(STAMP)
 	$(PY) -m trl_longrm.demo --output-dir demo_outputs
+
+# The method's data made by `trl-longrm data` from short synthetic records, then SFT -> SimPO of the demo's judge on it
+# (docs/data.md#the-data-demo); `bench/data_pipeline.py` compares it with random chosen judgments.
+demo-data: $(STAMP)
+	$(PY) -m trl_longrm.data_demo --output-dir demo_data_outputs
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache

@@ -59,6 +59,10 @@ class Case:
         # `max_length` bounds the longest sequence (prompt + one response): the planned prompt is what it leaves.
         shape = ["--max_length", str(self.max_length), "--plan_response_tokens", str(RESPONSE_TOKENS),
                  "--plan_num_rejected", str(NUM_REJECTED)]  # fmt: skip
+        if not self.recipe.startswith("sft"):
+            # The plan's group is at most the trainer's `num_rejected` (the recipes train on the paper's V = 2): the
+            # planned rows keep LongRM's 1 + 4 judgments.
+            shape += ["--num_rejected", str(NUM_REJECTED)]
         return [str(ROOT / "recipes" / self.recipe), *shape, *self.overrides, "--dry_run", "true"]
 
 

@@ -65,6 +65,10 @@ def test_recipe_dry_run_matches_the_paper(name, capsys):
     if stage == "simpo_grm":
         assert (args.beta, args.simpo_gamma, args.nll_loss_weight) == (2.5, 0.5, 0.05)
         assert args.cpo_alpha == 0.05 and args.loss_type == "simpo"
+        # LongRM's released code: cosine down to 0.1 x lr.
+        assert args.lr_scheduler_type == "cosine_with_min_lr" and args.lr_scheduler_kwargs == {"min_lr_rate": 0.1}
+    if stage != "sft":
+        assert args.num_rejected == 2  # the paper's V = 2
     if name == "simpo_disrm.yaml":
         assert model.model_name_or_path == "Skywork/Skywork-Reward-V2-Llama-3.1-8B"
         assert (model.lora_r, model.lora_alpha) == (8, 8)

@@ -1,5 +1,6 @@
-"""`trl-longrm` command line: `train` runs a training stage from a recipe, `eval` runs Long-RewardBench, `plan` finds
-the settings that fit your GPUs."""
+"""`trl-longrm` command line: `train` runs a training stage from a recipe, `eval` runs Long-RewardBench, `score` scores
+a file, `data` makes the method's data from a corpus, `reward-server` serves a judge's rewards, `plan` finds the
+settings that fit your GPUs."""
 
 from __future__ import annotations
 
@@ -73,7 +74,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_plan_arguments(plan_parser)
     plan_parser.set_defaults(handler=run_plan)
+    # No `-h` of its own: `data STEP --help` is answered by the step's parser (`trl_longrm.datagen.cli`).
+    data_parser = subparsers.add_parser(
+        "data",
+        add_help=False,
+        help="Make the method's data from your corpus: expand, respond, judge, vote, mix, distill, or a YAML pipeline.",
+    )
+    data_parser.set_defaults(handler=run_data)
     return parser
+
+
+def run_data(args: argparse.Namespace, rest: list[str]) -> int:
+    from trl_longrm.datagen.cli import main as data_main
+
+    return data_main(rest)
 
 
 def launch_command(recipe: str, overrides: list[str]) -> list[str]:
@@ -239,6 +253,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "train":
         # Everything after the recipe belongs to the stage's own parser (TrlParser).
         return args.handler(args, unknown)
+    if args.command == "data":
+        # Everything after `data` belongs to the step's or the pipeline's own parser.
+        return args.handler(args, argv[argv.index("data") + 1 :])
     # Other subcommands take no unknown flags: re-parse strictly so that typos are errors.
     return args.handler(parser.parse_args(argv))
 

@@ -121,7 +121,11 @@ class LongRMScriptArguments(ScriptArguments):
         },
     )
     plan_num_rejected: int = field(
-        default=4, metadata={"help": "Rejected responses per planned group (preference stages). Default 4 (LongRM)."}
+        default=4,
+        metadata={
+            "help": "Rejected responses per planned group (preference stages), at most the trainer's `num_rejected`. "
+            "Default 4 (LongRM's rows)."
+        },
     )
     accelerate_config: str | None = field(
         default=None,
@@ -400,6 +404,7 @@ def prepare_data(stage: str, source: str, split: str | None, tokenizer, training
                 prompt_key=args.prompt_key,
                 chosen_key=args.chosen_key,
                 rejected_key=args.rejected_key,
+                num_rejected=args.num_rejected,
             )
             # A reward model's sequences keep the template's whole rendering, where the score is read.
             tokenize = functools.partial(tokenize_preference_dataset, whole_rendering=stage == "simpo_disrm")
@@ -622,6 +627,7 @@ def typical_group_layout(script_args, training_args, model_args, sample: int = 6
         prompt_key=args.prompt_key,
         chosen_key=args.chosen_key,
         rejected_key=args.rejected_key,
+        num_rejected=args.num_rejected,
     )
     rows = rows.select(range(min(sample, len(rows))))
     groups, _ = tokenize_preference_dataset(

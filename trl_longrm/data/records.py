@@ -378,9 +378,14 @@ def normalize_preference_record(
     data_format: str = "auto",
     margin_key: str = "margin",
     layout: PreferenceLayout | None = None,
+    num_rejected: int | None = None,
 ) -> dict[str, Any]:
     """Normalise one preference row (LongRM or TRL layout) to `{prompt, chosen, rejected[, margin]
     [, chat_template_kwargs]}`.
+
+    `num_rejected` keeps the first `num_rejected` rejected responses of the row (LongRM's `num_rejects`: its rows list
+    the judgments that disagree with the consensus first); a row with fewer keeps all of its own, and the responses
+    past them are not read. None keeps all.
 
     Raises [`DataFormatError`] naming `source`, `index` and the key for any malformed value.
 
@@ -396,6 +401,8 @@ def normalize_preference_record(
         layout = check.layout(resolve_preference_layout, data_format, prompt_key, chosen_key, rejected_key)
     chosen = check.get(layout.chosen_key)
     rejected = _rejected_items(check, check.get(layout.rejected_key), layout.rejected_key, layout.data_format)
+    if num_rejected is not None:
+        rejected = rejected[:num_rejected]
 
     prompt = row.get(layout.prompt_key)
     implicit = layout.prompt_optional and layout.prompt_key not in row

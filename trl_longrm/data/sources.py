@@ -7,6 +7,7 @@ an in-memory `Dataset`/`DatasetDict`, a list of dicts, or a Hugging Face Hub dat
 from __future__ import annotations
 
 import codecs
+import functools
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -368,6 +369,7 @@ def load_preference_dataset(
     num_proc: int | None = None,
     keep_in_memory: bool | None = None,
     keep_columns: tuple[str, ...] = (),
+    num_rejected: int | None = None,
 ) -> Dataset:
     """Load preference data from any supported source as canonical groups `{prompt, chosen, rejected[, margin]}`.
 
@@ -375,7 +377,8 @@ def load_preference_dataset(
     possibly implicit) or `"auto"` (detected from the columns); the `*_key` arguments rename the columns read.
     `source_name` replaces the name used in messages (pass it for in-memory data); `keep_in_memory` is as in
     [`load_raw_dataset`]. `keep_columns` are source columns carried to each group unchanged (e.g. the `length`
-    column a length-grouped sampler reads).
+    column a length-grouped sampler reads). `num_rejected` keeps the first `num_rejected` rejected responses of each
+    row (see [`normalize_preference_record`]).
 
     Example:
     ```python
@@ -388,9 +391,10 @@ def load_preference_dataset(
     def resolve(columns, name):
         return resolve_supported_preference_layout(columns, data_format, prompt_key, chosen_key, rejected_key, name)
 
-    return _normalize_all(
-        source, split, source_name, resolve, normalize_preference_record, num_proc, keep_in_memory, tuple(keep_columns)
-    )
+    normalize = normalize_preference_record
+    if num_rejected is not None:
+        normalize = functools.partial(normalize_preference_record, num_rejected=num_rejected)
+    return _normalize_all(source, split, source_name, resolve, normalize, num_proc, keep_in_memory, tuple(keep_columns))
 
 
 def load_sft_dataset(

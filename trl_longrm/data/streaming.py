@@ -88,10 +88,11 @@ def stream_preference_dataset(
     chat_template_kwargs: dict[str, Any] | None = None,
     stock_columns: str | None = None,
     whole_rendering: bool = False,
+    num_rejected: int | None = None,
 ) -> tuple[IterableDataset, StreamTally]:
     """Tokenised preference groups (`prompt_ids`, `chosen_completion_ids`, `rejected_completion_ids`[, `margin`]) of
     a stream, computed lazily as in [`tokenize_preference_dataset`] (`whole_rendering` too), and the [`StreamTally`]
-    that counts its rows.
+    that counts its rows. `num_rejected` keeps the first rejected responses of each row (`normalize_preference_record`).
     With `stock_columns` ('reward' or 'cpo'), a group with one rejected response comes in that stock trainer's
     columns instead (see `trl_longrm.data.stock_columns`; a stream has no schema, so each row gets its own).
 
@@ -115,7 +116,7 @@ def stream_preference_dataset(
     tally = StreamTally(source)
 
     def tokenize(row, index):
-        record = normalize_preference_record(row, index=index, source=source, layout=layout)
+        record = normalize_preference_record(row, index=index, source=source, layout=layout, num_rejected=num_rejected)
         out, status = _tokenize_preference(
             record, tokenizer, max_length, truncation, index, source, chat_template_kwargs,
             whole_rendering=whole_rendering,

@@ -97,12 +97,17 @@ def deepspeed_config(script_args, training_args) -> dict | None:
 
 def group_shape(script_args, training_args, stage: str) -> GroupShape:
     """The planned group: `plan_prompt_tokens` (default: what `max_length` leaves beside the longest response),
-    `plan_response_tokens` and `plan_num_rejected`; an SFT example is `max_length` tokens of which the response's."""
+    `plan_response_tokens` and `plan_num_rejected` (at most the trainer's `num_rejected`, the responses it keeps of a
+    group); an SFT example is `max_length` tokens of which the response's."""
     response = script_args.plan_response_tokens
     prompt = script_args.plan_prompt_tokens
     if prompt is None:
         prompt = training_args.max_length - response
-    return GroupShape(prompt, response, 0 if stage == "sft" else script_args.plan_num_rejected)
+    if stage == "sft":
+        return GroupShape(prompt, response, 0)
+    kept = getattr(training_args, "num_rejected", None)
+    rejected = script_args.plan_num_rejected if kept is None else min(kept, script_args.plan_num_rejected)
+    return GroupShape(prompt, response, rejected)
 
 
 def recipe_memory_plans(script_args, training_args, model_args, world_size: int, recipe_dir: Path | None = None,

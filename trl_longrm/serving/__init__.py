@@ -20,6 +20,8 @@ _EXPORTS = {
     "transformers_engine": ["TransformersGenerator"],
     "vllm_engine": ["VLLMGenerator", "VLLMScorer"],
     "openai_engine": ["OpenAIGenerator", "OpenAIScorer"],
+    "sampling": ["Sampling", "SamplingEngine"],
+    "chat": ["ChatCompletion", "OpenAIChatGenerator"],
 }
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
 __all__ = sorted(_MODULE_OF)

@@ -13,6 +13,7 @@ leaves that row unscored). The API key (the argument or `OPENAI_API_KEY`) goes i
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Sequence
@@ -277,6 +278,32 @@ class OpenAIGenerator(_OpenAIEngine):
 
     def identity(self) -> dict:
         return {**super().identity(), "top_logprobs": self.top_logprobs}
+
+    def _sample_one(self, prompt: list[int], max_new_tokens: int, sampling) -> list[Generation]:
+        if sampling.greedy and sampling.n > 1:  # vLLM refuses n > 1 at temperature 0: one answer, n times
+            return self._sample_one(prompt, max_new_tokens, dataclasses.replace(sampling, n=1)) * sampling.n
+        payload = {"model": self.model, "prompt": list(prompt), "max_tokens": max_new_tokens, "n": sampling.n,
+                   "temperature": sampling.temperature, "top_p": sampling.top_p}  # fmt: skip
+        if sampling.seed is not None:
+            payload["seed"] = sampling.seed
+        if self.vllm_fields:
+            payload.update(return_tokens_as_token_ids=True, return_token_ids=True)
+        try:
+            choices = self.server.request(f"{self.server.base_url}/completions", payload)["choices"]
+        except _HTTPRefusal as error:
+            if self.vllm_fields and error.status in (400, 422) and any(f in error.body for f in _VLLM_FIELDS):
+                self.vllm_fields = False  # not vLLM: ask again without its fields
+                return self._sample_one(prompt, max_new_tokens, sampling)
+            raise EngineError(f"The server refused a completion request: {error}") from None
+        return [self._generation(choice, []) for choice in sorted(choices, key=lambda c: c.get("index", 0))]
+
+    def sample(self, prompts: Sequence[list[int]], max_new_tokens: int, sampling) -> list[list[Generation]]:
+        """`Sampling.n` continuations of each prompt (`trl_longrm.serving.sampling`): one request per prompt with `n`,
+        so the server prefills the prompt once for its samples; requests in parallel, at most `max_concurrency`."""
+        from trl_longrm.serving.sampling import per_prompt
+
+        jobs = list(zip(prompts, per_prompt(sampling, len(prompts)), strict=True))
+        return self._map(lambda job: self._sample_one(job[0], max_new_tokens, job[1]), jobs)
 
 
 class OpenAIScorer(_OpenAIEngine):

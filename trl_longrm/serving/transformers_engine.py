@@ -152,3 +152,35 @@ class TransformersGenerator:
         return [
             Generation(token_ids=[token], logprobs=[dict(zip(logprob_token_ids, row))]) for token, row in zip(tokens, asked)
         ]
+
+    @torch.no_grad()
+    def sample(self, prompts: Sequence[list[int]], max_new_tokens: int, sampling) -> list[list[Generation]]:
+        """`Sampling.n` continuations of each prompt (`trl_longrm.serving.sampling`): one `generate` per prompt, under
+        the prompt's own seed (forked, so the caller's random state is untouched), so that its samples do not depend
+        on the other prompts. Temperature 0 is greedy (one continuation, repeated)."""
+        from trl_longrm.serving.sampling import per_prompt
+
+        groups = []
+        device = self.model.device
+        for prompt, params in zip(prompts, per_prompt(sampling, len(prompts)), strict=True):
+            input_ids = torch.tensor([list(prompt)], dtype=torch.long, device=device)
+            options = dict(do_sample=False, num_return_sequences=1)
+            if not params.greedy:
+                # No top-k (transformers' generation default is 50): vLLM and the servers sample the whole vocabulary.
+                options = dict(do_sample=True, temperature=params.temperature, top_p=params.top_p, top_k=0,
+                               num_return_sequences=params.n)  # fmt: skip
+            devices = [device] if device.type == "cuda" else []
+            with torch.random.fork_rng(devices=devices):
+                if params.seed is not None:
+                    torch.manual_seed(params.seed)
+                generated = self.model.generate(
+                    input_ids=input_ids,
+                    attention_mask=torch.ones_like(input_ids),
+                    max_new_tokens=max_new_tokens,
+                    use_cache=True,
+                    pad_token_id=self.pad_id,
+                    **options,
+                )[:, input_ids.shape[1] :]
+            rows = [Generation(token_ids=self._until_eos(row)) for row in generated.tolist()]
+            groups.append(rows * params.n if params.greedy else rows)
+        return groups

@@ -143,6 +143,27 @@ class VLLMGenerator(_VLLMEngine):
         return generations
 
 
+    def sample(self, prompts: Sequence[list[int]], max_new_tokens: int, sampling) -> list[list[Generation]]:
+        """`Sampling.n` continuations of each prompt (`trl_longrm.serving.sampling`), each prompt with its own
+        `SamplingParams` (its seed), in one `generate` call: vLLM batches them and its prefix cache prefills a shared
+        prompt once."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        from trl_longrm.serving.sampling import per_prompt
+
+        samplings = per_prompt(sampling, len(prompts))
+        # vLLM refuses n > 1 at temperature 0: one greedy answer, repeated.
+        params = [
+            SamplingParams(n=1 if p.greedy else p.n, temperature=p.temperature, top_p=p.top_p, seed=p.seed,
+                           max_tokens=max_new_tokens)
+            for p in samplings
+        ]  # fmt: skip
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False)
+        groups = [[Generation(token_ids=list(c.token_ids)) for c in output.outputs] for output in outputs]
+        return [group * p.n if p.greedy else group for group, p in zip(groups, samplings, strict=True)]
+
+
 class VLLMScorer(_VLLMEngine):
     """A `ScoringEngine` on `vllm.LLM` with the pooling runner: each token-id sequence's classifier logit at its last
     token (vLLM's last-token pooling), without the sigmoid vLLM applies by default (`use_activation=False`): the raw

@@ -300,8 +300,12 @@ def pointwise_judgment(example: JudgingExample, index: int, claimed: int | None 
     if evidence:
         surface = example.sheet.surface
         lines.append("Evidence: " + " ".join(surface.fact_sentence(k, example.sheet.facts[k]) for k in example.asked))
-    lines += [f"Response: {correct}/{num_asked} correct.", f"[[{pointwise_score(correct, num_asked)}]]"]
-    return "\n".join(lines)
+    return "\n".join(lines + pointwise_verdict_lines(correct, num_asked))
+
+
+def pointwise_verdict_lines(correct: int, asked: int) -> list[str]:
+    """The end of a pointwise judgment of a response with `correct` of `asked` values right: its count and score."""
+    return [f"Response: {correct}/{asked} correct.", f"[[{pointwise_score(correct, asked)}]]"]
 
 
 def _wrong_rankings(rng: random.Random, n: int, true_ranks: list[int], k: int) -> list[list[int]]:

@@ -104,6 +104,52 @@ class LongContextDataArguments:
     )
 
 
+@dataclass
+class RejectedCountArguments:
+    """The number of rejected responses a preference trainer uses per group (`SimPOGRMConfig` and `SimPODisRMConfig`
+    mix this class in)."""
+
+    num_rejected: int | None = field(
+        default=None,
+        metadata={
+            "help": "Rejected responses used per group: the first `num_rejected` of each row's list, as LongRM's trainer "
+            "takes its first `num_rejects` (V in the paper's equation 1; the paper trains with V = 2). Voted rows list "
+            "the judgments that disagree with the consensus first (`trl-longrm data vote`), so the first ones are the "
+            "real disagreements. A row with fewer keeps all of its own. Default None: every rejected response."
+        },
+    )
+
+
+def check_num_rejected(args) -> None:
+    """Refuse a `num_rejected` below 1, naming the field (called by the configs)."""
+    if args.num_rejected is not None and (isinstance(args.num_rejected, bool) or args.num_rejected < 1):
+        raise ValueError(f"`num_rejected` must be None (all) or >= 1, got {args.num_rejected!r}.")
+
+
+def cut_rejected(dataset, num_rejected: int | None, dataset_name: str):
+    """Pre-tokenised groups (`rejected_completion_ids`, a list per group) cut to their first `num_rejected` rejected
+    responses; text rows are cut as they are read (`load_preference_dataset(num_rejected=...)`). A dataset packed
+    already (its groups laid out in rows) is kept where no group has more (one prepared with these settings, passed
+    again), and refused otherwise, naming the field."""
+    if num_rejected is None or "rejected_completion_ids" not in dataset.column_names:
+        return dataset
+    if _is_packed(dataset, "prompt_ids"):
+        most = max((len(group) for pack in dataset["rejected_completion_ids"] for group in pack), default=0)
+        if most > num_rejected:
+            raise ValueError(
+                f"{dataset_name} dataset: `num_rejected={num_rejected}` cannot cut the groups of a dataset that is "
+                f"packed already (a group has {most} rejected responses); pass the unpacked groups, or unset "
+                "`num_rejected`."
+            )
+        return dataset
+    return dataset.map(
+        lambda ids: {"rejected_completion_ids": [group[:num_rejected] for group in ids]},
+        input_columns="rejected_completion_ids",
+        batched=True,
+        desc=f"Keeping the first {num_rejected} rejected responses",
+    )
+
+
 SHARED_PREFIX_HELP = (
     "Lay each preference group out as its prompt once followed by each response (the responses' position ids "
     "continuing from the prompt's length, each attending to the whole prompt and causally to itself, never to another "
@@ -362,6 +408,10 @@ def _stream_preference_dataset(dataset, tokenizer, args, dataset_name: str, stoc
     if first is not None and all(c in first for c in REWARD_COLUMNS) and "prompt_ids" not in first:
         return _drop_streamed_sequences_over(dataset, args.max_length, dataset_name)
     if first is not None and is_group_row(first):
+        num_rejected = getattr(args, "num_rejected", None)
+        if num_rejected is not None and "rejected_completion_ids" in first:
+            # tokenised groups already: cut as they are read
+            return dataset.map(lambda row: {"rejected_completion_ids": row["rejected_completion_ids"][:num_rejected]})
         return dataset  # tokenised groups already
     groups, _ = stream_preference_dataset(
         dataset,
@@ -374,6 +424,7 @@ def _stream_preference_dataset(dataset, tokenizer, args, dataset_name: str, stoc
         rejected_key=args.rejected_key,
         stock_columns=stock_columns,
         whole_rendering=stock_columns == "reward",
+        num_rejected=getattr(args, "num_rejected", None),
     )
     return groups
 
@@ -397,7 +448,9 @@ def prepare_preference_dataset(dataset, tokenizer, args, dataset_name: str, stoc
     if isinstance(dataset, IterableDataset):
         return _stream_preference_dataset(dataset, tokenizer, args, dataset_name, stock_columns)
     length_column = sampler_length_column(args)
+    num_rejected = getattr(args, "num_rejected", None)
     if _is_packed(dataset, "prompt_ids"):
+        dataset = cut_rejected(dataset, num_rejected, dataset_name)  # refuses groups it would have to cut
         # packed by `pack_groups` already (a dataset prepared once, passed again)
         return with_sampler_lengths(dataset, length_column, uses_shared_prefix(args))
     if stock_columns == "reward":
@@ -407,7 +460,9 @@ def prepare_preference_dataset(dataset, tokenizer, args, dataset_name: str, stoc
     keep = (length_column,) if length_column is not None and length_column in columns else ()
     if all(c in columns for c in REWARD_COLUMNS) and "prompt_ids" not in columns:
         dataset = _drop_sequences_over(dataset, args.max_length, dataset_name)
-    elif not (all(c in columns for c in GROUP_COLUMNS) or all(c in columns for c in CPO_COLUMNS)):
+    elif all(c in columns for c in GROUP_COLUMNS):
+        dataset = cut_rejected(dataset, num_rejected, dataset_name)
+    elif not all(c in columns for c in CPO_COLUMNS):
         dataset = load_preference_dataset(
             dataset,
             prompt_key=args.prompt_key,
@@ -415,6 +470,7 @@ def prepare_preference_dataset(dataset, tokenizer, args, dataset_name: str, stoc
             rejected_key=args.rejected_key,
             source_name=f"{dataset_name} dataset",
             keep_columns=keep,
+            num_rejected=num_rejected,
         )
         dataset, _ = tokenize_preference_dataset(
             dataset,

@@ -21,7 +21,9 @@ from trl_longrm.sequence_parallel import SequenceParallelConfig
 from trl_longrm.trainers.common import (
     SHARED_PREFIX_HELP,
     LongContextDataArguments,
+    RejectedCountArguments,
     check_activation_offload_args,
+    check_num_rejected,
     check_shared_prefix_args,
     install_activation_offload,
     install_checkpointing_switches,
@@ -36,7 +38,7 @@ from trl_longrm.trainers.parallel import SequenceParallelMixin
 
 
 @dataclass
-class SimPODisRMConfig(RewardConfig, LongContextDataArguments, SequenceParallelConfig):
+class SimPODisRMConfig(RewardConfig, LongContextDataArguments, RejectedCountArguments, SequenceParallelConfig):
     """Configuration of [`SimPODisRMTrainer`]: TRL's `RewardConfig` plus the LongRM loss options and long-context
     data fields (see `LongContextDataArguments`).
 
@@ -73,6 +75,7 @@ class SimPODisRMConfig(RewardConfig, LongContextDataArguments, SequenceParallelC
     def __post_init__(self):
         super().__post_init__()
         SequenceParallelConfig.__post_init__(self)
+        check_num_rejected(self)
         check_shared_prefix_args(self)
         check_activation_offload_args(self)
         check_selective_checkpointing_args(self)

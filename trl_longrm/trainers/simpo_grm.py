@@ -29,7 +29,9 @@ from trl_longrm.sequence_parallel import SequenceParallelConfig  # noqa: E402
 from trl_longrm.trainers.common import (  # noqa: E402
     SHARED_PREFIX_HELP,
     LongContextDataArguments,
+    RejectedCountArguments,
     check_activation_offload_args,
+    check_num_rejected,
     check_shared_prefix_args,
     install_activation_offload,
     install_checkpointing_switches,
@@ -52,7 +54,7 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass
-class SimPOGRMConfig(CPOConfig, LongContextDataArguments, SequenceParallelConfig):
+class SimPOGRMConfig(CPOConfig, LongContextDataArguments, RejectedCountArguments, SequenceParallelConfig):
     """Configuration of [`SimPOGRMTrainer`]: TRL's `CPOConfig` with LongRM stage II defaults and long-context data
     fields (see `LongContextDataArguments`).
 
@@ -131,6 +133,7 @@ class SimPOGRMConfig(CPOConfig, LongContextDataArguments, SequenceParallelConfig
         self.nll_loss_weight = self.cpo_alpha = weight
         super().__post_init__()
         SequenceParallelConfig.__post_init__(self)
+        check_num_rejected(self)
         check_shared_prefix_args(self)
         check_activation_offload_args(self)
         check_selective_checkpointing_args(self)
