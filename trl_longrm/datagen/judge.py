@@ -154,6 +154,11 @@ def judge(config: JudgeConfig) -> dict:
                 key="perspective",
             )
         prompts.check_record("judge", where, record)
+        responses = record["responses"]
+        if not isinstance(responses, list) or not all(
+            isinstance(r, dict) and isinstance(r.get("text"), str) for r in responses
+        ):
+            raise where.error("must be a list of responses, each a mapping with its `text`", key="responses")
     # Not what only paces or watches the step: the batch size, the cache, `max_unparsable`.
     identity = {
         key: value

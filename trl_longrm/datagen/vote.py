@@ -88,6 +88,14 @@ def vote(config: VoteConfig) -> dict:
     with StepStats("vote", output, responses, unit="response") as stats:
         for where, record in source:
             rid = record_id(where, record)
+            well_formed = isinstance(record["judgments"], list) and all(
+                isinstance(js, list) and all(isinstance(j, dict) and {"judge", "text", "score"} <= set(j) for j in js)
+                for js in record["judgments"]
+            )
+            if not well_formed:
+                raise where.error(
+                    "must hold, per response, a list of {judge, text, score} (the `judge` step's)", key="judgments"
+                )
             if len(record["judgments"]) != len(record["responses"]):
                 raise where.error(
                     f"{len(record['judgments'])} judgment lists for {len(record['responses'])} responses",
