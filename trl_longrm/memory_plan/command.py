@@ -91,7 +91,9 @@ def recipe_of(result, candidate, model_config: Path, lora_r: int, base: dict | N
     import torch
 
     recipe = dict(base or {})
-    recipe.setdefault("model_name_or_path", str(model_config.parent))
+    # The model itself where the config lies in a checkpoint (its weights beside it); else the user names it.
+    has_weights = any(model_config.parent.glob("*.safetensors")) or any(model_config.parent.glob("*.bin"))
+    recipe.setdefault("model_name_or_path", str(model_config.parent) if has_weights else "REPLACE/with/your/model")
     recipe.setdefault("dataset_name", "REPLACE/with/your/dataset")
     recipe.setdefault("output_dir", f"outputs/{result.stage}")
     recipe.update(
