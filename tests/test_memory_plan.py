@@ -581,6 +581,37 @@ def test_per_layer_extrapolation_matches_a_full_trace(case):
         assert abs(extended.peak / full.peak - 1) < 0.01
 
 
+@pytest.mark.parametrize("kernels, attention", [("cpu", "flash_attn"), ("cuda", "cudnn")])
+def test_the_trace_leaves_out_identical_head_chunks_with_the_same_peak(kernels, attention, monkeypatch):
+    """The ring's key/value head chunks (here 8, one head each) repeat the same buffers once the gather/scatter
+    pipeline is full: a trace runs the first three and the last (`ring._traced_head_chunks`, half of an 8B
+    model's trace). Every part of the plan equals the trace of all 8 chunks, on both ranks, CPU and CUDA kernels."""
+    from trl_longrm.memory_plan.trace import trace_step
+    from trl_longrm.sequence_parallel import attention as ring
+
+    stage, args, _, shape, _, dtype, _ = build_case("grm_ring2_checkpointing_fp32")
+    args.ring_head_stride = 1
+    config = model_config()
+    config.num_attention_heads, config.num_key_value_heads, config.head_dim = 8, 8, 32
+    ran = []
+    leave_out = ring._traced_head_chunks
+    monkeypatch.setattr(ring, "_traced_head_chunks", lambda chunks, q: ran.append(leave_out(chunks, q)) or ran[-1])
+    for rank in (0, 1):
+        traces = []
+        for all_chunks in (False, True):
+            if all_chunks:
+                monkeypatch.setattr(ring, "_traced_head_chunks", lambda chunks, q: ran.append(chunks) or chunks)
+            ran.clear()
+            traces.append(trace_step(stage, args, config, shape, dtype=dtype, world_size=2, rank=rank,
+                                     kernels=kernels, attention=attention))  # fmt: skip
+            assert {len(chunks) for chunks in ran} == ({8} if all_chunks else {4})
+        monkeypatch.setattr(ring, "_traced_head_chunks", lambda chunks, q: ran.append(leave_out(chunks, q)) or ran[-1])
+        left_out, whole = traces
+        assert left_out.peak == whole.peak
+        for phase in ("at_peak", "forward_backward_peak", "optimizer_peak"):
+            assert getattr(left_out, phase) == getattr(whole, phase), phase
+
+
 def test_dry_run_prints_the_memory_plan_of_a_recipe(tmp_path, capsys):
     """`trl-longrm train RECIPE --dry_run` prints each traced rank's plan (as JSON and as a table) for the model shape
     named by `model_config`, and whether it fits `--device_memory_gib`; the same plan as `plan_memory` gives."""

@@ -260,12 +260,19 @@ def _memory_tracker(gradient_buckets: bool = False):
     gradient buckets, counted as gradients: they were allocated when the model was wrapped, before the tracker, and
     it would otherwise count the first one written (in backward) as a temporary, beside the plan's term for buckets
     the trace did not see (`ddp_gradient_buckets`)."""
+    from torch._subclasses.fake_tensor import FakeTensor
     from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType, get_untyped_storages
+
+    _DEVICE_OF = torch.ops.prim.device.default
 
     class _Tracker(MemTracker):
         _writing = False
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is _DEVICE_OF and isinstance(args[0], FakeTensor):
+                # C++ asks a fake tensor's device several times an op (over half of a trace's dispatches): no memory
+                # to track; answered here as the fake tensor's own dispatch answers it, without the modes below.
+                return torch.device("meta") if args[0].fake_mode.in_kernel_invocation else args[0].fake_device
             self._writing = gradient_buckets and func._schema.is_mutable
             return super().__torch_dispatch__(func, types, args, kwargs)
 

@@ -24,6 +24,7 @@ import warnings
 from typing import TYPE_CHECKING
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from .collectives import all_to_all_autograd, start_all_gather_dim0, start_reduce_scatter_dim0
 from .config import SequenceParallelConfig
@@ -45,6 +46,20 @@ def _head_chunks(num_heads: int, num_kv_heads: int, stride: int | None):
     for kv_lo in range(0, num_kv_heads, stride):
         kv_hi = kv_lo + stride
         yield kv_lo, kv_hi, kv_lo * group, kv_hi * group
+
+
+def _traced_head_chunks(chunks: list, q: torch.Tensor) -> list:
+    """The head chunks to run: all of them, except under the memory plan's trace (fake tensors, no values), where
+    the middle ones of equal width are left out. Each chunk allocates and frees the same buffers as the one before it
+    once the pipeline is full (the next chunk's gather in flight in forward, the last chunk's scatter in backward), so
+    the first three chunks and the last one show every state the whole loop goes through: the same peak, with a
+    fraction of the trace's operations (an 8B model's 8 key/value heads, one a chunk: 4 chunks instead of 8)."""
+    if len(chunks) <= 4 or not is_fake(q):
+        return chunks
+    width = chunks[0][1] - chunks[0][0]
+    if any(c[1] - c[0] != width for c in chunks[:-1]):
+        return chunks
+    return chunks[:3] + chunks[-1:]
 
 
 class _Gather:
@@ -79,7 +94,7 @@ def _gathered_head_chunks(q, k, v, meta: RingAttentionMetadata):
     """`(kv_lo, kv_hi, q_lo, q_hi, k_all, v_all)` for each head chunk (`meta.ring_head_stride` key/value heads), the
     next chunk's all-gather issued before the current chunk is handed out: the collective runs while the current
     chunk is attended, so two chunks' gathered keys/values are alive at a time (the caller drops each when done)."""
-    chunks = list(_head_chunks(q.shape[1], k.shape[1], meta.ring_head_stride))
+    chunks = _traced_head_chunks(list(_head_chunks(q.shape[1], k.shape[1], meta.ring_head_stride)), q)
     start = lambda c: _Gather(k[:, c[0] : c[1]], v[:, c[0] : c[1]], meta)  # noqa: E731
     pending = start(chunks[0])
     for index, chunk in enumerate(chunks):
