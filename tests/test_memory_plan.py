@@ -581,16 +581,21 @@ def test_per_layer_extrapolation_matches_a_full_trace(case):
         assert abs(extended.peak / full.peak - 1) < 0.01
 
 
-@pytest.mark.parametrize("kernels, attention", [("cpu", "flash_attn"), ("cuda", "cudnn")])
-def test_the_trace_leaves_out_identical_head_chunks_with_the_same_peak(kernels, attention, monkeypatch):
+@pytest.mark.parametrize("kernels, attention, selective", [("cpu", "flash_attn", False), ("cuda", "cudnn", False),
+                                                             ("cuda", "cudnn", True)])  # fmt: skip
+def test_the_trace_leaves_out_identical_head_chunks_with_the_same_peak(kernels, attention, selective, monkeypatch):
     """The ring's key/value head chunks (here 8, one head each) repeat the same buffers once the gather/scatter
-    pipeline is full: a trace runs the first three and the last (`ring._traced_head_chunks`, half of an 8B
-    model's trace). Every part of the plan equals the trace of all 8 chunks, on both ranks, CPU and CUDA kernels."""
+    pipeline is full: a trace runs the first three and the last (`attention._traced_head_chunks`, half of an 8B
+    model's trace). Every part of the plan equals the trace of all 8 chunks, on both ranks, CPU and CUDA kernels.
+    Selective checkpointing keeps each chunk's attention outputs: its forwards run every chunk (leaving them out
+    planned an 8B ring rank 20 GiB under its trace)."""
     from trl_longrm.memory_plan.trace import trace_step
     from trl_longrm.sequence_parallel import attention as ring
 
     stage, args, _, shape, _, dtype, _ = build_case("grm_ring2_checkpointing_fp32")
     args.ring_head_stride = 1
+    if selective:
+        args.gradient_checkpointing_kwargs = {**(args.gradient_checkpointing_kwargs or {}), "selective": True}
     config = model_config()
     config.num_attention_heads, config.num_key_value_heads, config.head_dim = 8, 8, 32
     ran = []
@@ -604,7 +609,7 @@ def test_the_trace_leaves_out_identical_head_chunks_with_the_same_peak(kernels, 
             ran.clear()
             traces.append(trace_step(stage, args, config, shape, dtype=dtype, world_size=2, rank=rank,
                                      kernels=kernels, attention=attention))  # fmt: skip
-            assert {len(chunks) for chunks in ran} == ({8} if all_chunks else {4})
+            assert {len(chunks) for chunks in ran} == ({8} if all_chunks else {4, 8} if selective else {4})
         monkeypatch.setattr(ring, "_traced_head_chunks", lambda chunks, q: ran.append(leave_out(chunks, q)) or ran[-1])
         left_out, whole = traces
         assert left_out.peak == whole.peak

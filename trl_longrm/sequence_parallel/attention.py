@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
+from ..memory.selective_checkpointing import keeps_attention_outputs
 from .collectives import all_to_all_autograd, start_all_gather_dim0, start_reduce_scatter_dim0
 from .config import SequenceParallelConfig
 from .kernels import SharedPrefixVarlenKernel, TorchBlockKernel, TorchCpuFlashOps, VarlenKernel, resolve_kernel
@@ -53,8 +54,9 @@ def _traced_head_chunks(chunks: list, q: torch.Tensor) -> list:
     the middle ones of equal width are left out. Each chunk allocates and frees the same buffers as the one before it
     once the pipeline is full (the next chunk's gather in flight in forward, the last chunk's scatter in backward), so
     the first three chunks and the last one show every state the whole loop goes through: the same peak, with a
-    fraction of the trace's operations (an 8B model's 8 key/value heads, one a chunk: 4 chunks instead of 8)."""
-    if len(chunks) <= 4 or not is_fake(q):
+    fraction of the trace's operations (an 8B model's 8 key/value heads, one a chunk: 4 chunks instead of 8). Not
+    under selective checkpointing, which keeps every chunk's attention outputs."""
+    if len(chunks) <= 4 or not is_fake(q) or keeps_attention_outputs():
         return chunks
     width = chunks[0][1] - chunks[0][0]
     if any(c[1] - c[0] != width for c in chunks[:-1]):
