@@ -111,3 +111,21 @@ def test_most_unchecked_layers_is_the_affine_rule_confirmed_by_a_plan():
     assert most_unchecked_layers(lambda n: plan(n, bump=5), 32, 30)[0] == 5
     assert most_unchecked_layers(plan, 4, 30)[0] == 4  # capped at the model's layers
     assert most_unchecked_layers(plan, 32, 12) == (0, None)
+
+
+def test_a_smaller_ring_is_rejected_untraced_by_its_estimate_from_a_larger_one():
+    """By hand: a ring of 8 planned 30 GiB of which 16 scale with the tokens, and 64 GiB offloaded to the host of which
+    4 are DeepSpeed's states; a ring of 4 holds twice the tokens a rank: 46 GiB on the card (within 1.15 x a 50 GiB
+    budget: traced), 124 GiB of host a process, 992 a machine of 8 (over 1.05 x 512: rejected without a trace); a ring
+    of 2: 78 GiB, rejected by its peak. The parts are read off a plan as the search does."""
+    from trl_longrm.memory_plan.search import _estimate, _scaling_parts
+
+    plan = types.SimpleNamespace(peak=30 * GIB, activations=12 * GIB, temporaries=4 * GIB, host_memory=64 * GIB,
+                                 host_terms={"offloaded optimizer states": 4 * GIB})  # fmt: skip
+    reference = (8, _scaling_parts(plan))
+    roomy = Cluster.parse("8xh100-80gb", host_memory_gib=2048)
+    assert _estimate(reference, 4, roomy, 50 * GIB) is None
+    peak, host, reason = _estimate(reference, 4, Cluster.parse("8xh100-80gb", host_memory_gib=512), 50 * GIB)
+    assert (peak, host) == (46 * GIB, 8 * 124 * GIB) and reason == "estimated host memory 992 GiB a machine"
+    peak, _, reason = _estimate(reference, 2, roomy, 50 * GIB)
+    assert peak == 78 * GIB and reason == "estimated 78 GiB"

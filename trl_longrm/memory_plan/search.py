@@ -343,7 +343,7 @@ def search(stage: str, model_config, shape: GroupShape, cluster: Cluster, *, met
     budget = (1 - margin) * cluster.device_bytes
     fitting, rejected = [], []
     for method in methods:
-        reference = {}  # activations -> (sp, traced peak parts that scale with the tokens a rank holds)
+        reference = {}  # (activations, ZeRO, offload) -> (sp, its plan's parts that scale with a rank's tokens)
         for sp in _sp_sizes(cluster.world_size):
             for mode in _modes(sp, model_config):
                 for distributed, offload in _distributions(method, cluster.world_size):
@@ -351,11 +351,11 @@ def search(stage: str, model_config, shape: GroupShape, cluster: Cluster, *, met
                     if offload and any(c.method == method for c in fitting):
                         continue  # host offload of ZeRO's states only where nothing else fits
                     for activations in LADDER:
-                        estimate = _estimate(reference.get((activations, distributed)), sp)
-                        if estimate is not None and estimate > ESTIMATE_REJECT * budget:
-                            rejected.append(Candidate(method, layout, activations, int(estimate), 0, False,
-                                                      reason=f"estimated {estimate / GIB:.0f} GiB (from sp "
-                                                             f"{reference[(activations, distributed)][0]})",
+                        estimate = _estimate(reference.get((activations, distributed, offload)), sp, cluster, budget)
+                        if estimate is not None:
+                            peak, host, reason = estimate
+                            rejected.append(Candidate(method, layout, activations, int(peak), int(host), False,
+                                                      reason=f"{reason} (from sp {reference[(activations, distributed, offload)][0]})",
                                                       estimated=True))  # fmt: skip
                             continue
                         say(f"{method}: {layout.describe()}, {activations.describe()}")
@@ -365,7 +365,7 @@ def search(stage: str, model_config, shape: GroupShape, cluster: Cluster, *, met
                             rejected.append(Candidate(method, layout, activations, 0, 0, False,
                                                       reason=str(error).splitlines()[0][:120]))  # fmt: skip
                             break
-                        reference.setdefault((activations, distributed), (sp, _scaling_parts(plan)))
+                        reference.setdefault((activations, distributed, offload), (sp, _scaling_parts(plan)))
                         candidate = planner.candidate(method, layout, activations, lora_r, [plan])
                         (fitting if candidate.fits else rejected).append(candidate)
                         if candidate.fits:
@@ -407,17 +407,30 @@ def longest_prompt(result: SearchResult, candidate: Candidate) -> dict:
     return longest_group(plans_for, args, result.stage, result.shape, candidate.plans, searched.budget)
 
 
-def _scaling_parts(plan: MemoryPlan) -> tuple[int, int]:
-    """(what does not scale with a rank's tokens, what does): a plan's activations and temporaries scale."""
+def _scaling_parts(plan: MemoryPlan) -> tuple[tuple[int, int], tuple[int, int]]:
+    """For the device's peak and for host memory, (what does not scale with a rank's tokens, what does): on the
+    device a plan's activations and temporaries scale; on the host the offloaded activations (DeepSpeed's offloaded
+    states, `host_terms`, do not)."""
     scaling = plan.activations + plan.temporaries
-    return plan.peak - scaling, scaling
+    host_fixed = sum(plan.host_terms.values())
+    return (plan.peak - scaling, scaling), (host_fixed, plan.host_memory - host_fixed)
 
 
-def _estimate(reference, sp: int) -> float | None:
+def _estimate(reference, sp: int, cluster: Cluster, budget: float) -> tuple[float, float, str] | None:
+    """`(peak, host memory a machine, why)` estimated for sequence-parallel size `sp` from the plan of another size
+    (`reference`, its `_scaling_parts`) where that estimate rejects the layout without a trace, else None. The device
+    estimate is rejected past `ESTIMATE_REJECT` x the budget (peaks shift between events as the tokens change); host
+    memory only 5% over (offloaded activations are proportional to the tokens)."""
     if reference is None:
         return None
-    reference_sp, (fixed, scaling) = reference
-    return fixed + scaling * reference_sp / sp
+    reference_sp, parts = reference
+    peak, host = (fixed + scaling * reference_sp / sp for fixed, scaling in parts)
+    host *= cluster.gpus_per_node
+    if peak > ESTIMATE_REJECT * budget:
+        return peak, host, f"estimated {peak / GIB:.0f} GiB"
+    if cluster.host_bytes_per_node is not None and host > 1.05 * cluster.host_bytes_per_node:
+        return peak, host, f"estimated host memory {host / GIB:.0f} GiB a machine"
+    return None
 
 
 def _spend_spare_memory(planner: _Planner, candidate: Candidate, lora_r: int, say) -> list[Candidate]:
