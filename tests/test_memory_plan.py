@@ -10,6 +10,7 @@ Ulysses; marked slow, like the other multi-process tests).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -615,6 +616,27 @@ def test_the_trace_leaves_out_identical_head_chunks_with_the_same_peak(kernels, 
         assert left_out.peak == whole.peak
         for phase in ("at_peak", "forward_backward_peak", "optimizer_peak"):
             assert getattr(left_out, phase) == getattr(whole, phase), phase
+
+
+def test_traces_run_in_another_process_give_the_same_step():
+    """`trl-longrm plan` traces a plan's two depths at once, the deeper in a spawned process
+    (`trace.trace_processes`): the extrapolated step, and with unchecked layers (three more traces), equals the one
+    traced in this process alone, every field; the executor is stopped and this process's threads restored."""
+    from trl_longrm.memory_plan.trace import trace_processes, trace_step, with_unchecked_layers
+
+    stage, args, _, shape, peft_config, dtype, _ = build_case("disrm_lora_6_layers_2_unchecked_selective_bf16")
+    config = model_config(layers=6)
+    threads = torch.get_num_threads()
+    with trace_processes(2) as pool:
+        assert pool is not None and torch.get_num_threads() == 1
+        for traced_args in (args, with_unchecked_layers(args, 0)):
+            kwargs = dict(dtype=dtype, peft_config=peft_config, max_traced_layers=3)
+            alone = trace_step(stage, traced_args, config, shape, **kwargs)
+            side_by_side = trace_step(stage, traced_args, config, shape, pool=pool, **kwargs)
+            assert dataclasses.asdict(side_by_side) == dataclasses.asdict(alone)
+    assert torch.get_num_threads() == threads
+    with trace_processes(1) as pool:
+        assert pool is None
 
 
 def test_dry_run_prints_the_memory_plan_of_a_recipe(tmp_path, capsys):

@@ -55,6 +55,9 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
                         help="Write the fastest proposal as a recipe (`trl-longrm train RECIPE.yaml --dry_run` checks it).")
     parser.add_argument("--recipe", default=None,
                         help="With --write: a recipe whose other keys (data, optimizer, output) the written one keeps.")
+    parser.add_argument("--processes", type=int, default=None,
+                        help="Processes tracing at once (a plan's two traces side by side). Default: 2 where this "
+                             "process may use 2 cores or more, else 1.")
     parser.add_argument("--json", action="store_true", help="Print the result as JSON instead of a table.")
 
 
@@ -147,7 +150,7 @@ def run_plan(args: argparse.Namespace) -> int:
     lora_r = args.lora_r or default_lora_r(args.stage)
     with quiet_trace():  # what the traced steps print (their logs, progress bars, warnings of a fake run)
         result = search(args.stage, config_path, shape, cluster, methods=methods, lora_r=lora_r, margin=args.margin,
-                        device=args.device,
+                        device=args.device, processes=args.processes,
                         progress=lambda message: print(f"  planning {message}", file=sys.stderr, flush=True))  # fmt: skip
         longest = None
         if args.longest and result.proposals:

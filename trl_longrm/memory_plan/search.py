@@ -238,12 +238,13 @@ class _Planner:
     """Plans candidates, with every trace cached by what it depends on (not the ZeRO settings)."""
 
     def __init__(self, stage, config, shape, cluster, base_args, peft_configs, dtype, max_traced_layers, attention,
-                 margin, device="cuda"):  # fmt: skip
+                 margin, device="cuda", pool=None):  # fmt: skip
         self.stage, self.config, self.shape, self.cluster, self.device = stage, config, shape, cluster, device
         self.budget = (1 - margin) * cluster.device_bytes
         self.base_args, self.peft_configs, self.dtype = base_args, peft_configs, dtype
         self.max_traced_layers, self.attention = max_traced_layers, attention
         self.cache: dict = {}
+        self.pool = pool  # other processes tracing (`trace.trace_processes`), while the search lasts
 
     def args(self, method: str, layout: Layout, activations: Activations):
         kwargs = {"use_reentrant": False}
@@ -269,7 +270,7 @@ class _Planner:
             self.cache[key] = trace_step(self.stage, args, self.config, self.shape, peft_config=self.peft_configs[method],
                                          dtype=self.dtype, world_size=world, rank=rank,
                                          max_traced_layers=self.max_traced_layers, ddp=ddp, kernels=self.device,
-                                         attention=self.attention)  # fmt: skip
+                                         attention=self.attention, pool=self.pool)  # fmt: skip
         return plan_memory(self.stage, args, self.config, self.shape, peft_config=self.peft_configs[method],
                            dtype=self.dtype, world_size=world, rank=rank, distributed=layout.distributed,
                            device=self.device, attention=self.attention,
@@ -311,12 +312,28 @@ def default_lora_r(stage: str) -> int:
 def search(stage: str, model_config, shape: GroupShape, cluster: Cluster, *, methods=("lora", "full"),
            lora_r: int | None = None, base_args=None, margin: float = DEFAULT_MARGIN,
            max_traced_layers: int = DEFAULT_MAX_TRACED_LAYERS, spend_spare_memory: int = 2,
-           device: str = "cuda", dtype: torch.dtype = torch.bfloat16, progress=None) -> SearchResult:  # fmt: skip
+           device: str = "cuda", dtype: torch.dtype = torch.bfloat16, progress=None,
+           processes: int | None = 1) -> SearchResult:  # fmt: skip
     """Search the settings that fit (module docstring); the proposals sorted by tokens per second, fastest first.
     `base_args`: the stage's config the candidates start from (default: TRL's defaults, bf16). `spend_spare_memory`:
     how many of the fastest candidates also try selective checkpointing and unchecked layers. `device`: 'cuda' plans
     a GPU run (its kernels and CUDA terms), 'cpu' a CPU run (what a CPU run allocates: checked against measured CPU
-    peaks); the step times are a GPU's either way. `progress(message)` is called as the search goes."""
+    peaks); the step times are a GPU's either way. `progress(message)` is called as the search goes. `processes`:
+    how many trace at once (`trace.trace_processes`; None: 2 where this process may use 2 cores, as `trl-longrm plan`
+    does). The others are spawned: a script calling this with `processes` above 1 keeps its own work under
+    `if __name__ == "__main__":` (each spawned process imports the script)."""
+    from trl_longrm.memory_plan.trace import trace_processes
+
+    with trace_processes(processes) as pool:
+        result = _search(stage, model_config, shape, cluster, methods=methods, lora_r=lora_r, base_args=base_args,
+                         margin=margin, max_traced_layers=max_traced_layers, spend_spare_memory=spend_spare_memory,
+                         device=device, dtype=dtype, progress=progress, pool=pool)  # fmt: skip
+    result.planner.pool = None  # stopped with the context
+    return result
+
+
+def _search(stage, model_config, shape, cluster, *, methods, lora_r, base_args, margin, max_traced_layers,
+            spend_spare_memory, device, dtype, progress, pool) -> SearchResult:  # fmt: skip
     from peft import LoraConfig
 
     from trl_longrm.memory_plan.planned_kernels import planned_cuda_attention
@@ -338,7 +355,7 @@ def search(stage: str, model_config, shape: GroupShape, cluster: Cluster, *, met
                                                      lora_dropout=0.0, target_modules="all-linear", task_type=task)}
     attention = planned_cuda_attention(getattr(base_args, "ring_attn_backend", "auto") or "auto")
     planner = _Planner(stage, model_config, shape, cluster, base_args, peft_configs, dtype, max_traced_layers,
-                       attention, margin, device)  # fmt: skip
+                       attention, margin, device, pool)  # fmt: skip
     say = progress or (lambda message: None)
     budget = (1 - margin) * cluster.device_bytes
     fitting, rejected = [], []

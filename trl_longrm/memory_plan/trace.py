@@ -702,7 +702,7 @@ def trace_step(stage: str, training_args, model_config, shape: GroupShape, *, pe
                dtype: torch.dtype | None = None, world_size: int = 1, rank: int = 0,
                max_traced_layers: int | None = None, ddp: bool = True, stock: bool = False,
                kernels: str = "cpu", attention: str = "flash_attn", load_in_4bit: bool = False,
-               nested_quant: bool = True) -> TracedStep:  # fmt: skip
+               nested_quant: bool = True, pool=None) -> TracedStep:  # fmt: skip
     """Trace one optimizer step of `stage`'s trainer on rank `rank` of `world_size` (see the module docstring).
 
     `max_traced_layers`: a model with more decoder layers is traced with `max_traced_layers - 1` and
@@ -716,7 +716,8 @@ def trace_step(stage: str, training_args, model_config, shape: GroupShape, *, pe
     (from Hopper on, and without flash-attn).
     `load_in_4bit`: the model goes through the trainer as a bitsandbytes 4-bit load does, its quantized layers in
     `dtype` (`quantized.loaded_in_4bit`, `as_4bit_layers`; `quantized.quantize_plan` then puts their weights in 4
-    bits)."""
+    bits). `pool`: an executor of other processes (`trace_processes`) that runs the extrapolation's other traces
+    while this process runs the first."""
     layers = model_config.num_hidden_layers
     if max_traced_layers is not None and layers > max_traced_layers:
         if max_traced_layers < 2:
@@ -729,19 +730,76 @@ def trace_step(stage: str, training_args, model_config, shape: GroupShape, *, pe
         unchecked = 0 if stock else unchecked_layer_count(training_args, layers)
         partial = 0 < unchecked < layers
         args = with_unchecked_layers(training_args, 0) if partial else training_args
-        traces = [trace(args, with_layers(model_config, n)) for n in (max_traced_layers - 1, max_traced_layers)]
+        traces = _run_traces(trace, [(args, with_layers(model_config, n)) for n in (max_traced_layers, max_traced_layers - 1)],
+                             pool)[::-1]  # fmt: skip
         step = _extrapolate(*traces, max_traced_layers - 1, max_traced_layers, layers)
         if partial:
             # A model deep enough for 2 unchecked layers under a checkpointed one.
             depth = max(max_traced_layers, 3) if unchecked > 1 else max_traced_layers
-            by_unchecked = [traces[1]] if depth == max_traced_layers else [trace(args, with_layers(model_config, depth))]
-            by_unchecked += [trace(with_unchecked_layers(training_args, n), with_layers(model_config, depth))
-                             for n in range(1, min(unchecked, 2) + 1)]  # fmt: skip
+            jobs = [(with_unchecked_layers(training_args, n), with_layers(model_config, depth))
+                    for n in range(1, min(unchecked, 2) + 1)]  # fmt: skip
+            if depth != max_traced_layers:
+                jobs.insert(0, (args, with_layers(model_config, depth)))
+            by_unchecked = ([traces[1]] if depth == max_traced_layers else []) + _run_traces(trace, jobs, pool)
             step = _add_unchecked_layers(step, by_unchecked, unchecked)
         return step
     return _trace_step(stage, training_args, model_config, shape, peft_config=peft_config, dtype=dtype,
                        world_size=world_size, rank=rank, ddp=ddp, stock=stock, kernels=kernels,
                        attention=attention, load_in_4bit=load_in_4bit, nested_quant=nested_quant)  # fmt: skip
+
+
+def _run_traces(trace, jobs: list[tuple], pool) -> list[TracedStep]:
+    """`trace(*job)` of each job, in order. With `pool`, all but the first run in its processes while this one runs
+    the first: each trace is a fake run of its own, on a model and arguments it is given whole."""
+    if pool is None or len(jobs) < 2:
+        return [trace(*job) for job in jobs]
+    futures = [pool.submit(trace, *job) for job in jobs[1:]]
+    try:
+        first = trace(*jobs[0])
+    except BaseException:
+        for future in futures:
+            future.cancel()  # (one already running finishes; its result is dropped)
+        raise
+    return [first, *(future.result() for future in futures)]
+
+
+def _trace_worker() -> None:
+    """A tracing process: one torch thread, and quiet (a fake run's logs, bars and warnings read as a failed run;
+    the process that asked prints what the plan says)."""
+    import sys
+
+    import datasets
+    import transformers
+
+    torch.set_num_threads(1)
+    transformers.logging.set_verbosity_error()
+    datasets.disable_progress_bars()
+    warnings.simplefilter("ignore")
+    sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (the process's own stdout, for its life)
+
+
+@contextlib.contextmanager
+def trace_processes(processes: int | None = None):
+    """An executor of `processes - 1` other processes for `trace_step(pool=...)` (None for one process): a plan's two
+    traces (of 2 and 3 layers) then run at once, each process with one torch thread (a fake trace is Python-bound),
+    this one too while the executor lives; the others print nothing. Default: 2 where this process may use 2 cores or more. The processes are
+    spawned (a few seconds of imports, once) and stopped on leaving the context."""
+    import concurrent.futures
+    import multiprocessing
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    processes = min(2, cores) if processes is None else processes
+    if processes < 2:
+        yield None
+        return
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with concurrent.futures.ProcessPoolExecutor(processes - 1, mp_context=multiprocessing.get_context("spawn"),
+                                                    initializer=_trace_worker) as pool:  # fmt: skip
+            yield pool
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _trace_step(stage: str, training_args, model_config, shape: GroupShape, *, peft_config=None,
