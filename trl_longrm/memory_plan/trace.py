@@ -730,8 +730,9 @@ def trace_step(stage: str, training_args, model_config, shape: GroupShape, *, pe
         unchecked = 0 if stock else unchecked_layer_count(training_args, layers)
         partial = 0 < unchecked < layers
         args = with_unchecked_layers(training_args, 0) if partial else training_args
-        traces = _run_traces(trace, [(args, with_layers(model_config, n)) for n in (max_traced_layers, max_traced_layers - 1)],
-                             pool)[::-1]  # fmt: skip
+        # The deeper (longer) trace in this process, the other beside it where a pool is given; in depth order after.
+        depths = (max_traced_layers, max_traced_layers - 1)
+        traces = _run_traces(trace, [(args, with_layers(model_config, n)) for n in depths], pool)[::-1]
         step = _extrapolate(*traces, max_traced_layers - 1, max_traced_layers, layers)
         if partial:
             # A model deep enough for 2 unchecked layers under a checkpointed one.
@@ -782,8 +783,8 @@ def _trace_worker() -> None:
 def trace_processes(processes: int | None = None):
     """An executor of `processes - 1` other processes for `trace_step(pool=...)` (None for one process): a plan's two
     traces (of 2 and 3 layers) then run at once, each process with one torch thread (a fake trace is Python-bound),
-    this one too while the executor lives; the others print nothing. Default: 2 where this process may use 2 cores or more. The processes are
-    spawned (a few seconds of imports, once) and stopped on leaving the context."""
+    this one too while the executor lives; the others print nothing. Default: 2 where this process may use 2 cores or
+    more. The processes are spawned (a few seconds of imports, once) and stopped on leaving the context."""
     import concurrent.futures
     import multiprocessing
 
