@@ -618,6 +618,39 @@ def test_the_trace_leaves_out_identical_head_chunks_with_the_same_peak(kernels, 
             assert getattr(left_out, phase) == getattr(whole, phase), phase
 
 
+@pytest.mark.parametrize("case, tile, world_size, kernels", [
+    ("grm_tiled_mlp_checkpointing_fp32", 128, 1, "cpu"), ("disrm_llama_lora_offload_tiled_bf16", 128, 1, "cpu"),
+    ("grm_tiled_mlp_checkpointing_fp32", 128, 2, "cuda")])  # fmt: skip
+def test_the_trace_leaves_out_identical_mlp_slices_with_the_same_peak(case, tile, world_size, kernels, monkeypatch):
+    """A tiled MLP's (and norm's) middle slices of full size are stand-ins under a trace (`tiled_mlp._stands_in`:
+    their output and input gradient allocated, checkpointed alike): every part of the plan, host memory included,
+    equals the trace computing every slice (128-token slices), on both ranks of a ring with CUDA kernels,
+    with LoRA and checkpoint offload. (The stand-in once held the previous slice's output in its closure, and before
+    that saved no tensor, which let its checkpoint's frame and a CPU RNG state go: 64 x 5,056 bytes short.)"""
+    from trl_longrm.memory import tiled_mlp
+    from trl_longrm.memory_plan.trace import trace_step
+
+    stage, args, _, shape, peft_config, dtype, _ = build_case(case)
+    config = CASE_MODELS.get(case, model_config)()
+    args.mlp_tile_tokens = tile
+    args.sequence_parallel_size = world_size
+    stands_in = tiled_mlp._stands_in
+    used = []
+    for rank in sorted({0, world_size - 1}):
+        traces = []
+        for all_slices in (False, True):
+            monkeypatch.setattr(tiled_mlp, "_stands_in", (lambda *a: False) if all_slices else
+                                (lambda *a: used.append(stands_in(*a)) or used[-1]))  # fmt: skip
+            traces.append(trace_step(stage, args, config, shape, dtype=dtype, peft_config=peft_config,
+                                     world_size=world_size, rank=rank, kernels=kernels,
+                                     attention="cudnn" if kernels == "cuda" else "flash_attn"))  # fmt: skip
+        left_out, whole = traces
+        assert any(used)
+        assert left_out.peak == whole.peak and left_out.host_bytes == whole.host_bytes
+        for phase in ("at_peak", "forward_backward_peak", "optimizer_peak"):
+            assert getattr(left_out, phase) == getattr(whole, phase), phase
+
+
 def test_traces_run_in_another_process_give_the_same_step():
     """`trl-longrm plan` traces a plan's two depths at once, the deeper in a spawned process
     (`trace.trace_processes`): the extrapolated step, and with unchecked layers (three more traces), equals the one

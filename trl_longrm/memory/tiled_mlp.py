@@ -27,6 +27,7 @@ then run over the slices.
 
 from __future__ import annotations
 
+import functools
 import types
 
 import torch
@@ -48,7 +49,14 @@ def tiled_mlp_forward(forward, hidden_states: torch.Tensor, tile_tokens: int, di
         return forward(hidden_states)
     tiles = hidden_states.split(tile_tokens, dim=dim)  # views; the split's backward is one concatenation
     if torch.is_grad_enabled():
-        outputs = [checkpoint(forward, tile, use_reentrant=False) for tile in tiles]
+        outputs = []
+        for index, tile in enumerate(tiles):
+            if _stands_in(tiles, index, outputs):
+                # Only the shape of a computed slice's output is kept: a tensor in the closure would outlive it.
+                shape, dtype = outputs[-1].shape, outputs[-1].dtype
+                outputs.append(checkpoint(functools.partial(_same_buffers, shape, dtype), tile, use_reentrant=False))
+            else:
+                outputs.append(checkpoint(forward, tile, use_reentrant=False))
     else:
         outputs = [forward(tile) for tile in tiles]
     for output in outputs[:1]:
@@ -58,6 +66,42 @@ def tiled_mlp_forward(forward, hidden_states: torch.Tensor, tile_tokens: int, di
                 "with router outputs?); only per-token MLPs that return their hidden states can be tiled."
             )
     return torch.cat(outputs, dim=dim)
+
+
+class _SameBuffers(torch.autograd.Function):
+    """Under the memory plan's trace: a slice's output and its input's gradient allocated as a computed slice's are,
+    without computing it (fake tensors hold no values). It saves its input as the slice's first matmul does: a
+    non-reentrant checkpoint's frame (a CPU run's RNG state) lives as long as a saved tensor refers to it."""
+
+    @staticmethod
+    def forward(ctx, tile, shape, dtype):
+        ctx.save_for_backward(tile)
+        return tile.new_empty(shape, dtype=dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return torch.empty_like(grad), None, None
+
+
+def _same_buffers(shape, dtype, tile):
+    return _SameBuffers.apply(tile, shape, dtype)
+
+
+def _stands_in(tiles, index: int, outputs: list) -> bool:
+    """Whether slice `index` is left to `_SameBuffers`: only under the memory plan's trace (fake tensors), for the
+    middle slices of full size past the first three. Each slice's checkpointed forward frees what it computed but its
+    output, and its backward what it recomputed but its input's gradient, so a middle slice changes the memory only
+    by those two, which the stand-in allocates; the first three and the last two are computed and show each state of
+    the peak (the forward's last full slice holds the most outputs beside its intermediates; the backward meets the
+    first slice last, with every other slice's gradient held). Not under selective checkpointing, which keeps ops'
+    outputs inside the slices."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    from trl_longrm.memory.selective_checkpointing import keeps_attention_outputs
+
+    if not (3 <= index < len(tiles) - 2) or not is_fake(tiles[index]) or keeps_attention_outputs():
+        return False
+    return tiles[index].shape == tiles[0].shape and outputs[-1].shape == outputs[0].shape
 
 
 def decoder_norms(model: nn.Module) -> list[nn.Module]:
