@@ -32,7 +32,10 @@ import types
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 from torch.utils.checkpoint import checkpoint
+
+from trl_longrm.memory.selective_checkpointing import keeps_attention_outputs
 
 
 TILED_MARK = "_longrm_mlp_tile_tokens"  # on a module tiled once: the size of its slices
@@ -95,10 +98,6 @@ def _stands_in(tiles, index: int, outputs: list) -> bool:
     the peak (the forward's last full slice holds the most outputs beside its intermediates; the backward meets the
     first slice last, with every other slice's gradient held). Not under selective checkpointing, which keeps ops'
     outputs inside the slices."""
-    from torch._subclasses.fake_tensor import is_fake
-
-    from trl_longrm.memory.selective_checkpointing import keeps_attention_outputs
-
     if not (3 <= index < len(tiles) - 2) or not is_fake(tiles[index]) or keeps_attention_outputs():
         return False
     return tiles[index].shape == tiles[0].shape and outputs[-1].shape == outputs[0].shape
