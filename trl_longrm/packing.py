@@ -161,25 +161,29 @@ def _shared_row(groups: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
             prefix_segment, prefix_start = len(segment_lengths), add_segment(prompt, 0, -1)
         for r, completion in enumerate(completions):
             s = len(lengths)
-            sequence = prompt + completion
-            if not sequence:
+            length = len(prompt) + len(completion)
+            if not length:
                 raise ValueError(f"Preference group {g} of the batch has an empty prompt and an empty completion.")
-            if shared:
-                start = add_segment(completion, len(prompt), prefix_segment) if completion else len(input_ids)
-                # Row index of token i of `prompt + completion`: the prompt's tokens sit in the shared prefix.
-                flat = [prefix_start + i for i in range(len(prompt))] + [start + i for i in range(len(completion))]
-            else:
-                start = add_segment(sequence, 0, -1)
-                flat = [start + i for i in range(len(sequence))]
             # The unshared labels (see `PreferenceCollator`): token i + 1 is predicted at token i; a response's first
             # token is predicted at the prompt's last token, which the shared prefix holds once for all responses.
-            first_label = max(len(prompt), 1)
-            for i in range(first_label - 1, len(sequence) - 1):
-                positions.append(flat[i])
-                targets.append(sequence[i + 1])
-                owners.append(s)
-            score_positions.append(flat[-1])
-            lengths.append(len(sequence))
+            # (Where the prompt is shared no `prompt + completion` list is built: at a million tokens, one per
+            # response was most of the collator's time.)
+            if shared:
+                start = add_segment(completion, len(prompt), prefix_segment) if completion else len(input_ids)
+                last_prompt_token = prefix_start + len(prompt) - 1
+                if completion:
+                    positions.append(last_prompt_token)
+                    positions.extend(range(start, start + len(completion) - 1))
+                targets.extend(completion)
+                score_positions.append(start + len(completion) - 1 if completion else last_prompt_token)
+            else:
+                sequence = prompt + completion
+                start = add_segment(sequence, 0, -1)
+                positions.extend(range(start, start + length - 1))
+                targets.extend(sequence[1:])
+                score_positions.append(start + length - 1)
+            owners.extend([s] * (len(completion) if shared else length - 1))
+            lengths.append(length)
             group_index.append(g)
             response_index.append(r)
 
