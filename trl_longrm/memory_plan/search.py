@@ -455,9 +455,15 @@ def _spend_spare_memory(planner: _Planner, candidate: Candidate, lora_r: int, sa
     out = []
     sp = candidate.layout.sequence_parallel_size
     ranks = sorted({0, sp - 1})
+    # The rank whose plan peaked higher first: where it does not fit, the other is not planned (a trace saved).
+    heavier_first = [rank for _, rank in sorted(zip(candidate.plans, ranks), key=lambda pair: -pair[0].peak)]
 
     def planned(activations):
-        plans = [planner.plan(candidate.method, candidate.layout, activations, rank) for rank in ranks]
+        plans = []
+        for rank in heavier_first:
+            plans.append(planner.plan(candidate.method, candidate.layout, activations, rank))
+            if plans[-1].peak > planner.budget:
+                break
         return planner.candidate(candidate.method, candidate.layout, activations, lora_r, plans)
 
     base = candidate.activations
