@@ -187,7 +187,7 @@ else
     stage long_rows_capped 450 bash -c "$CAPPED --long-rows-settings without --long-rows-prompt-lengths 98304; \
         $CAPPED --long-rows-settings with --long-rows-prompt-lengths 98304 163840 212992; \
         $CAPPED --long-rows-settings without --long-rows-prompt-lengths 73728"
-    # (Issue 55) The paper's 8B shapes on one H200 (random weights built on the GPU from bench/configs/*.json, LoRA on
+    # (Issue 55) The paper's 8B shapes on one H200 (random weights built on the GPU from the bundled shapes, LoRA on
     # all linear layers as the *_lora.yaml recipes, TRL's defaults, k = 4 rejected responses on a shared prefix):
     # the card's GEMM rate first (the measured peak of a second MFU), then Llama-3.1-8B as a DisRM and Qwen3-8B as a
     # GRM at a 32K prompt (4 steps: the 2nd and 3rd timed, the 4th profiled), then the DisRM at 131K with the

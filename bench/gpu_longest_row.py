@@ -31,6 +31,8 @@ sys.path.insert(0, str(HERE))
 
 import common  # noqa: E402
 
+from trl_longrm.memory_plan.shapes import SHAPES  # noqa: E402
+
 
 # Qwen3-0.6B's shape (0.6B parameters with tied embeddings), random weights: nothing is downloaded.
 QWEN3_0_6B = dict(
@@ -47,8 +49,8 @@ QWEN3_0_6B = dict(
 
 
 # The shapes a run can train (`--model`): Qwen3-0.6B's (every 0.6B figure), and the paper's 8B models from the
-# config.json files the recipes' dry runs plan (`bench/configs/`). Random weights, built on the GPU.
-CONFIGS = HERE / "configs"
+# config.json files the recipes' dry runs plan (the package's bundled shapes). Random weights, built on the GPU.
+CONFIGS = SHAPES
 MODELS = {"qwen3-0.6b": None, "qwen3-8b": CONFIGS / "qwen3-8b.json", "llama-3.1-8b": CONFIGS / "llama-3.1-8b.json"}
 # Keys of a config.json that are not the shape (the fixture tokenizer's special tokens replace the token ids).
 _NOT_SHAPE = ("architectures", "model_type", "torch_dtype", "bos_token_id", "eos_token_id", "use_cache")
@@ -574,7 +576,7 @@ def main() -> None:
     parser.add_argument("--long-rows", action="store_true",
                         help="The long-row settings on every throughput run of ours (with --attempt: on that run).")
     parser.add_argument("--model", choices=list(MODELS), default="qwen3-0.6b",
-                        help="The model's shape (random weights): Qwen3-0.6B's, or an 8B one of bench/configs/.")
+                        help="The model's shape (random weights): Qwen3-0.6B's, or a bundled 8B one.")
     parser.add_argument("--lora-r", type=int, default=0,
                         help="Train through a LoRA adapter of this rank on all linear layers (0: full parameters).")
     parser.add_argument("--memory-sites", action="store_true",

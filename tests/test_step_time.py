@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from trl_longrm.memory_plan import GroupShape
+from trl_longrm.memory_plan.shapes import model_config_file
 from trl_longrm.memory_plan.step_time import COEFFICIENTS, StepSettings, estimate_step_seconds, replace, step_terms
 
 
@@ -22,7 +23,7 @@ RESULTS = BENCH / "results" / "step_time_model.json"
 def llama_8b():
     from transformers import LlamaConfig
 
-    return LlamaConfig(**{k: v for k, v in json.loads((BENCH / "configs" / "llama-3.1-8b.json").read_text()).items()
+    return LlamaConfig(**{k: v for k, v in json.loads(model_config_file("llama-3.1-8b").read_text()).items()
                           if k not in ("architectures", "model_type", "torch_dtype")})  # fmt: skip
 
 

@@ -83,8 +83,9 @@ class LongRMScriptArguments(ScriptArguments):
         default=None,
         metadata={
             "help": "config.json whose model shape the memory plan traces, for a model not on disk yet (a Hub name, "
-            "an earlier stage's output): relative to the working directory, else to the recipe's folder. Default "
-            "None: `model_name_or_path`/config.json when local. Nothing is downloaded."
+            "an earlier stage's output): relative to the working directory, else to the recipe's folder, else a "
+            "shape bundled with the package by name (qwen3-8b, llama-3.1-8b). Default None: "
+            "`model_name_or_path`/config.json when local. Nothing is downloaded."
         },
     )
     plan_device: str = field(

@@ -2,7 +2,7 @@
 estimated speed (`trl_longrm.memory_plan.search`), printed as a table; `--write` saves the fastest as a recipe whose
 `--dry_run` confirms it.
 
-    trl-longrm plan --model bench/configs/qwen3-8b.json --stage simpo_grm --prompt_tokens 1046528 --cards 8xh100-80gb
+    trl-longrm plan --model qwen3-8b --stage simpo_grm --prompt_tokens 1046528 --cards 8xh100-80gb
     trl-longrm plan --model llama-3.1-8b --stage simpo_disrm --prompt_tokens 32768 --cards 1xh200 --methods lora \\
         --write disrm_h200.yaml
 """
@@ -15,17 +15,18 @@ import json
 import sys
 from pathlib import Path
 
+from trl_longrm.memory_plan.shapes import bundled_shapes, model_config_file
+
 
 GIB = 2**30
-REPO_CONFIGS = Path(__file__).resolve().parents[2] / "bench" / "configs"
 STAGES = ("sft", "simpo_grm", "simpo_disrm")
 METHODS = ("lora", "full")
 
 
 def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True,
-                        help="The model: its config.json, a checkpoint folder holding one, or a shape in this "
-                             f"checkout's bench/configs/ by name ({', '.join(p.stem for p in sorted(REPO_CONFIGS.glob('*.json')))}).")
+                        help="The model: its config.json, a checkpoint folder holding one, or a shape bundled "
+                             f"with the package by name ({', '.join(bundled_shapes())}).")
     parser.add_argument("--stage", required=True, choices=STAGES, help="The training stage.")
     parser.add_argument("--prompt_tokens", type=int, required=True, help="Tokens of a group's prompt (SFT: of an "
                         "example less its response).")  # fmt: skip
@@ -63,14 +64,10 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
 
 def resolve_model_config(model: str) -> Path:
     """The config.json `--model` names (one message naming it where there is none)."""
-    path = Path(model)
-    if path.is_dir():
-        path = path / "config.json"
-    if not path.exists() and (REPO_CONFIGS / f"{model}.json").exists():
-        path = REPO_CONFIGS / f"{model}.json"
+    path = model_config_file(model)
     if not path.is_file():
         raise SystemExit(f"trl-longrm plan: --model {model!r}: no config.json there (give a config.json, a checkpoint "
-                         "folder holding one, or a shape name of bench/configs/).")  # fmt: skip
+                         f"folder holding one, or a bundled shape: {', '.join(bundled_shapes())}).")  # fmt: skip
     return path
 
 

@@ -25,6 +25,7 @@ import torch
 
 from trl_longrm.memory_plan.deepspeed import ZeroSettings, describe_settings, zero_phase, zero_settings
 from trl_longrm.memory_plan.planned_kernels import planned_cuda_attention
+from trl_longrm.memory_plan.shapes import model_config_file
 from trl_longrm.memory_plan.trace import GroupShape, TracedStep, trace_step
 from trl_longrm.sequence_parallel.groups import communicator_sizes
 
@@ -216,7 +217,7 @@ def plan_memory(
     >>> from trl_longrm import SimPOGRMConfig
     >>> from trl_longrm.memory_plan import GroupShape, plan_memory
     >>> args = SimPOGRMConfig(output_dir="grm", use_cpu=True, sequence_parallel_size=8, gradient_checkpointing=True)
-    >>> plan = plan_memory("simpo_grm", args, "bench/configs/qwen3-8b.json", GroupShape(120_000, 2_000, 4),
+    >>> plan = plan_memory("simpo_grm", args, "qwen3-8b", GroupShape(120_000, 2_000, 4),
     ...                    world_size=8, rank=7, distributed="zero2", device="cuda")
     >>> print(plan.describe(80 * 2**30))
     ```
@@ -307,15 +308,11 @@ def _kernel_notes(device: str, attention: str) -> list[str]:
 
 
 def load_model_config(path):
-    """A transformers config from a `config.json` file or a model folder holding one (read locally, never from the
-    Hub)."""
-    from pathlib import Path
-
+    """A transformers config from a `config.json` file, a model folder holding one or a bundled shape's name (read
+    locally, never from the Hub)."""
     from transformers import AutoConfig
 
-    path = Path(path)
-    if path.is_dir():
-        path = path / "config.json"
+    path = model_config_file(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such config.json")
     import json

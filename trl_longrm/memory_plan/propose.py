@@ -13,7 +13,7 @@ Example:
 >>> from trl_longrm.memory_plan.devices import device_memory_bytes
 >>> from trl_longrm.memory_plan.propose import largest_unchecked_layers
 >>> args = SimPODisRMConfig(output_dir="disrm", use_cpu=True, bf16=True, gradient_checkpointing=True)
->>> layers, plan = largest_unchecked_layers("simpo_disrm", args, "bench/configs/llama-3.1-8b.json",
+>>> layers, plan = largest_unchecked_layers("simpo_disrm", args, "llama-3.1-8b",
 ...                                         GroupShape(32768, 256, 4), device_memory_bytes("h200"), device="cuda")
 ```
 """

@@ -12,18 +12,20 @@ import yaml
 
 from trl_longrm.memory_plan.devices import device_memory_bytes
 from trl_longrm.memory_plan.plan import GIB, load_model_config, plan_memory
+from trl_longrm.memory_plan.shapes import model_config_file
 from trl_longrm.memory_plan.trace import GroupShape, fresh_args
 from trl_longrm.trainers.common import uses_shared_prefix
 
 
 def model_config_path(script_args, model_args, recipe_dir: Path | None = None) -> Path | None:
     """The `config.json` a plan reads: the recipe's `model_config` (relative to the working directory, else to the
-    recipe's folder), else the local model folder's; None where neither exists (a Hub name is never downloaded)."""
+    recipe's folder, else a bundled shape's name), else the local model folder's; None where neither exists (a Hub
+    name is never downloaded)."""
     if script_args.model_config:
         path = Path(script_args.model_config).expanduser()
         if not path.exists() and recipe_dir is not None and (recipe_dir / path).exists():
             path = recipe_dir / path
-        return path
+        return path if path.exists() else model_config_file(script_args.model_config)
     model = Path(model_args.model_name_or_path or "").expanduser()
     if (model / "config.json").is_file():
         return model / "config.json"
@@ -124,7 +126,7 @@ def recipe_memory_plans(script_args, training_args, model_args, world_size: int,
     if path is None:
         return None, (
             f"no memory plan: model_name_or_path={model_args.model_name_or_path!r} is not a local model folder; name "
-            "its config.json in `model_config` (bench/configs/ holds Qwen3-8B's and Llama-3.1-8B's)"
+            "its config.json in `model_config`, or a bundled shape's name (qwen3-8b, llama-3.1-8b)"
         )
     if model_args.load_in_8bit:
         return None, "no memory plan: 8-bit weights are not planned (4-bit QLoRA is)"

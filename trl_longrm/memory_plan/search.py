@@ -25,7 +25,7 @@ Example:
 ```python
 >>> from trl_longrm.memory_plan import GroupShape
 >>> from trl_longrm.memory_plan.search import Cluster, search
->>> result = search("simpo_grm", "bench/configs/qwen3-8b.json", GroupShape(1046528, 2048, 4),
+>>> result = search("simpo_grm", "qwen3-8b", GroupShape(1046528, 2048, 4),
 ...                 Cluster.parse("8xh100-80gb"))
 >>> print(result.table())
 ```
