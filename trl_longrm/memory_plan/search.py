@@ -261,11 +261,19 @@ class _Planner:
                       fused_lora=method == "lora")  # fmt: skip
         return type(self.base_args)(**values)
 
+    def _key(self, method: str, layout: Layout, activations: Activations, rank: int) -> tuple:
+        ddp = not layout.distributed.startswith("zero")
+        return (method, layout.sequence_parallel_size, layout.mode, activations, rank, ddp)
+
+    def is_traced(self, method: str, layout: Layout, activations: Activations, rank: int = 0) -> bool:
+        """Whether this plan's trace is cached (its plan costs no trace)."""
+        return self._key(method, layout, activations, rank) in self.cache
+
     def plan(self, method: str, layout: Layout, activations: Activations, rank: int = 0) -> MemoryPlan:
         world = self.cluster.world_size
         args = self.args(method, layout, activations)
         ddp = not layout.distributed.startswith("zero")
-        key = (method, layout.sequence_parallel_size, layout.mode, activations, rank, ddp)
+        key = self._key(method, layout, activations, rank)
         if key not in self.cache:
             self.cache[key] = trace_step(self.stage, args, self.config, self.shape, peft_config=self.peft_configs[method],
                                          dtype=self.dtype, world_size=world, rank=rank,
@@ -455,12 +463,15 @@ def _spend_spare_memory(planner: _Planner, candidate: Candidate, lora_r: int, sa
     out = []
     sp = candidate.layout.sequence_parallel_size
     ranks = sorted({0, sp - 1})
-    # The rank whose plan peaked higher first: where it does not fit, the other is not planned (a trace saved).
+    # The ranks already traced first (free), then the one whose plan peaked higher: where one does not fit, the other
+    # is not planned (a trace saved).
     heavier_first = [rank for _, rank in sorted(zip(candidate.plans, ranks), key=lambda pair: -pair[0].peak)]
 
     def planned(activations):
         plans = []
-        for rank in heavier_first:
+        order = sorted(heavier_first, key=lambda r: not planner.is_traced(candidate.method, candidate.layout,
+                                                                          activations, r))  # fmt: skip
+        for rank in order:
             plans.append(planner.plan(candidate.method, candidate.layout, activations, rank))
             if plans[-1].peak > planner.budget:
                 break

@@ -1,0 +1,287 @@
+"""Best-of-N self-distillation on the synthetic suite (issue 62; LongRM section 6.2): SFT of a policy on the rollouts
+its reward model keeps against SFT on rollouts kept at random, scored on the suite's held-out questions.
+
+The task: a document of the suite's facts (`trl_longrm.synthetic.world`) and a question about one key, answered with
+the key's word alone. (With the suite's fact sentences as answers, `Record C02 holds the word such.`, the tiny policy
+found the word but never learnt to copy the key's digits in 5,000 steps: loss flat at 0.7, every answer's key wrong,
+so a reward model that reads keys had nothing to choose between.)
+
+The steps, each cached under `--work-dir` (a rerun resumes):
+1. the policy's base: the reduced demo's DisRM (`trl_longrm.demo`) backbone under a new LM head, as the demo's judge;
+2. the policy: that base warmed up by a short SFT on right answers (`--warm-steps`), short enough that it finds the
+   asked word only part of the time: its samples spread over right and wrong words, as an imperfect policy's do;
+3. the reward model: the warmed policy's backbone under a score head (as RLHF's reward models start from the SFT
+   policy), trained by Bradley-Terry (`recipes/tiny/simpo_disrm.yaml`) on word answers of the world's training keys:
+   the right word chosen, three wrong ones rejected (other words of the same document, which only reading the right
+   fact exposes, and words it never states);
+4. `distill` (`trl_longrm.datagen.distill`, as `trl-longrm data distill` runs it): `--rollouts` samples of the
+   policy per training prompt (training keys), scored by the DisRM, the best kept; the random arm keeps one of the
+   same rollouts at random (same prompts, same rollouts: only the choice differs);
+5. SFT of the warmed policy on each arm's rows (same steps, same seed);
+6. each policy answers held-out prompts (the world's eval keys, documents of the benchmark's lengths): greedy, and
+   `--samples` samples at temperature 1; an answer is right when its word is the document's word for the key.
+
+    .venv/bin/python bench/distill.py --out bench/results/distill.json
+
+The table gives the share of held-out answers that are right, before and after; the margin is kept - random. The
+rollouts' own accuracy (kept, random, best of each prompt's) is the reward model's selection.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+ANSWER_FORM = "Answer with the word alone."
+
+
+def prompts(seed: str, count: int, split: str, tokens) -> list[dict]:
+    """Prompts of the suite's form (system line, document, a question about one key, `ANSWER_FORM`), with the key's
+    word and the document's other words."""
+    from trl_longrm.demo import DEMO_DATA, demo_tokenizer
+    from trl_longrm.synthetic.suite import SyntheticConfig, _TokenCounter, make_example
+    from trl_longrm.synthetic.world import SURFACES, split_keys
+
+    config = SyntheticConfig(**{k: v for k, v in DEMO_DATA.items() if k != "lengths"})
+    counter, keys, rows = _TokenCounter(demo_tokenizer()), split_keys(split), []
+    tasks = list(SURFACES)
+    for index in range(count):
+        rng = random.Random(f"{seed}:{index}")
+        length = tokens(rng, index)
+        example = make_example(rng, tasks[index % len(tasks)], keys, length, [0, 1], config, counter)
+        system, user = example.prompt_messages
+        prompt = [system, {"role": "user", "content": f"{user['content']}\n{ANSWER_FORM}"}]
+        (key,) = example.asked
+        rows.append({"id": f"{seed}-{index}", "prompt": prompt, "word": example.sheet.facts[key],
+                     "stated": sorted(example.sheet.facts.values()), "ctx_tokens": length})  # fmt: skip
+    return rows
+
+
+def training_length(rng, _index) -> int:
+    low, high = 20, 240  # the demo's training documents, log-uniform
+    return round(math.exp(rng.uniform(math.log(low), math.log(high))))
+
+
+def wrong_words(row: dict, count: int, rng: random.Random) -> list[str]:
+    """`count` wrong words: other words of the document (a `swap`: present, so only the right fact exposes it) and
+    words it never states, half and half where the document has enough."""
+    from trl_longrm.synthetic.world import VALUES
+
+    swaps = [word for word in row["stated"] if word != row["word"]]
+    absent = [word for word in VALUES if word not in row["stated"]]
+    picked = rng.sample(swaps, min(len(swaps), count // 2 + count % 2))
+    return picked + rng.sample(absent, count - len(picked))
+
+
+def is_right(row: dict, text: str) -> bool:
+    """Whether an answer is the key's word (its first word, without punctuation or case)."""
+    words = text.strip().lower().split()
+    return bool(words) and words[0].strip(".,;:!?\"'") == row["word"]
+
+
+def write_jsonl(path: Path, rows) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
+    return path
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def train(recipe: str, model: Path, rows: Path, output_dir: Path, overrides: list[str]) -> Path:
+    """`trl-longrm train recipes/tiny/RECIPE` on `rows` (as the demo trains its stages), unless already trained."""
+    from unittest import mock
+
+    from trl_longrm.cli import run_train_in_this_process
+    from trl_longrm.demo import RECIPES
+
+    if (output_dir / "training_complete").is_file():
+        return output_dir
+    argv = ["--model_name_or_path", str(model), "--dataset_name", str(rows), "--output_dir", str(output_dir),
+            *overrides]  # fmt: skip
+    with mock.patch.dict(os.environ, {"TRL_EXPERIMENTAL_SILENCE": "1", "HF_HUB_OFFLINE": "1"}):
+        code = run_train_in_this_process(str(RECIPES / recipe), argv)
+    if code:
+        raise SystemExit(f"training into {output_dir} failed (exit code {code})")
+    (output_dir / "training_complete").write_text("ok\n", encoding="utf-8")
+    return output_dir
+
+
+def sft(model: Path, rows: Path, output_dir: Path, steps: int, learning_rate: float, seed: int) -> Path:
+    """SFT on prompt-completion rows (completion-only loss, TRL's default), rows drawn at random."""
+    return train("sft.yaml", model, rows, output_dir,
+                 ["--max_steps", str(steps), "--learning_rate", str(learning_rate), "--warmup_steps", "10",
+                  "--train_sampling_strategy", "random", "--seed", str(seed), "--logging_steps", "50"])  # fmt: skip
+
+
+def reward_model_base(policy: Path, path: Path) -> Path:
+    """A sequence-classification model on `policy`'s backbone (a new, seeded score head) with the demo DisRM's
+    tokenizer (its template ends at EOS, where the score is read)."""
+    import torch
+    from transformers import AutoModelForSequenceClassification
+
+    from trl_longrm.demo import demo_tokenizer
+    from trl_longrm.testing_utils import CHAT_TEMPLATE_ENDING_AT_EOS
+
+    if (path / "config.json").is_file():
+        return path
+    tokenizer = demo_tokenizer(CHAT_TEMPLATE_ENDING_AT_EOS)
+    torch.manual_seed(0)
+    model = AutoModelForSequenceClassification.from_pretrained(policy, num_labels=1)
+    model.config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def completion(text: str) -> list[dict]:
+    return [{"role": "assistant", "content": text}]
+
+
+def answer_all(model: Path, rows: list[dict], samples: int, seed: int) -> list[tuple[str, list[str]]]:
+    """Each row's greedy answer and `samples` answers at temperature 1 (transformers, seeded per row)."""
+    from trl_longrm.datagen.models import ModelSpec, build_chat_model
+    from trl_longrm.datagen.steps import request_seed
+    from trl_longrm.serving.sampling import Sampling
+
+    spec = ModelSpec.from_dict({"name": "policy", "backend": "transformers", "model": str(model)}, "policy")
+    policy, conversations = build_chat_model(spec), [row["prompt"] for row in rows]
+    greedy = policy.answer(conversations, 8, [Sampling(n=1, temperature=0.0)] * len(rows))
+    sampled = policy.answer(conversations, 8, [Sampling(n=samples, temperature=1.0,
+                                                        seed=request_seed(seed, row["id"])) for row in rows])  # fmt: skip
+    return [(g[0].text, [a.text for a in s]) for g, s in zip(greedy, sampled, strict=True)]
+
+
+def score_policy(model: Path, rows: list[dict], samples: int, seed: int) -> dict:
+    answers = answer_all(model, rows, samples, seed)
+    greedy = [is_right(row, g) for row, (g, _) in zip(rows, answers, strict=True)]
+    sampled = [is_right(row, s) for row, (_, group) in zip(rows, answers, strict=True) for s in group]
+    return {"greedy": sum(greedy) / len(greedy), "sampled": sum(sampled) / len(sampled),
+            "example": {"greedy": answers[0][0], "sampled": answers[0][1], "word": rows[0]["word"]}}  # fmt: skip
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=None, help="JSON file of the results.")
+    parser.add_argument("--work-dir", type=Path, default=None, help="Where the steps run (default: a temp dir).")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--disrm-rows", type=int, default=3000, help="Groups of the DisRM's training set.")
+    parser.add_argument("--warm-rows", type=int, default=6000, help="Rows of the policy's warm-up SFT.")
+    parser.add_argument("--warm-steps", type=int, default=600, help="Steps of the warm-up SFT (8 rows a step).")
+    parser.add_argument("--warm-learning-rate", type=float, default=2e-3, help="Learning rate of the warm-up.")
+    parser.add_argument("--prompts", type=int, default=2000, help="Training prompts distilled.")
+    parser.add_argument("--rollouts", type=int, default=4, help="Rollouts per prompt (the paper: 2).")
+    parser.add_argument("--steps", type=int, default=250, help="SFT steps on each arm's rows (8 rows a step).")
+    parser.add_argument("--learning-rate", type=float, default=1e-3, help="Learning rate of each arm's SFT.")
+    parser.add_argument("--heldout", type=int, default=300, help="Held-out prompts (eval keys).")
+    parser.add_argument("--samples", type=int, default=4, help="Samples per held-out prompt at temperature 1.")
+    args = parser.parse_args()
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    import torch
+
+    from trl_longrm.cpu_threads import threads_per_process
+
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or threads_per_process(1)))
+    from trl_longrm.data_demo import SMALL_DEMO
+    from trl_longrm.datagen.distill import DistillConfig, distill
+    from trl_longrm.demo import Demo, DemoConfig
+
+    work = args.work_dir or Path(tempfile.mkdtemp(prefix="distill_"))
+    timings, start = {}, time.perf_counter()
+
+    def lap(name):
+        timings[name] = round(time.perf_counter() - start - sum(timings.values()), 1)
+
+    # 1. The policy's base: the reduced demo's DisRM backbone under a new LM head (the demo judge's base).
+    demo = Demo(DemoConfig(output_dir=str(work / "demo"), seed=args.seed, stages=["simpo_disrm"], **SMALL_DEMO))
+    demo.run()
+    demo.judge_base()
+    lap("base")
+
+    # 2. The policy, warmed up on right answers.
+    warm_rows = [{"prompt": row["prompt"], "completion": completion(row["word"])}
+                 for row in prompts(f"warm{args.seed}", args.warm_rows, "train", training_length)]  # fmt: skip
+    warm = sft(demo.models["judge"], write_jsonl(work / "warm.jsonl", warm_rows), work / "runs" / "warm",
+               args.warm_steps, args.warm_learning_rate, args.seed)  # fmt: skip
+    lap("warm-up")
+
+    # 3. The reward model, initialised from the warmed policy (as RLHF's reward models start from the SFT policy) and
+    # trained by Bradley-Terry on word answers, shortest document first (the demo's curriculum). (From the demo's
+    # random base model, or from its DisRM trained on fact sentences, Bradley-Terry on one-word answers stayed on its
+    # initial plateau: loss 0.693 for all 375 steps.)
+    rng = random.Random(f"disrm:{args.seed}")
+    groups = sorted(
+        prompts(f"disrm{args.seed}", args.disrm_rows, "train", training_length), key=lambda r: r["ctx_tokens"]
+    )
+    disrm_rows = [{"chat_template": row["prompt"], "chosen": row["word"], "rejects": wrong_words(row, 3, rng)}
+                  for row in groups]  # fmt: skip
+    reward_model = train("simpo_disrm.yaml", reward_model_base(warm, work / "models" / "disrm_base"),
+                         write_jsonl(work / "disrm.jsonl", disrm_rows), work / "runs" / "disrm",
+                         ["--seed", str(args.seed)])  # fmt: skip
+    lap("reward model")
+
+    # 4. Best-of-N: rollouts of the policy, scored by the reward model.
+    train_prompts = prompts(f"distill{args.seed}", args.prompts, "train", training_length)
+    by_id = {row["id"]: row for row in train_prompts}
+    write_jsonl(work / "prompts.jsonl", ({"id": row["id"], "prompt": row["prompt"]} for row in train_prompts))
+    summary = distill(DistillConfig(
+        input=str(work / "prompts.jsonl"), output=str(work / "distilled.jsonl"), num_rollouts=args.rollouts,
+        policy={"name": "policy", "backend": "transformers", "model": str(warm)}, max_new_tokens=8, seed=args.seed,
+        scorer={"model_path": str(reward_model), "backend": "transformers", "device": "cpu",
+                "batch_size": 16}, batch_size=32))  # fmt: skip
+    pick = random.Random(f"random:{args.seed}")
+    arms, selection = {"kept": [], "random": []}, {"kept": [], "random": [], "best": []}
+    for row in read_jsonl(work / "distilled.jsonl"):
+        right = [is_right(by_id[row["id"]], text) for text in row["rollouts"]]
+        for arm, index in (("kept", row["kept"]), ("random", pick.randrange(len(row["rollouts"])))):
+            arms[arm].append({"prompt": row["messages"][:-1], "completion": completion(row["rollouts"][index])})
+            selection[arm].append(right[index])
+        selection["best"].append(any(right))
+    lap("distill")
+
+    # 5. SFT on each arm; 6. every policy on the held-out prompts.
+    heldout = prompts(f"heldout{args.seed}", args.heldout, "eval", lambda rng, i: (60, 120, 240)[i % 3])
+    results = {"warm": score_policy(warm, heldout, args.samples, args.seed)}
+    for arm, rows in arms.items():
+        model = sft(warm, write_jsonl(work / f"{arm}.jsonl", rows), work / "runs" / arm, args.steps,
+                    args.learning_rate, args.seed)  # fmt: skip
+        results[arm] = score_policy(model, heldout, args.samples, args.seed)
+    lap("arms")
+
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    result = {
+        "commit": commit, "seed": args.seed,
+        "settings": {k: v for k, v in vars(args).items() if k not in ("out", "work_dir")},
+        "rollouts_right": {k: round(sum(v) / len(v), 4) for k, v in selection.items()},
+        "distill_summary": {k: summary[k] for k in ("written", "dropped", "requests", "generated_tokens", "seconds")},
+        "policies": results,
+        "margin_points": {key: round(100 * (results["kept"][key] - results["random"][key]), 1)
+                          for key in ("greedy", "sampled")},
+        "timings_s": timings,
+    }  # fmt: skip
+    chosen = result["rollouts_right"]
+    print(f"Rollouts right: kept {chosen['kept']:.3f}, random {chosen['random']:.3f}, any of the prompt's "
+          f"{chosen['best']:.3f}")  # fmt: skip
+    print("| held-out answers right % | greedy | sampled (T=1) |")
+    print("|---|---|---|")
+    for name, row in results.items():
+        print(f"| {name} | {100 * row['greedy']:.1f} | {100 * row['sampled']:.1f} |")
+    print(f"margin kept - random (points): {result['margin_points']}")
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
