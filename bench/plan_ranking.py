@@ -42,11 +42,14 @@ def cases():
 
     from trl_longrm.memory_plan import GroupShape
 
-    # name -> (stage, model config, shape, method, card GiB, dtype)
+    # name -> (stage, model config, shape, method, card GiB, dtype[, rows per step])
     return {
         "grm_full": ("simpo_grm", model_config(layers=6), GroupShape(2048, 256, 4), "full", 0.3, torch.float32),
         "disrm_lora": ("simpo_disrm", llama_config(layers=6), GroupShape(3072, 256, 4), "lora", 0.25, torch.float32),
         "sft_full": ("sft", model_config(layers=6), GroupShape(3840, 256, 0), "full", 0.3, torch.float32),
+        # 4 groups a step: one a micro-batch accumulated, or two (what the card fits) twice.
+        "grm_full_rows4": ("simpo_grm", model_config(layers=6), GroupShape(2048, 256, 4), "full", 0.3, torch.float32,
+                           4),
     }
 
 
@@ -85,8 +88,8 @@ def timed_steps(stage, training_args, model_config, shape, peft_config, dtype, s
     with tempfile.TemporaryDirectory() as tmp:
         args = fresh_args(training_args, output_dir=tmp, max_steps=steps, save_strategy="no", report_to=[],
                           disable_tqdm=True, logging_steps=steps)  # fmt: skip
-        dataset = synthetic_dataset(stage, shape, steps * training_args.gradient_accumulation_steps,
-                                    model_config.vocab_size, tokenizer.eos_token_id)  # fmt: skip
+        groups = steps * training_args.gradient_accumulation_steps * training_args.per_device_train_batch_size
+        dataset = synthetic_dataset(stage, shape, groups, model_config.vocab_size, tokenizer.eos_token_id)
         trainer = stage_classes(stage)[0](model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
                                           peft_config=peft_config, callbacks=[clock.callback])  # fmt: skip
         with use_host_store(CountingHostStore()):  # as the plan and the peak's measure count offloaded activations
@@ -99,20 +102,22 @@ def run_case(name: str, rounds: int, steps: int, top: int) -> dict:
 
     from trl_longrm.memory_plan.search import Cluster, search
 
-    stage, config, shape, method, gib, dtype = cases()[name]
+    stage, config, shape, method, gib, dtype, *rows_per_step = cases()[name]
     started = time.perf_counter()
     result = search(stage, config, shape, Cluster.parse("1xcpu", device_memory_gib=gib), methods=(method,),
-                    device="cpu", dtype=dtype)  # fmt: skip
+                    device="cpu", dtype=dtype, rows_per_step=rows_per_step[0] if rows_per_step else None)  # fmt: skip
     search_s = time.perf_counter() - started
     print(result.table(), flush=True)
     chosen = result.proposals[:top]
     planner = result.planner
     rows = []
     for candidate in chosen:
-        args = planner.args(candidate.method, candidate.layout, candidate.activations)
+        args = planner.args(candidate.method, candidate.layout, candidate.activations, candidate.batching)
         peft = planner.peft_configs[candidate.method]
-        measured = measure_step(stage, args, config, shape, peft, dtype, 1, with_stack=False)
-        rows.append({"settings": candidate.activations.describe(), "planned_gib": candidate.peak_bytes / GIB,
+        measured = measure_step(stage, args, config, shape, peft, dtype, candidate.batching.rows, with_stack=False)
+        settings = candidate.activations.describe() + (f", {candidate.batching.describe()} groups"
+                                                       if rows_per_step else "")  # fmt: skip
+        rows.append({"settings": settings, "planned_gib": candidate.peak_bytes / GIB,
                      "measured_gib": measured / GIB, "plan_error": candidate.peak_bytes / measured - 1,
                      "under_card": measured <= gib * GIB, "estimated_step_s": candidate.step_seconds,
                      "cpu_step_s": []})  # fmt: skip
@@ -120,7 +125,7 @@ def run_case(name: str, rounds: int, steps: int, top: int) -> dict:
     # rounds (each run's first step, which builds the optimizer's states, left out).
     for _ in range(rounds):
         for row, candidate in zip(rows, chosen, strict=True):
-            args = planner.args(candidate.method, candidate.layout, candidate.activations)
+            args = planner.args(candidate.method, candidate.layout, candidate.activations, candidate.batching)
             seconds = timed_steps(stage, args, config, shape, planner.peft_configs[candidate.method], dtype, steps + 1)
             row["cpu_step_s"] += seconds[1:]
     for row in rows:

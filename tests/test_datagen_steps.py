@@ -207,6 +207,39 @@ def test_distill_keeps_the_argmax_of_the_reward_models_scores(assets, tmp_path):
         assert row["messages"][-1] == {"role": "assistant", "content": row["rollouts"][row["kept"]]}
 
 
+def test_distill_continues_a_prefilled_answer_and_keeps_it_whole(assets, tmp_path):
+    # A `prompt` ending with an assistant turn (TRL's prefilled answer): the policy continues it, the reward model
+    # scores the prompt without it and the whole answer, the SFT row holds one assistant turn.
+    from trl_longrm.datagen.distill import DistillConfig, distill
+    from trl_longrm.datagen.models import ModelSpec, build_chat_model
+    from trl_longrm.evaluation.judges import DiscriminativeJudge, JudgeRequest
+    from trl_longrm.serving.sampling import Sampling
+
+    question = [{"role": "user", "content": "Which word does record C02 hold?"}]
+    prefill = {"role": "assistant", "content": "Record C02 holds the word"}
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", [{"id": "p0", "prompt": [*question, prefill]}])
+    output = tmp_path / "distilled.jsonl"
+    distill(DistillConfig(input=prompts, output=str(output), num_rollouts=3, max_new_tokens=4, temperature=0.0,
+                          policy={"name": "policy", "model": assets["policy"]},
+                          scorer={"model_path": assets["disrm"], "max_length": 512}))  # fmt: skip
+    (row,) = read_jsonl(output)
+    policy = build_chat_model(ModelSpec(name="policy", model=assets["policy"]))
+    [[continued]] = policy.answer([[*question, prefill]], 4, [Sampling(n=1, temperature=0.0)])
+    [[new_turn]] = policy.answer([question], 4, [Sampling(n=1, temperature=0.0)])
+    assert continued.prompt_tokens != new_turn.prompt_tokens  # a continued turn, not a new one after the prefill
+    assert row["rollouts"] == [prefill["content"] + continued.text] * 3  # greedy: three times the same
+    assert row["messages"] == [*question, {"role": "assistant", "content": row["rollouts"][row["kept"]]}]
+    reference = DiscriminativeJudge.from_pretrained(assets["disrm"], max_length=512, shared_prefix=False)
+    expected = reference.judge([JudgeRequest("p0", question, "", row["rollouts"], ranking=False)])[0].scores
+    assert row["scores"] == pytest.approx(expected, abs=1e-4)
+    # In `messages` (a whole conversation), a final assistant turn is the answer to replace, not a prefill.
+    again = write_jsonl(tmp_path / "conversations.jsonl", [{"id": "p0", "messages": [*question, prefill]}])
+    distill(DistillConfig(input=again, output=str(tmp_path / "replaced.jsonl"), num_rollouts=2, max_new_tokens=4,
+                          temperature=0.0, policy={"name": "policy", "model": assets["policy"]},
+                          scorer={"model_path": assets["disrm"], "max_length": 512}))  # fmt: skip
+    assert read_jsonl(tmp_path / "replaced.jsonl")[0]["rollouts"] == [new_turn.text] * 2
+
+
 def test_distill_reads_a_pairwise_verdict_through_the_display_order(assets, tmp_path):
     from trl_longrm.datagen.distill import DistillConfig, distill
     from trl_longrm.evaluation.judges import ScriptedJudge

@@ -55,6 +55,27 @@ def test_chat_route_answers_messages(server):
     assert answers[0][0].finish_reason in ("stop", "length")
 
 
+def test_chat_route_continues_a_prefilled_answer_as_the_token_route_does(server):
+    # A conversation ending with an assistant turn is continued (vLLM's `continue_final_message`): the chat route's
+    # greedy answer is the token route's on our own rendering of it (`TokenChatModel`, which the other backends use).
+    from trl_longrm.datagen.models import ModelSpec, ServerChatModel, TokenChatModel
+
+    tokenizer = build_chat_tokenizer()
+    messages = [{"role": "user", "content": "Name a river."}, {"role": "assistant", "content": "The river"}]
+    greedy = [Sampling(n=1, temperature=0.0)]
+    chat = ServerChatModel(ModelSpec(name="c", backend="chat", base_url=server.base_url),
+                           OpenAIChatGenerator(server.base_url, "responder"))  # fmt: skip
+    tokens = TokenChatModel(ModelSpec(name="t", backend="openai", base_url=server.base_url, tokenizer="unused"),
+                            OpenAIGenerator(server.base_url, "responder", tokenizer=tokenizer), tokenizer)  # fmt: skip
+    [[continued]] = chat.answer([messages], 6, greedy)
+    [[expected]] = tokens.answer([messages], 6, greedy)
+    [[new_turn]] = tokens.answer([messages[:1]], 6, greedy)
+    assert continued.text == expected.text
+    assert continued.prompt_tokens == expected.prompt_tokens < new_turn.prompt_tokens + 4  # no closed turn after it
+    rendered = tokenizer.apply_chat_template(messages, tokenize=False, continue_final_message=True)
+    assert rendered.endswith("The river")
+
+
 def test_respond_through_the_server(server, model, tmp_path):
     from trl_longrm.datagen.expand import ExpandConfig, expand
     from trl_longrm.datagen.respond import RespondConfig, respond

@@ -63,6 +63,37 @@ def test_the_fastest_proposal_runs_within_its_plan_and_under_the_card(searched):
     assert_within(best.peak_bytes, measured, f"plan search: grm_6_layers {best.activations.describe()}")
 
 
+def test_rows_per_step_take_the_most_groups_a_micro_batch_that_fit():
+    """4 groups a step on the 0.3 GiB card: one a micro-batch accumulated 4 times, and the most a micro-batch that fit
+    (2: four are estimated, and planned, over the card): planned again from a full trace within 2%, measured on CPU
+    within 2% and under the card; the step-time model pays its constant per micro-batch, so 2 x 2 ranks first."""
+    from memory_plan_worker import measure_step
+
+    from trl_longrm.memory_plan.search import Batching
+
+    result = search("simpo_grm", model_config(layers=6), SHAPE, Cluster.parse("1xcpu", device_memory_gib=0.3),
+                    methods=("full",), device="cpu", dtype=torch.float32, rows_per_step=4,
+                    spend_spare_memory=1)  # fmt: skip
+    budget, planner = 0.97 * 0.3 * GIB, result.planner
+    assert "4 a step" in result.table()
+    assert {c.batching for c in result.proposals} == {Batching(1, 4), Batching(2, 2)}, result.table()
+    best = result.proposals[0]
+    assert best.batching == Batching(2, 2) and best.peak_bytes <= budget
+    plain = next(c for c in result.proposals if c.batching == Batching(1, 4) and c.activations == best.activations)
+    assert plain.step_seconds > best.step_seconds
+    assert best.tokens_per_s == pytest.approx(4 * SHAPE.tokens(False, "simpo_grm") / best.step_seconds)
+    four = next(c for c in result.rejected if c.batching == Batching(4, 1))
+    assert four.estimated and four.peak_bytes > budget
+    assert planner.plan(best.method, best.layout, best.activations, batching=Batching(4, 1)).peak > budget
+    args = planner.args(best.method, best.layout, best.activations, best.batching)
+    assert (args.per_device_train_batch_size, args.gradient_accumulation_steps) == (2, 2)
+    full = plan_memory("simpo_grm", args, planner.config, SHAPE, dtype=torch.float32, max_traced_layers=None)
+    assert abs(best.peak_bytes / full.peak - 1) < 0.02 and full.peak <= budget
+    measured = measure_step("simpo_grm", args, planner.config, SHAPE, None, torch.float32, 2)
+    assert measured <= 0.3 * GIB
+    assert_within(best.peak_bytes, measured, "plan search: grm_6_layers, 2 groups a micro-batch x 2")
+
+
 def test_a_card_too_small_rejects_every_layout_with_its_peak():
     result = search("simpo_grm", model_config(layers=6), SHAPE, Cluster.parse("1xcpu", device_memory_gib=0.02),
                     methods=("full",), device="cpu", dtype=torch.float32, spend_spare_memory=0)  # fmt: skip

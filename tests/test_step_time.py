@@ -13,7 +13,14 @@ import pytest
 
 from trl_longrm.memory_plan import GroupShape
 from trl_longrm.memory_plan.shapes import model_config_file
-from trl_longrm.memory_plan.step_time import COEFFICIENTS, StepSettings, estimate_step_seconds, replace, step_terms
+from trl_longrm.memory_plan.step_time import (
+    COEFFICIENTS,
+    StepSettings,
+    estimate_step_seconds,
+    replace,
+    settings_of,
+    step_terms,
+)
 
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"
@@ -69,3 +76,26 @@ def test_each_setting_moves_its_term():
                                  replace(base, selective=True, use_liger_kernel=True, fused_lora=True,
                                          unchecked_layers=15), "h200")  # fmt: skip
     assert default == pytest.approx(6.10, rel=0.1) and best == pytest.approx(4.42, rel=0.1)
+
+
+def test_rows_and_accumulation_scale_a_groups_terms_and_recur_per_micro_batch():
+    """By hand: 2 groups a micro-batch, 3 micro-batches a step: what one group computes (matmuls, attention, elementwise,
+    offload, sequence parallelism's collectives) times 6; ZeRO-3's collectives and the fitted constant times 3."""
+    config, shape = llama_8b(), GroupShape(32768, 256, 4)
+    base = StepSettings(lora_r=8, checkpoint_offload=True, sequence_parallel_size=2, world_size=8, zero_stage=3)
+    one = step_terms(config, "simpo_disrm", shape, base, "h200")
+    zero_only = step_terms(config, "simpo_disrm", shape, replace(base, sequence_parallel_size=1), "h200")
+    ring_only = step_terms(config, "simpo_disrm", shape, replace(base, zero_stage=0), "h200")
+    six = step_terms(config, "simpo_disrm", shape, replace(base, rows_per_micro_batch=2, accumulation_steps=3), "h200")
+    for name in ("gemm", "attention", "elementwise", "offload"):
+        assert getattr(six, name) == pytest.approx(6 * getattr(one, name), rel=1e-12), name
+    assert six.communication == pytest.approx(6 * ring_only.communication + 3 * zero_only.communication, rel=1e-12)
+    assert six.micro_steps == 3 and six.features()[-1] == 3.0
+    extra = six.seconds - 6 * (one.seconds - COEFFICIENTS["step"] - zero_only.communication)
+    assert extra == pytest.approx(3 * (COEFFICIENTS["step"] + zero_only.communication), rel=1e-9)
+    # A trainer config's batch and accumulation are read as the run takes them.
+    from types import SimpleNamespace
+
+    args = SimpleNamespace(per_device_train_batch_size=2, gradient_accumulation_steps=3, activation_checkpointing=True)
+    settings = settings_of(args)
+    assert (settings.rows_per_micro_batch, settings.accumulation_steps) == (2, 3)

@@ -8,8 +8,11 @@ by the evaluation's own machinery (`trl_longrm.evaluation.runner.build_judge`) f
 rollouts the scorer cannot order (a judgment without a score or verdict) is dropped and counted.
 
 Input: records with `prompt` (a text or messages), `chat_template` or `messages` (messages; a final assistant turn
-is dropped). Output: `messages` (the prompt and the kept rollout) or `prompt` + `completion`, with `rollouts`, their
-`scores` (None for a pairwise judge) and `kept` (the kept rollout's index).
+is dropped). A `prompt` whose messages end with an assistant turn is a prefilled answer, as TRL reads such a prompt:
+the policy continues that turn (`continue_final_message`), the scorer sees the whole answer (the prefill and the
+rollout) and the SFT row holds it as one assistant turn. Output: `messages` (the prompt and the kept rollout) or
+`prompt` + `completion`, with `rollouts` (each the whole answer), their `scores` (None for a pairwise judge) and
+`kept` (the kept rollout's index).
 
 Example:
 ```python
@@ -26,7 +29,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from trl_longrm.data.errors import RunConfigError
-from trl_longrm.datagen.models import ModelSpec, build_chat_model
+from trl_longrm.datagen.models import ModelSpec, build_chat_model, continues
 from trl_longrm.datagen.records import RecordSource, ResumableWriter
 from trl_longrm.datagen.steps import request_seed, rounds
 from trl_longrm.datagen.summary import StepStats
@@ -111,7 +114,7 @@ def prompt_of(where, record) -> list[dict] | str:
             and all(isinstance(m, dict) and "role" in m and "content" in m for m in value)
         ):
             messages = [{"role": m["role"], "content": m["content"]} for m in value]
-            if messages[-1]["role"] == "assistant":
+            if messages[-1]["role"] == "assistant" and (key != "prompt" or len(messages) == 1):
                 messages = messages[:-1]
             if messages:
                 return messages
@@ -179,11 +182,15 @@ def distill(config: DistillConfig, judge=None) -> dict:
             samplings = [Sampling(n=config.num_rollouts, temperature=config.temperature, top_p=config.top_p,
                                   seed=request_seed(config.seed, rid)) for _, rid, _ in batch]  # fmt: skip
             groups = policy.answer(conversations, config.max_new_tokens, samplings)
-            requests, orders = [], []
+            # A prefilled answer: the scorer and the SFT row see it whole, after the prompt without it.
+            prefills = [p[-1]["content"] if not isinstance(p, str) and continues(p) else "" for p in prompts]
+            prompts = [p[:-1] if not isinstance(p, str) and continues(p) else p for p in prompts]
+            requests, orders, all_rollouts = [], [], []
             pairwise = judge.model_type == "GRM" and protocol == "pairwise"
-            for (_, rid, _), prompt, group in zip(batch, prompts, groups, strict=True):
+            for (_, rid, _), prompt, group, prefill in zip(batch, prompts, groups, prefills, strict=True):
                 stats.count_answers(group)
-                rollouts = [answer.text for answer in group]
+                rollouts = [prefill + answer.text for answer in group]
+                all_rollouts.append(rollouts)
                 order = shuffled_order(config.seed, rid, len(rollouts)) if pairwise else list(range(len(rollouts)))
                 text = prompt if isinstance(prompt, str) else "\n\n".join(m["content"] for m in prompt)
                 messages = prompt if judge.model_type == "DisRM" else []
@@ -193,8 +200,9 @@ def distill(config: DistillConfig, judge=None) -> dict:
                                              ranking=pairwise and len(rollouts) > 2))  # fmt: skip
                 orders.append(order)
             outputs = judge.judge(requests)
-            for (_, rid, _), prompt, group, order, out in zip(batch, prompts, groups, orders, outputs, strict=True):
-                rollouts = [answer.text for answer in group]
+            for (_, rid, _), prompt, rollouts, order, out in zip(
+                batch, prompts, all_rollouts, orders, outputs, strict=True
+            ):
                 kept, scores = best_rollout(
                     out, order, getattr(getattr(judge, "template", None), "pointwise_format", None)
                 )

@@ -142,6 +142,12 @@ class Answer:
     generated_tokens: int | None = None
 
 
+def continues(messages: Sequence[dict]) -> bool:
+    """Whether a conversation ends with an assistant turn to continue (a prefilled answer, as TRL reads a prompt
+    ending with an assistant message): the model writes the rest of that turn, not a new one."""
+    return bool(messages) and messages[-1].get("role") == "assistant"
+
+
 class ChatModel:
     """A model of a data step: `answer(conversations, max_new_tokens, samplings)` -> each conversation's answers."""
 
@@ -172,7 +178,10 @@ class TokenChatModel(ChatModel):
     def answer(self, conversations, max_new_tokens, samplings):
         from trl_longrm.evaluation.judges import _chat_ids
 
-        prompts = [_chat_ids(self.tokenizer, messages, add_generation_prompt=True) for messages in conversations]
+        prompts = [
+            _chat_ids(self.tokenizer, messages, not continues(messages), continue_final_message=continues(messages))
+            for messages in conversations
+        ]
         groups = self.engine.sample(prompts, max_new_tokens, list(samplings))
         return [
             [

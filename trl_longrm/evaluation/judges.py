@@ -221,14 +221,20 @@ def _load_checked(auto_class, model_path: str, dtype: str, kind: str):
     return model
 
 
-def _chat_ids(tokenizer, messages: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
+def _chat_ids(
+    tokenizer, messages: list[dict[str, str]], add_generation_prompt: bool, continue_final_message: bool = False
+) -> list[int]:
     if not tokenizer.chat_template:
         raise ValueError(
             f"The tokenizer of {tokenizer.name_or_path!r} has no chat template; the judge needs one to format prompts."
         )
     # `enable_thinking=False` turns off the thinking block of templates that have one (Qwen3); others ignore it.
     text = tokenizer.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=add_generation_prompt, enable_thinking=False
+        messages,
+        tokenize=False,
+        add_generation_prompt=add_generation_prompt,
+        continue_final_message=continue_final_message,
+        enable_thinking=False,
     )
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 

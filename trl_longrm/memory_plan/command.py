@@ -33,6 +33,10 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--response_tokens", type=int, default=2048, help="Tokens of each response. Default 2048.")
     parser.add_argument("--num_rejected", type=int, default=4,
                         help="Rejected responses per group (GRM, DisRM; LongRM's data has 4). Default 4.")
+    parser.add_argument("--rows_per_step", type=int, default=None,
+                        help="Groups (SFT: examples) an optimizer step takes over all the GPUs, the global batch: "
+                             "the search splits them into rows a micro-batch and accumulation. Default: one a "
+                             "data-parallel replica, unaccumulated.")
     parser.add_argument("--cards", required=True, help="GPUs per machine and their kind: 8xh100-80gb, 1xh200, ...")
     parser.add_argument("--nodes", type=int, default=1, help="Machines. Default 1.")
     parser.add_argument("--device_memory_gib", type=float, default=None,
@@ -100,8 +104,7 @@ def recipe_of(result, candidate, model_config: Path, lora_r: int, base: dict | N
         stage=result.stage,
         accelerate_config=accelerate_config_of(candidate.layout, result.cluster.nodes, result.planner.device),
         num_processes=result.cluster.world_size, model_config=str(model_config.resolve()), dtype="bfloat16",
-        bf16=True, max_length=result.shape.tokens(True, result.stage), per_device_train_batch_size=1,
-        plan_prompt_tokens=result.shape.prompt_tokens, plan_response_tokens=result.shape.response_tokens,
+        bf16=True, max_length=result.shape.tokens(True, result.stage), plan_prompt_tokens=result.shape.prompt_tokens, plan_response_tokens=result.shape.response_tokens,
         plan_device=result.cluster.card,
     )  # fmt: skip
     if result.stage != "sft":
@@ -138,6 +141,8 @@ def run_plan(args: argparse.Namespace) -> int:
         cluster = Cluster.parse(args.cards, args.nodes, args.device_memory_gib, args.host_memory_gib)
     except ValueError as error:
         raise SystemExit(f"trl-longrm plan: {error}") from None
+    if args.rows_per_step is not None and args.rows_per_step < 1:
+        raise SystemExit(f"trl-longrm plan: --rows_per_step {args.rows_per_step}: at least 1.")
     base = None
     if args.recipe:
         import yaml
@@ -147,7 +152,7 @@ def run_plan(args: argparse.Namespace) -> int:
     lora_r = args.lora_r or default_lora_r(args.stage)
     with quiet_trace():  # what the traced steps print (their logs, progress bars, warnings of a fake run)
         result = search(args.stage, config_path, shape, cluster, methods=methods, lora_r=lora_r, margin=args.margin,
-                        device=args.device, processes=args.processes,
+                        device=args.device, processes=args.processes, rows_per_step=args.rows_per_step,
                         progress=lambda message: print(f"  planning {message}", file=sys.stderr, flush=True))  # fmt: skip
         longest = None
         if args.longest and result.proposals:
@@ -155,6 +160,7 @@ def run_plan(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({
             "stage": result.stage, "cluster": dataclasses.asdict(result.cluster), "group": dataclasses.asdict(result.shape),
+            "rows_per_step": result.rows_per_step,
             "proposals": [_as_dict(c) for c in result.proposals[: args.top]],
             "rejected": [_as_dict(c) for c in result.rejected], "traces": result.traces, "seconds": result.seconds,
             **({"longest_prompt_tokens": longest} if longest is not None else {}),
@@ -170,7 +176,8 @@ def run_plan(args: argparse.Namespace) -> int:
         best = result.proposals[0]
         recipe = recipe_of(result, best, config_path, lora_r, base)
         header = (f"coding: trl_longrm -- written by `trl-longrm plan` ({' '.join(sys.argv[1:]) or 'plan'})\n"
-                  f"The fastest proposal: {best.method}, {best.layout.describe()}, {best.activations.describe()}; "
+                  f"The fastest proposal: {best.method}, {best.layout.describe()}, {best.activations.describe()}, "
+                  f"{best.batching.rows} group(s) a micro-batch x {best.batching.accumulation} accumulated; "
                   f"planned peak {best.peak_bytes / GIB:.2f} GiB, estimated step {best.step_seconds:.2f} s.\n"
                   f"`trl-longrm train {args.write} --dry_run` prints its memory plan.")  # fmt: skip
         write_recipe(args.write, recipe, header)
@@ -180,7 +187,8 @@ def run_plan(args: argparse.Namespace) -> int:
 
 def _as_dict(candidate) -> dict:
     return {"method": candidate.method, "layout": dataclasses.asdict(candidate.layout),
-            "settings": candidate.activations.describe(), "peak_gib": round(candidate.peak_bytes / GIB, 2),
+            "settings": candidate.activations.describe(), "batching": dataclasses.asdict(candidate.batching),
+            "peak_gib": round(candidate.peak_bytes / GIB, 2),
             "host_gib_per_node": round(candidate.host_bytes_per_node / GIB, 2), "fits": candidate.fits,
             "step_seconds": candidate.step_seconds, "tokens_per_s": candidate.tokens_per_s,
             "computed_tokens_per_s": candidate.computed_tokens_per_s, "reason": candidate.reason,

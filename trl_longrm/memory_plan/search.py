@@ -11,7 +11,10 @@ The search, per training method (full parameters, LoRA):
   checkpoint offload, then both; a layout's first rung that fits is its candidate (the rungs below it are rejected
   with their planned peak);
 - spare memory spent on speed, for the fastest candidates: selective checkpointing and as many unchecked layers as fit
-  (`propose.largest_unchecked_layers`' rule), each planned.
+  (`propose.largest_unchecked_layers`' rule), each planned;
+- rows per step (`rows_per_step`, the global batch in groups): each layout splits them over its data-parallel replicas,
+  one group a micro-batch accumulated; the fastest candidates also take the most groups a micro-batch that fit (fewer
+  micro-batches a step: ZeRO's collectives and the per-micro-batch constant of the step-time model paid less often).
 
 Traces are reused: ZeRO settings are recombined from one trace (`plan_memory(traced=...)`), and a layout whose
 smaller sequence-parallel size is estimated (the larger one's activations scaled by the tokens a rank holds) to need
@@ -122,6 +125,18 @@ class Activations:
         return ", ".join(parts)
 
 
+@dataclass(frozen=True)
+class Batching:
+    """How a rank takes its share of a step's groups: `rows` groups a micro-batch (`per_device_train_batch_size`),
+    `accumulation` micro-batches a step (`gradient_accumulation_steps`)."""
+
+    rows: int = 1
+    accumulation: int = 1
+
+    def describe(self) -> str:
+        return f"{self.rows} x {self.accumulation}"
+
+
 # The ladder, fastest first: what a layout tries until something fits.
 LADDER = (Activations(), Activations(tile_tokens=DEFAULT_TILE_TOKENS), Activations(checkpoint_offload=True),
           Activations(tile_tokens=DEFAULT_TILE_TOKENS, checkpoint_offload=True))  # fmt: skip
@@ -141,6 +156,7 @@ class Candidate:
     reason: str = ""
     estimated: bool = False  # peak estimated from another layout's trace, not traced
     plans: list[MemoryPlan] = field(default_factory=list, repr=False)
+    batching: Batching = Batching()
 
     @property
     def peak(self) -> int:  # (as a `MemoryPlan`'s: `propose.most_unchecked_layers` reads either)
@@ -157,7 +173,9 @@ class Candidate:
             kwargs["unchecked_layers"] = self.activations.unchecked_layers
         out = {"sequence_parallel_size": self.layout.sequence_parallel_size,
                "sequence_parallel_mode": self.layout.mode, "gradient_checkpointing": True,
-               "gradient_checkpointing_kwargs": kwargs, "mlp_tile_tokens": self.activations.tile_tokens}  # fmt: skip
+               "gradient_checkpointing_kwargs": kwargs, "mlp_tile_tokens": self.activations.tile_tokens,
+               "per_device_train_batch_size": self.batching.rows,
+               "gradient_accumulation_steps": self.batching.accumulation}  # fmt: skip
         if self.method == "lora":
             out.update(use_peft=True, lora_r=lora_r, lora_alpha=2 * lora_r if stage != "simpo_disrm" else lora_r,
                        lora_dropout=0.0, lora_target_modules="all-linear", fused_lora=True)  # fmt: skip
@@ -175,29 +193,32 @@ class SearchResult:
     traces: int
     seconds: float
     planner: object = field(default=None, repr=False)
+    rows_per_step: int | None = None  # groups an optimizer step takes over the cluster (None: one a replica)
 
     def table(self, top: int = 5) -> str:
         budget = (1 - self.margin) * self.cluster.device_bytes
         lines = [f"{self.stage} on {self.cluster.nodes} x {self.cluster.gpus_per_node} x {self.cluster.card} "
                  f"({self.cluster.device_bytes / GIB:.1f} GiB a process, {self.margin:.0%} kept free: "
                  f"{budget / GIB:.1f} GiB); groups of {self.shape.prompt_tokens:,} prompt tokens + "
-                 f"{1 + self.shape.num_rejected if self.stage != 'sft' else 1} x {self.shape.response_tokens:,}",
-                 f"{'#':>2} {'method':6} {'layout':28} {'activations':52} {'peak GiB':>9} {'host GiB':>9} "
-                 f"{'step s':>7} {'tokens/s':>10} {'computed':>9}"]  # fmt: skip
+                 f"{1 + self.shape.num_rejected if self.stage != 'sft' else 1} x {self.shape.response_tokens:,}, "
+                 + (f"{self.rows_per_step} a step" if self.rows_per_step else "one a step per data-parallel replica"),
+                 f"{'#':>2} {'method':6} {'layout':28} {'activations':52} {'rows':>7} {'peak GiB':>9} "
+                 f"{'host GiB':>9} {'step s':>7} {'tokens/s':>10} {'computed':>9}"]  # fmt: skip
         for i, c in enumerate(self.proposals[:top], 1):
             lines.append(f"{i:>2} {c.method:6} {c.layout.describe():28} {c.activations.describe():52} "
-                         f"{c.peak_bytes / GIB:9.2f} {c.host_bytes_per_node / GIB:9.1f} {c.step_seconds:7.2f} "
-                         f"{c.tokens_per_s:10,.0f} {c.computed_tokens_per_s:9,.0f}")  # fmt: skip
+                         f"{c.batching.describe():>7} {c.peak_bytes / GIB:9.2f} {c.host_bytes_per_node / GIB:9.1f} "
+                         f"{c.step_seconds:7.2f} {c.tokens_per_s:10,.0f} {c.computed_tokens_per_s:9,.0f}")  # fmt: skip
         if not self.proposals:
             lines.append("   nothing fits")
         if self.rejected:
             # Per layout, what it was rejected for: its last rung (the one keeping the least on the card).
             last = {}
             for c in self.rejected:
-                last[(c.method, c.layout, c.activations.selective, c.activations.unchecked_layers)] = c
+                last[(c.method, c.layout, c.activations.selective, c.activations.unchecked_layers, c.batching.rows)] = c
             lines.append("rejected (each layout's last setting tried):")
             for c in last.values():
-                lines.append(f"   {c.method:6} {c.layout.describe():28} {c.activations.describe():52} {c.reason}")
+                lines.append(f"   {c.method:6} {c.layout.describe():28} {c.activations.describe():52} "
+                             f"{c.batching.describe():>7} {c.reason}")  # fmt: skip
         lines.append(f"({self.traces} traces, {self.seconds:.0f} s; step times by the step-time model, see "
                      "docs/memory_plan.md#what-fits-my-gpus)")
         return "\n".join(lines)
@@ -246,7 +267,7 @@ class _Planner:
         self.cache: dict = {}
         self.pool = pool  # other processes tracing (`trace.trace_processes`), while the search lasts
 
-    def args(self, method: str, layout: Layout, activations: Activations):
+    def args(self, method: str, layout: Layout, activations: Activations, batching: Batching = Batching()):
         kwargs = {"use_reentrant": False}
         if activations.checkpoint_offload:
             kwargs["offload"] = True
@@ -258,22 +279,27 @@ class _Planner:
         values.update(sequence_parallel_size=layout.sequence_parallel_size, sequence_parallel_mode=layout.mode,
                       gradient_checkpointing=True, activation_checkpointing=True, gradient_checkpointing_kwargs=kwargs,
                       activation_checkpointing_kwargs=kwargs, mlp_tile_tokens=activations.tile_tokens,
-                      fused_lora=method == "lora")  # fmt: skip
+                      fused_lora=method == "lora", per_device_train_batch_size=batching.rows,
+                      gradient_accumulation_steps=batching.accumulation)  # fmt: skip
         return type(self.base_args)(**values)
 
-    def _key(self, method: str, layout: Layout, activations: Activations, rank: int) -> tuple:
+    def _key(self, method: str, layout: Layout, activations: Activations, rank: int, batching: Batching) -> tuple:
         ddp = not layout.distributed.startswith("zero")
-        return (method, layout.sequence_parallel_size, layout.mode, activations, rank, ddp)
+        # A trace runs at most two micro-batches (`trace._trace_step`): any longer accumulation is the same trace.
+        rows = (batching.rows, min(batching.accumulation, 2))
+        return (method, layout.sequence_parallel_size, layout.mode, activations, rank, ddp, rows)
 
-    def is_traced(self, method: str, layout: Layout, activations: Activations, rank: int = 0) -> bool:
+    def is_traced(self, method: str, layout: Layout, activations: Activations, rank: int = 0,
+                  batching: Batching = Batching()) -> bool:  # fmt: skip
         """Whether this plan's trace is cached (its plan costs no trace)."""
-        return self._key(method, layout, activations, rank) in self.cache
+        return self._key(method, layout, activations, rank, batching) in self.cache
 
-    def plan(self, method: str, layout: Layout, activations: Activations, rank: int = 0) -> MemoryPlan:
+    def plan(self, method: str, layout: Layout, activations: Activations, rank: int = 0,
+             batching: Batching = Batching()) -> MemoryPlan:  # fmt: skip
         world = self.cluster.world_size
-        args = self.args(method, layout, activations)
+        args = self.args(method, layout, activations, batching)
         ddp = not layout.distributed.startswith("zero")
-        key = self._key(method, layout, activations, rank)
+        key = self._key(method, layout, activations, rank, batching)
         if key not in self.cache:
             self.cache[key] = trace_step(self.stage, args, self.config, self.shape, peft_config=self.peft_configs[method],
                                          dtype=self.dtype, world_size=world, rank=rank,
@@ -285,7 +311,7 @@ class _Planner:
                            deepspeed_config=_deepspeed(layout.distributed, layout.offload),
                            traced=self.cache[key])  # fmt: skip
 
-    def candidate(self, method, layout, activations, lora_r, plans) -> Candidate:
+    def candidate(self, method, layout, activations, lora_r, plans, batching: Batching = Batching()) -> Candidate:
         peak = max(p.peak for p in plans)
         host = max(p.host_memory for p in plans) * self.cluster.gpus_per_node
         fits = peak <= self.budget
@@ -294,22 +320,24 @@ class _Planner:
             reason = f"peak {peak / GIB:.1f} GiB over {self.budget / GIB:.1f}"
         elif self.cluster.host_bytes_per_node is not None and host > self.cluster.host_bytes_per_node:
             fits, reason = False, f"host memory {host / GIB:.0f} GiB a machine over {self.cluster.host_bytes_per_node / GIB:.0f}"
-        candidate = Candidate(method, layout, activations, peak, host, fits, reason=reason, plans=plans)
+        candidate = Candidate(method, layout, activations, peak, host, fits, reason=reason, plans=plans,
+                              batching=batching)  # fmt: skip
         if fits:
             self.time(candidate, lora_r)
         return candidate
 
     def time(self, candidate: Candidate, lora_r: int) -> None:
-        args = self.args(candidate.method, candidate.layout, candidate.activations)
+        args = self.args(candidate.method, candidate.layout, candidate.activations, candidate.batching)
         zero = int(candidate.layout.distributed[-1]) if candidate.layout.distributed.startswith("zero") else 0
         settings = settings_of(args, lora_r=lora_r if candidate.method == "lora" else 0, attention=self.attention,
                                world_size=self.cluster.world_size, zero_stage=zero)  # fmt: skip
         settings = dataclasses.replace(settings, gpus_per_node=self.cluster.gpus_per_node)
         seconds = estimate_step_seconds(self.config, self.stage, self.shape, settings, self.cluster.rates)
-        replicas = self.cluster.world_size // candidate.layout.sequence_parallel_size
+        groups = self.cluster.world_size // candidate.layout.sequence_parallel_size * candidate.batching.rows
+        groups *= candidate.batching.accumulation
         candidate.step_seconds = seconds
-        candidate.tokens_per_s = replicas * self.shape.tokens(False, self.stage) / seconds
-        candidate.computed_tokens_per_s = replicas * self.shape.tokens(True, self.stage) / seconds
+        candidate.tokens_per_s = groups * self.shape.tokens(False, self.stage) / seconds
+        candidate.computed_tokens_per_s = groups * self.shape.tokens(True, self.stage) / seconds
 
 
 def default_lora_r(stage: str) -> int:
@@ -321,7 +349,7 @@ def search(stage: str, model_config, shape: GroupShape, cluster: Cluster, *, met
            lora_r: int | None = None, base_args=None, margin: float = DEFAULT_MARGIN,
            max_traced_layers: int = DEFAULT_MAX_TRACED_LAYERS, spend_spare_memory: int = 2,
            device: str = "cuda", dtype: torch.dtype = torch.bfloat16, progress=None,
-           processes: int | None = 1) -> SearchResult:  # fmt: skip
+           processes: int | None = 1, rows_per_step: int | None = None) -> SearchResult:  # fmt: skip
     """Search the settings that fit (module docstring); the proposals sorted by tokens per second, fastest first.
     `base_args`: the stage's config the candidates start from (default: TRL's defaults, bf16). `spend_spare_memory`:
     how many of the fastest candidates also try selective checkpointing and unchecked layers. `device`: 'cuda' plans
@@ -329,19 +357,23 @@ def search(stage: str, model_config, shape: GroupShape, cluster: Cluster, *, met
     peaks); the step times are a GPU's either way. `progress(message)` is called as the search goes. `processes`:
     how many trace at once (`trace.trace_processes`; None: 2 where this process may use 2 cores, as `trl-longrm plan`
     does). The others are spawned: a script calling this with `processes` above 1 keeps its own work under
-    `if __name__ == "__main__":` (each spawned process imports the script)."""
+    `if __name__ == "__main__":` (each spawned process imports the script). `rows_per_step`: the groups an
+    optimizer step takes over the whole cluster (the global batch; None: one a data-parallel replica, unaccumulated);
+    each layout splits them over its replicas, one group a micro-batch accumulated, and the fastest candidates also
+    try the most groups a micro-batch that fit (fewer micro-batches: `_larger_micro_batches`)."""
     from trl_longrm.memory_plan.trace import trace_processes
 
     with trace_processes(processes) as pool:
         result = _search(stage, model_config, shape, cluster, methods=methods, lora_r=lora_r, base_args=base_args,
                          margin=margin, max_traced_layers=max_traced_layers, spend_spare_memory=spend_spare_memory,
-                         device=device, dtype=dtype, progress=progress, pool=pool)  # fmt: skip
+                         device=device, dtype=dtype, progress=progress, pool=pool,
+                         rows_per_step=rows_per_step)  # fmt: skip
     result.planner.pool = None  # stopped with the context
     return result
 
 
 def _search(stage, model_config, shape, cluster, *, methods, lora_r, base_args, margin, max_traced_layers,
-            spend_spare_memory, device, dtype, progress, pool) -> SearchResult:  # fmt: skip
+            spend_spare_memory, device, dtype, progress, pool, rows_per_step=None) -> SearchResult:  # fmt: skip
     from peft import LoraConfig
 
     from trl_longrm.memory_plan.planned_kernels import planned_cuda_attention
@@ -367,9 +399,17 @@ def _search(stage, model_config, shape, cluster, *, methods, lora_r, base_args, 
     say = progress or (lambda message: None)
     budget = (1 - margin) * cluster.device_bytes
     fitting, rejected = [], []
+    if rows_per_step is not None and rows_per_step < 1:
+        raise ValueError(f"rows_per_step must be at least 1, got {rows_per_step}")
     for method in methods:
         reference = {}  # (activations, ZeRO, offload) -> (sp, its plan's parts that scale with a rank's tokens)
         for sp in _sp_sizes(cluster.world_size):
+            replicas = cluster.world_size // sp
+            if rows_per_step is not None and rows_per_step % replicas:
+                rejected.append(Candidate(method, Layout(sp), Activations(), 0, 0, False, reason=(
+                    f"{rows_per_step} rows a step do not split over its {replicas} data-parallel replicas")))  # fmt: skip
+                continue
+            batching = Batching(1, rows_per_step // replicas if rows_per_step else 1)
             for mode in _modes(sp, model_config):
                 for distributed, offload in _distributions(method, cluster.world_size):
                     layout = Layout(sp, mode, distributed, offload)
@@ -381,17 +421,17 @@ def _search(stage, model_config, shape, cluster, *, methods, lora_r, base_args, 
                             peak, host, reason = estimate
                             rejected.append(Candidate(method, layout, activations, int(peak), int(host), False,
                                                       reason=f"{reason} (from sp {reference[(activations, distributed, offload)][0]})",
-                                                      estimated=True))  # fmt: skip
+                                                      estimated=True, batching=batching))  # fmt: skip
                             continue
                         say(f"{method}: {layout.describe()}, {activations.describe()}")
                         try:
-                            plan = planner.plan(method, layout, activations)
+                            plan = planner.plan(method, layout, activations, batching=batching)
                         except (ValueError, NotImplementedError) as error:  # a layout the model cannot take
                             rejected.append(Candidate(method, layout, activations, 0, 0, False,
                                                       reason=str(error).splitlines()[0][:120]))  # fmt: skip
                             break
                         reference.setdefault((activations, distributed, offload), (sp, _scaling_parts(plan)))
-                        candidate = planner.candidate(method, layout, activations, lora_r, [plan])
+                        candidate = planner.candidate(method, layout, activations, lora_r, [plan], batching)
                         (fitting if candidate.fits else rejected).append(candidate)
                         if candidate.fits:
                             break
@@ -400,17 +440,22 @@ def _search(stage, model_config, shape, cluster, *, methods, lora_r, base_args, 
     confirmed = []
     for candidate in fitting:
         sp = candidate.layout.sequence_parallel_size
-        plans = [planner.plan(candidate.method, candidate.layout, candidate.activations, rank)
+        plans = [planner.plan(candidate.method, candidate.layout, candidate.activations, rank, candidate.batching)
                  for rank in sorted({0, sp - 1})]  # fmt: skip
-        checked = planner.candidate(candidate.method, candidate.layout, candidate.activations, lora_r, plans)
+        checked = planner.candidate(candidate.method, candidate.layout, candidate.activations, lora_r, plans,
+                                    candidate.batching)  # fmt: skip
         (confirmed if checked.fits else rejected).append(checked)
     confirmed.sort(key=lambda c: -c.tokens_per_s)
     upgraded = []
     for candidate in confirmed[:spend_spare_memory]:
         upgraded += _spend_spare_memory(planner, candidate, lora_r, say)
+        larger = _larger_micro_batches(planner, candidate, lora_r, say)
+        upgraded += larger
+        rejected += [c for c in larger if not c.fits]
+    upgraded = [c for c in upgraded if c.fits]
     proposals = sorted(confirmed + upgraded, key=lambda c: -c.tokens_per_s)
     return SearchResult(stage, cluster, shape, margin, proposals, rejected, len(planner.cache),
-                        time.perf_counter() - started, planner)  # fmt: skip
+                        time.perf_counter() - started, planner, rows_per_step)  # fmt: skip
 
 
 def longest_prompt(result: SearchResult, candidate: Candidate) -> dict:
@@ -428,7 +473,7 @@ def longest_prompt(result: SearchResult, candidate: Candidate) -> dict:
         return [planner.plan(candidate.method, candidate.layout, candidate.activations, rank)
                 for rank in sorted({0, sp - 1})]  # fmt: skip
 
-    args = searched.args(candidate.method, candidate.layout, candidate.activations)
+    args = searched.args(candidate.method, candidate.layout, candidate.activations, candidate.batching)
     return longest_group(plans_for, args, result.stage, result.shape, candidate.plans, searched.budget)
 
 
@@ -458,6 +503,48 @@ def _estimate(reference, sp: int, cluster: Cluster, budget: float) -> tuple[floa
     return None
 
 
+def _planned_on_ranks(planner: _Planner, candidate: Candidate, activations: Activations, batching: Batching,
+                      ranks: list[int], lora_r: int) -> Candidate:  # fmt: skip
+    """`candidate`'s layout with `activations` and `batching`, planned on `ranks`: the traced ones first (free), then in
+    the order given; where one does not fit, the others are not planned (a trace saved)."""
+    plans = []
+    order = sorted(ranks, key=lambda r: not planner.is_traced(candidate.method, candidate.layout, activations, r,
+                                                              batching))  # fmt: skip
+    for rank in order:
+        plans.append(planner.plan(candidate.method, candidate.layout, activations, rank, batching))
+        if plans[-1].peak > planner.budget:
+            break
+    return planner.candidate(candidate.method, candidate.layout, activations, lora_r, plans, batching)
+
+
+def _larger_micro_batches(planner: _Planner, candidate: Candidate, lora_r: int, say) -> list[Candidate]:
+    """The most groups a micro-batch (a divisor of the rank's groups a step) that fit `candidate`'s layout, fewer
+    micro-batches accumulated in their place: `[]` where the rank takes one group a step. The peak is estimated from
+    the candidate's plans (what scales with a rank's tokens, times the rows) to skip what cannot fit; the largest
+    estimated to fit is planned, then the next smaller while it does not fit. Returns those tried (the last fits, if
+    any does; those estimated over the budget are not planned)."""
+    groups = candidate.batching.rows * candidate.batching.accumulation
+    sizes = [rows for rows in range(groups, 1, -1) if groups % rows == 0]
+    if not sizes:
+        return []
+    (fixed, scaling), _ = _scaling_parts(max(candidate.plans, key=lambda p: p.peak))
+    sp = candidate.layout.sequence_parallel_size
+    ranks = [rank for _, rank in sorted(zip(candidate.plans, sorted({0, sp - 1})), key=lambda pair: -pair[0].peak)]
+    out = []
+    for rows in sizes:
+        batching = Batching(rows, groups // rows)
+        if fixed + scaling * rows > planner.budget:
+            out.append(Candidate(candidate.method, candidate.layout, candidate.activations, int(fixed + scaling * rows),
+                                 0, False, reason=f"estimated {(fixed + scaling * rows) / GIB:.2f} GiB", estimated=True,
+                                 batching=batching))  # fmt: skip
+            continue
+        say(f"{candidate.method}: {candidate.layout.describe()}: {rows} groups a micro-batch")
+        out.append(_planned_on_ranks(planner, candidate, candidate.activations, batching, ranks, lora_r))
+        if out[-1].fits:
+            break
+    return out
+
+
 def _spend_spare_memory(planner: _Planner, candidate: Candidate, lora_r: int, say) -> list[Candidate]:
     """Selective checkpointing and unchecked layers on a fitting candidate, each planned; those that fit."""
     out = []
@@ -468,14 +555,7 @@ def _spend_spare_memory(planner: _Planner, candidate: Candidate, lora_r: int, sa
     heavier_first = [rank for _, rank in sorted(zip(candidate.plans, ranks), key=lambda pair: -pair[0].peak)]
 
     def planned(activations):
-        plans = []
-        order = sorted(heavier_first, key=lambda r: not planner.is_traced(candidate.method, candidate.layout,
-                                                                          activations, r))  # fmt: skip
-        for rank in order:
-            plans.append(planner.plan(candidate.method, candidate.layout, activations, rank))
-            if plans[-1].peak > planner.budget:
-                break
-        return planner.candidate(candidate.method, candidate.layout, activations, lora_r, plans)
+        return _planned_on_ranks(planner, candidate, activations, candidate.batching, heavier_first, lora_r)
 
     base = candidate.activations
     selective = planned(dataclasses.replace(base, selective=True))
@@ -490,4 +570,4 @@ def _spend_spare_memory(planner: _Planner, candidate: Candidate, lora_r: int, sa
     return out
 
 
-__all__ = ["Activations", "Candidate", "Cluster", "Layout", "SearchResult", "longest_prompt", "search"]
+__all__ = ["Activations", "Batching", "Candidate", "Cluster", "Layout", "SearchResult", "longest_prompt", "search"]

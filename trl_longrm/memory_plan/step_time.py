@@ -91,6 +91,8 @@ class StepSettings:
     gpus_per_node: int = 8
     zero_stage: int = 0  # 0: DDP (or one process)
     ring_head_stride: int = 1
+    rows_per_micro_batch: int = 1  # groups a rank's micro-batch holds (`per_device_train_batch_size`)
+    accumulation_steps: int = 1  # micro-batches per optimizer step (`gradient_accumulation_steps`)
 
 
 @dataclass
@@ -104,17 +106,18 @@ class StepTerms:
     offload: float
     communication: float
     coefficients: dict = field(default_factory=dict)
+    micro_steps: int = 1  # the fitted constant is paid per micro-batch
 
     @property
     def seconds(self) -> float:
         c = self.coefficients or COEFFICIENTS
         return (c["gemm"] * self.gemm + c["attention"] * self.attention + c["elementwise"] * self.elementwise
-                + c["elementwise_liger"] * self.elementwise_liger + c["step"] + self.offload
+                + c["elementwise_liger"] * self.elementwise_liger + c["step"] * self.micro_steps + self.offload
                 + self.communication)  # fmt: skip
 
     def features(self) -> list[float]:
         """The fitted terms, in `FEATURES`' order (the constant last)."""
-        return [self.gemm, self.attention, self.elementwise, self.elementwise_liger, 1.0]
+        return [self.gemm, self.attention, self.elementwise, self.elementwise_liger, float(self.micro_steps)]
 
 
 FEATURES = ("gemm", "attention", "elementwise", "elementwise_liger", "step")
@@ -123,7 +126,9 @@ FEATURES = ("gemm", "attention", "elementwise", "elementwise_liger", "step")
 # Qwen3-0.6B and the 8B shapes; bench/results/step_time_model.json: each run's error predicted without it, mean 6.7%,
 # median 5.1%, max 23% on a 0.6B run bound by host syncs since removed); `tests/test_step_time.py` checks these equal a
 # fresh fit. A coefficient of 1 is the rate itself (1.24: the matmuls run at 80% of the measured GEMM rate); `step` is
-# seconds per step (host time, optimizer).
+# seconds per step (host time, optimizer). Every calibration run took one group per step, unaccumulated: with several
+# micro-batches a step the constant is taken as paid per micro-batch (its host time recurs; the optimizer's share,
+# paid once, is not told apart), a reading not calibrated.
 COEFFICIENTS = {
     "gemm": 1.2430337027863259,
     "attention": 1.1879596127842509,
@@ -158,7 +163,9 @@ def _shape(config) -> dict:
 
 def step_terms(model_config, stage: str, shape, settings: StepSettings, card: str | CardRates) -> StepTerms:
     """The step's terms (`StepTerms`) on one rank of a run of `stage` with `settings` on `card` (a `CARDS` name or
-    rates), for one group of `shape` (a `GroupShape`) per step."""
+    rates), for groups of `shape` (a `GroupShape`): `settings.rows_per_micro_batch` of them a micro-batch (a packed
+    row's documents: each its own attention), `settings.accumulation_steps` micro-batches a step. What a group
+    computes scales with the groups; ZeRO's collectives and the fitted constant recur per micro-batch."""
     rates = CARDS[card] if isinstance(card, str) else card
     s = _shape(model_config)
     hidden, inter, layers = s["hidden"], s["inter"], s["layers"]
@@ -231,14 +238,18 @@ def step_terms(model_config, stage: str, shape, settings: StepSettings, card: st
         kept = layer_input * (2 * checked + 12 * (layers - checked))
         offload += 2 * kept / rates.host_link_bytes_per_s
 
-    communication = _communication_seconds(s, settings, rank_tokens, tokens, rates)
-    return StepTerms(gemm=gemm, attention=attention, elementwise=elementwise, elementwise_liger=liger,
-                     offload=offload, communication=communication)  # fmt: skip
+    rows, micro_steps = max(settings.rows_per_micro_batch, 1), max(settings.accumulation_steps, 1)
+    groups = rows * micro_steps
+    sequence_parallel, zero = _communication_seconds(s, settings, rank_tokens, tokens, rates)
+    return StepTerms(gemm=groups * gemm, attention=groups * attention, elementwise=groups * elementwise,
+                     elementwise_liger=groups * liger, offload=groups * offload,
+                     communication=groups * sequence_parallel + micro_steps * zero,
+                     micro_steps=micro_steps)  # fmt: skip
 
 
 def _communication_seconds(s: dict, settings: StepSettings, rank_tokens: float, tokens: float,
-                           rates: CardRates) -> float:  # fmt: skip
-    """Collectives not hidden by computation, per step: the ring gathers each document's keys/values per layer
+                           rates: CardRates) -> tuple[float, float]:  # fmt: skip
+    """Collectives not hidden by computation, (per group: sequence parallelism's, per micro-batch: ZeRO's): the ring gathers each document's keys/values per layer
     (forward, and again in backward) and reduce-scatters their gradients, overlapped with the attention of the
     previous head chunk (taken as hidden up to the attention's own time: what is left counts); Ulysses' all-to-alls
     (q, k, v and the output, forward and backward) are not overlapped; ZeRO-2's gradient reduce-scatter and ZeRO-3's
@@ -260,18 +271,20 @@ def _communication_seconds(s: dict, settings: StepSettings, rank_tokens: float, 
             # backward, their gradients reduce-scattered: about half of it hidden behind the attention's kernels.
             gathered = 2 * 2 * kv_dim * tokens / 2 * (ring - 1) / ring
             seconds += 0.5 * 3 * gathered * layers / bandwidth
+    sequence_parallel, seconds = seconds, 0.0
     if settings.zero_stage and world > 1:
         params = layers * (hidden * (q_dim + 2 * kv_dim) + q_dim * hidden + 3 * hidden * s["inter"])
         trained = params if not settings.lora_r else 0.02 * params
         seconds += 2 * trained * (world - 1) / world / bandwidth  # gradients reduce-scattered (bf16)
         if settings.zero_stage == 3:
             seconds += 2 * 2 * params * (world - 1) / world / bandwidth  # weights gathered in forward and backward
-    return seconds
+    return sequence_parallel, seconds
 
 
 def estimate_step_seconds(model_config, stage: str, shape, settings: StepSettings, card: str | CardRates,
                           coefficients: dict | None = None) -> float:  # fmt: skip
-    """Seconds of one optimizer step of one group of `shape` (`step_terms`, with the fitted `COEFFICIENTS`)."""
+    """Seconds of one optimizer step (`settings.accumulation_steps` micro-batches of `settings.rows_per_micro_batch`
+    groups of `shape` on a rank; `step_terms`, with the fitted `COEFFICIENTS`)."""
     terms = step_terms(model_config, stage, shape, settings, card)
     terms.coefficients = coefficients or COEFFICIENTS
     return terms.seconds
@@ -301,6 +314,8 @@ def settings_of(training_args, *, lora_r: int = 0, attention: str = "cudnn", wor
         world_size=world_size,
         zero_stage=zero_stage,
         ring_head_stride=getattr(training_args, "ring_head_stride", 1) or 1,
+        rows_per_micro_batch=getattr(training_args, "per_device_train_batch_size", 1) or 1,
+        accumulation_steps=getattr(training_args, "gradient_accumulation_steps", 1) or 1,
     )
 
 

@@ -66,6 +66,9 @@ class OpenAIChatGenerator(_OpenAIEngine):
                    "temperature": sampling.temperature, "top_p": sampling.top_p}  # fmt: skip
         if sampling.seed is not None:
             payload["seed"] = sampling.seed
+        if messages and messages[-1].get("role") == "assistant":
+            # A prefilled answer to continue: vLLM's (and SGLang's) chat parameters; a server without them refuses.
+            payload.update(add_generation_prompt=False, continue_final_message=True)
         url = f"{self.server.base_url}/chat/completions"
         try:
             answer = self.server.request(url, payload)
