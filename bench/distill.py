@@ -1,24 +1,22 @@
 """Best-of-N self-distillation on the synthetic suite (issue 62; LongRM section 6.2): SFT of a policy on the rollouts
 its reward model keeps against SFT on rollouts kept at random, scored on the suite's held-out questions.
 
-The task: a document of the suite's facts (`trl_longrm.synthetic.world`) and a question about one key, answered with
-the key's word alone. (With the suite's fact sentences as answers, `Record C02 holds the word such.`, the tiny policy
-found the word but never learnt to copy the key's digits in 5,000 steps: loss flat at 0.7, every answer's key wrong,
-so a reward model that reads keys had nothing to choose between.)
+The task: a document of the suite's facts (`trl_longrm.synthetic.world`) and a question about one key, answered in the
+suite's fact sentence (`Record C02 holds the word such.`), the answer prefilled up to its word (`Record C02 holds the
+word`: a prompt ending with an assistant turn, which the policy continues). The prefill spares the policy copying the
+key's digits, which a 2-layer policy never learnt (5,000 SFT steps); the word must be found by reading the document.
 
 The steps, each cached under `--work-dir` (a rerun resumes):
-1. the policy's base: the reduced demo's DisRM (`trl_longrm.demo`) backbone under a new LM head, as the demo's judge;
-2. the policy: that base warmed up by a short SFT on right answers (`--warm-steps`), short enough that it finds the
-   asked word only part of the time: its samples spread over right and wrong words, as an imperfect policy's do;
-3. the reward model: the warmed policy's backbone under a score head (as RLHF's reward models start from the SFT
-   policy), trained by Bradley-Terry (`recipes/tiny/simpo_disrm.yaml`) on word answers of the world's training keys:
-   the right word chosen, three wrong ones rejected (other words of the same document, which only reading the right
-   fact exposes, and words it never states);
-4. `distill` (`trl_longrm.datagen.distill`, as `trl-longrm data distill` runs it): `--rollouts` samples of the
-   policy per training prompt (training keys), scored by the DisRM, the best kept; the random arm keeps one of the
-   same rollouts at random (same prompts, same rollouts: only the choice differs);
-5. SFT of the warmed policy on each arm's rows (same steps, same seed);
-6. each policy answers held-out prompts (the world's eval keys, documents of the benchmark's lengths): greedy, and
+1. the reward model: the reduced demo's DisRM (`trl_longrm.demo`), trained by Bradley-Terry on the suite's judging
+   data (fact sentences of right and wrong values; 91.7% PairWise on its benchmark);
+2. the policy: a fresh tiny Llama (`--policy-size`, hidden x layers) on the demo's tokenizer, warmed up by a short SFT
+   on right answers (`--warm-steps`), short enough that it finds the asked word only part of the time: its samples
+   spread over right and wrong words, as an imperfect policy's do;
+3. `distill` (`trl_longrm.datagen.distill`, as `trl-longrm data distill` runs it): `--rollouts` samples of the policy
+   per training prompt (training keys), scored by the DisRM, the best kept; the random arm keeps one of the same
+   rollouts at random (same prompts, same rollouts: only the choice differs);
+4. SFT of the warmed policy on each arm's rows (same steps, same seed);
+5. each policy answers held-out prompts (the world's eval keys, documents of the benchmark's lengths): greedy, and
    `--samples` samples at temperature 1; an answer is right when its word is the document's word for the key.
 
     .venv/bin/python bench/distill.py --out bench/results/distill.json
@@ -41,12 +39,9 @@ import time
 from pathlib import Path
 
 
-ANSWER_FORM = "Answer with the word alone."
-
-
 def prompts(seed: str, count: int, split: str, tokens) -> list[dict]:
-    """Prompts of the suite's form (system line, document, a question about one key, `ANSWER_FORM`), with the key's
-    word and the document's other words."""
+    """Prompts of the suite's form (system line, document, a question about one key), each with its answer's prefill
+    (the key's fact sentence up to the word), the key's word and the full sentence."""
     from trl_longrm.demo import DEMO_DATA, demo_tokenizer
     from trl_longrm.synthetic.suite import SyntheticConfig, _TokenCounter, make_example
     from trl_longrm.synthetic.world import SURFACES, split_keys
@@ -57,13 +52,19 @@ def prompts(seed: str, count: int, split: str, tokens) -> list[dict]:
     for index in range(count):
         rng = random.Random(f"{seed}:{index}")
         length = tokens(rng, index)
-        example = make_example(rng, tasks[index % len(tasks)], keys, length, [0, 1], config, counter)
-        system, user = example.prompt_messages
-        prompt = [system, {"role": "user", "content": f"{user['content']}\n{ANSWER_FORM}"}]
+        task = tasks[index % len(tasks)]
+        example = make_example(rng, task, keys, length, [0, 1], config, counter)
         (key,) = example.asked
-        rows.append({"id": f"{seed}-{index}", "prompt": prompt, "word": example.sheet.facts[key],
-                     "stated": sorted(example.sheet.facts.values()), "ctx_tokens": length})  # fmt: skip
+        word = example.sheet.facts[key]
+        sentence = SURFACES[task].fact_sentence(key, word)
+        prefill = sentence[: sentence.rindex(f" {word}")]
+        rows.append({"id": f"{seed}-{index}", "prompt": list(example.prompt_messages), "prefill": prefill,
+                     "word": word, "sentence": sentence, "ctx_tokens": length})  # fmt: skip
     return rows
+
+
+def prefilled(row: dict) -> list[dict]:
+    return [*row["prompt"], {"role": "assistant", "content": row["prefill"]}]
 
 
 def training_length(rng, _index) -> int:
@@ -71,20 +72,9 @@ def training_length(rng, _index) -> int:
     return round(math.exp(rng.uniform(math.log(low), math.log(high))))
 
 
-def wrong_words(row: dict, count: int, rng: random.Random) -> list[str]:
-    """`count` wrong words: other words of the document (a `swap`: present, so only the right fact exposes it) and
-    words it never states, half and half where the document has enough."""
-    from trl_longrm.synthetic.world import VALUES
-
-    swaps = [word for word in row["stated"] if word != row["word"]]
-    absent = [word for word in VALUES if word not in row["stated"]]
-    picked = rng.sample(swaps, min(len(swaps), count // 2 + count % 2))
-    return picked + rng.sample(absent, count - len(picked))
-
-
-def is_right(row: dict, text: str) -> bool:
-    """Whether an answer is the key's word (its first word, without punctuation or case)."""
-    words = text.strip().lower().split()
+def is_right(row: dict, continuation: str) -> bool:
+    """Whether a continuation of the prefill gives the key's word (its first word, without punctuation or case)."""
+    words = continuation.strip().lower().split()
     return bool(words) and words[0].strip(".,;:!?\"'") == row["word"]
 
 
@@ -124,23 +114,19 @@ def sft(model: Path, rows: Path, output_dir: Path, steps: int, learning_rate: fl
                   "--train_sampling_strategy", "random", "--seed", str(seed), "--logging_steps", "50"])  # fmt: skip
 
 
-def reward_model_base(policy: Path, path: Path) -> Path:
-    """A sequence-classification model on `policy`'s backbone (a new, seeded score head) with the demo DisRM's
-    tokenizer (its template ends at EOS, where the score is read)."""
-    import torch
-    from transformers import AutoModelForSequenceClassification
+def policy_base(tokenizer_path: Path, size: str, path: Path, seed: int) -> Path:
+    """A fresh tiny Llama of `size` (`HIDDENxLAYERS`) on the tokenizer at `tokenizer_path` (seeded)."""
+    from transformers import AutoTokenizer
 
-    from trl_longrm.demo import demo_tokenizer
-    from trl_longrm.testing_utils import CHAT_TEMPLATE_ENDING_AT_EOS
+    from trl_longrm.demo import DEMO_MODEL
+    from trl_longrm.testing_utils import save_tiny_model
 
     if (path / "config.json").is_file():
         return path
-    tokenizer = demo_tokenizer(CHAT_TEMPLATE_ENDING_AT_EOS)
-    torch.manual_seed(0)
-    model = AutoModelForSequenceClassification.from_pretrained(policy, num_labels=1)
-    model.config.pad_token_id = tokenizer.pad_token_id
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
+    hidden, layers = (int(x) for x in size.split("x"))
+    settings = dict(DEMO_MODEL, initializer_range=0.08)
+    save_tiny_model(path, arch="llama", tokenizer=AutoTokenizer.from_pretrained(tokenizer_path), seed=seed,
+                    hidden_size=hidden, num_hidden_layers=layers, intermediate_size=2 * hidden, **settings)  # fmt: skip
     return path
 
 
@@ -149,15 +135,15 @@ def completion(text: str) -> list[dict]:
 
 
 def answer_all(model: Path, rows: list[dict], samples: int, seed: int) -> list[tuple[str, list[str]]]:
-    """Each row's greedy answer and `samples` answers at temperature 1 (transformers, seeded per row)."""
+    """Each row's greedy continuation of its prefill and `samples` at temperature 1 (transformers, seeded per row)."""
     from trl_longrm.datagen.models import ModelSpec, build_chat_model
     from trl_longrm.datagen.steps import request_seed
     from trl_longrm.serving.sampling import Sampling
 
     spec = ModelSpec.from_dict({"name": "policy", "backend": "transformers", "model": str(model)}, "policy")
-    policy, conversations = build_chat_model(spec), [row["prompt"] for row in rows]
-    greedy = policy.answer(conversations, 8, [Sampling(n=1, temperature=0.0)] * len(rows))
-    sampled = policy.answer(conversations, 8, [Sampling(n=samples, temperature=1.0,
+    policy, conversations = build_chat_model(spec), [prefilled(row) for row in rows]
+    greedy = policy.answer(conversations, 4, [Sampling(n=1, temperature=0.0)] * len(rows))
+    sampled = policy.answer(conversations, 4, [Sampling(n=samples, temperature=1.0,
                                                         seed=request_seed(seed, row["id"])) for row in rows])  # fmt: skip
     return [(g[0].text, [a.text for a in s]) for g, s in zip(greedy, sampled, strict=True)]
 
@@ -167,7 +153,8 @@ def score_policy(model: Path, rows: list[dict], samples: int, seed: int) -> dict
     greedy = [is_right(row, g) for row, (g, _) in zip(rows, answers, strict=True)]
     sampled = [is_right(row, s) for row, (_, group) in zip(rows, answers, strict=True) for s in group]
     return {"greedy": sum(greedy) / len(greedy), "sampled": sum(sampled) / len(sampled),
-            "example": {"greedy": answers[0][0], "sampled": answers[0][1], "word": rows[0]["word"]}}  # fmt: skip
+            "example": {"prefill": rows[0]["prefill"], "greedy": answers[0][0], "sampled": answers[0][1],
+                        "word": rows[0]["word"]}}  # fmt: skip
 
 
 def main() -> int:
@@ -175,14 +162,14 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=None, help="JSON file of the results.")
     parser.add_argument("--work-dir", type=Path, default=None, help="Where the steps run (default: a temp dir).")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--disrm-rows", type=int, default=3000, help="Groups of the DisRM's training set.")
+    parser.add_argument("--policy-size", default="256x4", help="The policy's hidden size x layers.")
     parser.add_argument("--warm-rows", type=int, default=6000, help="Rows of the policy's warm-up SFT.")
     parser.add_argument("--warm-steps", type=int, default=600, help="Steps of the warm-up SFT (8 rows a step).")
-    parser.add_argument("--warm-learning-rate", type=float, default=2e-3, help="Learning rate of the warm-up.")
+    parser.add_argument("--warm-learning-rate", type=float, default=1e-3, help="Learning rate of the warm-up.")
     parser.add_argument("--prompts", type=int, default=2000, help="Training prompts distilled.")
     parser.add_argument("--rollouts", type=int, default=4, help="Rollouts per prompt (the paper: 2).")
     parser.add_argument("--steps", type=int, default=250, help="SFT steps on each arm's rows (8 rows a step).")
-    parser.add_argument("--learning-rate", type=float, default=1e-3, help="Learning rate of each arm's SFT.")
+    parser.add_argument("--learning-rate", type=float, default=5e-4, help="Learning rate of each arm's SFT.")
     parser.add_argument("--heldout", type=int, default=300, help="Held-out prompts (eval keys).")
     parser.add_argument("--samples", type=int, default=4, help="Samples per held-out prompt at temperature 1.")
     args = parser.parse_args()
@@ -202,54 +189,42 @@ def main() -> int:
     def lap(name):
         timings[name] = round(time.perf_counter() - start - sum(timings.values()), 1)
 
-    # 1. The policy's base: the reduced demo's DisRM backbone under a new LM head (the demo judge's base).
+    # 1. The reward model: the reduced demo's DisRM (its judge's tokenizer is the policy's).
     demo = Demo(DemoConfig(output_dir=str(work / "demo"), seed=args.seed, stages=["simpo_disrm"], **SMALL_DEMO))
     demo.run()
     demo.judge_base()
-    lap("base")
-
-    # 2. The policy, warmed up on right answers.
-    warm_rows = [{"prompt": row["prompt"], "completion": completion(row["word"])}
-                 for row in prompts(f"warm{args.seed}", args.warm_rows, "train", training_length)]  # fmt: skip
-    warm = sft(demo.models["judge"], write_jsonl(work / "warm.jsonl", warm_rows), work / "runs" / "warm",
-               args.warm_steps, args.warm_learning_rate, args.seed)  # fmt: skip
-    lap("warm-up")
-
-    # 3. The reward model, initialised from the warmed policy (as RLHF's reward models start from the SFT policy) and
-    # trained by Bradley-Terry on word answers, shortest document first (the demo's curriculum). (From the demo's
-    # random base model, or from its DisRM trained on fact sentences, Bradley-Terry on one-word answers stayed on its
-    # initial plateau: loss 0.693 for all 375 steps.)
-    rng = random.Random(f"disrm:{args.seed}")
-    groups = sorted(
-        prompts(f"disrm{args.seed}", args.disrm_rows, "train", training_length), key=lambda r: r["ctx_tokens"]
-    )
-    disrm_rows = [{"chat_template": row["prompt"], "chosen": row["word"], "rejects": wrong_words(row, 3, rng)}
-                  for row in groups]  # fmt: skip
-    reward_model = train("simpo_disrm.yaml", reward_model_base(warm, work / "models" / "disrm_base"),
-                         write_jsonl(work / "disrm.jsonl", disrm_rows), work / "runs" / "disrm",
-                         ["--seed", str(args.seed)])  # fmt: skip
+    reward_model = demo.models["simpo_disrm"]
     lap("reward model")
 
-    # 4. Best-of-N: rollouts of the policy, scored by the reward model.
+    # 2. The policy, warmed up on right answers (the whole sentence: the prefill is the sentence's start).
+    warm_rows = [{"prompt": row["prompt"], "completion": completion(row["sentence"])}
+                 for row in prompts(f"warm{args.seed}", args.warm_rows, "train", training_length)]  # fmt: skip
+    base = policy_base(demo.models["judge"], args.policy_size, work / "models" / f"policy_{args.policy_size}", args.seed)
+    warm = sft(base, write_jsonl(work / "warm.jsonl", warm_rows), work / "runs" / "warm", args.warm_steps,
+               args.warm_learning_rate, args.seed)  # fmt: skip
+    lap("warm-up")
+
+    # 3. Best-of-N: rollouts of the policy continuing each prefill, scored by the reward model (prefill + rollout).
     train_prompts = prompts(f"distill{args.seed}", args.prompts, "train", training_length)
     by_id = {row["id"]: row for row in train_prompts}
-    write_jsonl(work / "prompts.jsonl", ({"id": row["id"], "prompt": row["prompt"]} for row in train_prompts))
+    write_jsonl(work / "prompts.jsonl", ({"id": row["id"], "prompt": prefilled(row)} for row in train_prompts))
     summary = distill(DistillConfig(
         input=str(work / "prompts.jsonl"), output=str(work / "distilled.jsonl"), num_rollouts=args.rollouts,
-        policy={"name": "policy", "backend": "transformers", "model": str(warm)}, max_new_tokens=8, seed=args.seed,
+        policy={"name": "policy", "backend": "transformers", "model": str(warm)}, max_new_tokens=4, seed=args.seed,
         scorer={"model_path": str(reward_model), "backend": "transformers", "device": "cpu",
                 "batch_size": 16}, batch_size=32))  # fmt: skip
     pick = random.Random(f"random:{args.seed}")
     arms, selection = {"kept": [], "random": []}, {"kept": [], "random": [], "best": []}
     for row in read_jsonl(work / "distilled.jsonl"):
-        right = [is_right(by_id[row["id"]], text) for text in row["rollouts"]]
+        source = by_id[row["id"]]
+        right = [is_right(source, text[len(source["prefill"]) :]) for text in row["rollouts"]]
         for arm, index in (("kept", row["kept"]), ("random", pick.randrange(len(row["rollouts"])))):
             arms[arm].append({"prompt": row["messages"][:-1], "completion": completion(row["rollouts"][index])})
             selection[arm].append(right[index])
         selection["best"].append(any(right))
     lap("distill")
 
-    # 5. SFT on each arm; 6. every policy on the held-out prompts.
+    # 4. SFT on each arm; 5. every policy on the held-out prompts.
     heldout = prompts(f"heldout{args.seed}", args.heldout, "eval", lambda rng, i: (60, 120, 240)[i % 3])
     results = {"warm": score_policy(warm, heldout, args.samples, args.seed)}
     for arm, rows in arms.items():
