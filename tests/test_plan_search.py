@@ -160,3 +160,21 @@ def test_a_smaller_ring_is_rejected_untraced_by_its_estimate_from_a_larger_one()
     assert (peak, host) == (46 * GIB, 8 * 124 * GIB) and reason == "estimated host memory 992 GiB a machine"
     peak, _, reason = _estimate(reference, 2, roomy, 50 * GIB)
     assert peak == 78 * GIB and reason == "estimated 78 GiB"
+
+
+def test_a_base_recipes_global_batch_is_the_rows_per_step_searched():
+    """By hand: a recipe of 2 groups a micro-batch x 4 accumulated on 8 GPUs in rings of 2 (4 replicas) takes 32 groups a
+    step; --rows_per_step wins; a recipe without batch keys leaves one a replica; a ring that does not divide is a
+    message naming it."""
+    from trl_longrm.memory_plan.command import rows_per_step_of
+
+    recipe = {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 4, "sequence_parallel_size": 2}
+    rows, note = rows_per_step_of(None, recipe, 8)
+    assert rows == 32 and "per_device_train_batch_size 2 x gradient_accumulation_steps 4 x 4" in note
+    assert rows_per_step_of(None, {"gradient_accumulation_steps": 3}, 8)[0] == 24
+    assert rows_per_step_of(6, recipe, 8) == (6, "")
+    assert rows_per_step_of(None, {"dataset_name": "x"}, 8) == (None, "")
+    with pytest.raises(SystemExit, match="sequence_parallel_size 3 does not divide the 8 GPUs"):
+        rows_per_step_of(None, {"per_device_train_batch_size": 1, "sequence_parallel_size": 3}, 8)
+    with pytest.raises(SystemExit, match="--rows_per_step 0: at least 1"):
+        rows_per_step_of(0, None, 8)

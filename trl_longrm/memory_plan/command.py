@@ -127,6 +127,26 @@ def write_recipe(path: str, recipe: dict, header: str) -> None:
     Path(path).write_text(text, encoding="utf-8")
 
 
+def rows_per_step_of(given: int | None, base: dict | None, world_size: int) -> tuple[int | None, str]:
+    """The rows per step the search splits: `--rows_per_step`, else the global batch of the `--recipe` base where it
+    sets one (`per_device_train_batch_size` x `gradient_accumulation_steps` x its data-parallel replicas, as
+    `accelerate launch` runs it on these cards), else None (one a replica); and a note saying where it came from."""
+    if given is not None:
+        if given < 1:
+            raise SystemExit(f"trl-longrm plan: --rows_per_step {given}: at least 1.")
+        return given, ""
+    keys = ("per_device_train_batch_size", "gradient_accumulation_steps")
+    if not base or not any(key in base for key in keys):
+        return None, ""
+    sp = int(base.get("sequence_parallel_size") or 1)
+    if sp < 1 or world_size % sp:
+        raise SystemExit(f"trl-longrm plan: --recipe: sequence_parallel_size {sp} does not divide the "
+                         f"{world_size} GPUs; give --rows_per_step.")  # fmt: skip
+    rows = int(base.get(keys[0], 1)) * int(base.get(keys[1], 1)) * (world_size // sp)
+    return rows, (f"rows per step: {rows}, the global batch of --recipe ({' x '.join(f'{k} {base.get(k, 1)}' for k in keys)}"
+                  f" x {world_size // sp} data-parallel replicas); --rows_per_step sets another")  # fmt: skip
+
+
 def run_plan(args: argparse.Namespace) -> int:
     from trl_longrm.memory_plan.recipe import quiet_trace
     from trl_longrm.memory_plan.search import Cluster, default_lora_r, longest_prompt, search
@@ -141,18 +161,19 @@ def run_plan(args: argparse.Namespace) -> int:
         cluster = Cluster.parse(args.cards, args.nodes, args.device_memory_gib, args.host_memory_gib)
     except ValueError as error:
         raise SystemExit(f"trl-longrm plan: {error}") from None
-    if args.rows_per_step is not None and args.rows_per_step < 1:
-        raise SystemExit(f"trl-longrm plan: --rows_per_step {args.rows_per_step}: at least 1.")
     base = None
     if args.recipe:
         import yaml
 
         base = yaml.safe_load(Path(args.recipe).read_text(encoding="utf-8")) or {}
+    rows_per_step, note = rows_per_step_of(args.rows_per_step, base, cluster.world_size)
+    if note:
+        print(note, file=sys.stderr)
     shape = GroupShape(args.prompt_tokens, args.response_tokens, 0 if args.stage == "sft" else args.num_rejected)
     lora_r = args.lora_r or default_lora_r(args.stage)
     with quiet_trace():  # what the traced steps print (their logs, progress bars, warnings of a fake run)
         result = search(args.stage, config_path, shape, cluster, methods=methods, lora_r=lora_r, margin=args.margin,
-                        device=args.device, processes=args.processes, rows_per_step=args.rows_per_step,
+                        device=args.device, processes=args.processes, rows_per_step=rows_per_step,
                         progress=lambda message: print(f"  planning {message}", file=sys.stderr, flush=True))  # fmt: skip
         longest = None
         if args.longest and result.proposals:
