@@ -66,7 +66,8 @@ def test_the_fastest_proposal_runs_within_its_plan_and_under_the_card(searched):
 def test_rows_per_step_take_the_most_groups_a_micro_batch_that_fit():
     """4 groups a step on the 0.3 GiB card: one a micro-batch accumulated 4 times, and the most a micro-batch that fit
     (2: four are estimated, and planned, over the card): planned again from a full trace within 2%, measured on CPU
-    within 2% and under the card; the step-time model pays its constant per micro-batch, so 2 x 2 ranks first."""
+    within 2% and under the card; on one process (no ZeRO collectives to repeat) the step-time model gives 2 x 2 and
+    1 x 4 the same time."""
     from memory_plan_worker import measure_step
 
     from trl_longrm.memory_plan.search import Batching
@@ -77,10 +78,10 @@ def test_rows_per_step_take_the_most_groups_a_micro_batch_that_fit():
     budget, planner = 0.97 * 0.3 * GIB, result.planner
     assert "4 a step" in result.table()
     assert {c.batching for c in result.proposals} == {Batching(1, 4), Batching(2, 2)}, result.table()
-    best = result.proposals[0]
-    assert best.batching == Batching(2, 2) and best.peak_bytes <= budget
+    best = next(c for c in result.proposals if c.batching == Batching(2, 2))
+    assert best.peak_bytes <= budget
     plain = next(c for c in result.proposals if c.batching == Batching(1, 4) and c.activations == best.activations)
-    assert plain.step_seconds > best.step_seconds
+    assert plain.step_seconds == pytest.approx(best.step_seconds, rel=1e-12)
     assert best.tokens_per_s == pytest.approx(4 * SHAPE.tokens(False, "simpo_grm") / best.step_seconds)
     four = next(c for c in result.rejected if c.batching == Batching(4, 1))
     assert four.estimated and four.peak_bytes > budget

@@ -13,8 +13,9 @@ The search, per training method (full parameters, LoRA):
 - spare memory spent on speed, for the fastest candidates: selective checkpointing and as many unchecked layers as fit
   (`propose.largest_unchecked_layers`' rule), each planned;
 - rows per step (`rows_per_step`, the global batch in groups): each layout splits them over its data-parallel replicas,
-  one group a micro-batch accumulated; the fastest candidates also take the most groups a micro-batch that fit (fewer
-  micro-batches a step: ZeRO's collectives and the per-micro-batch constant of the step-time model paid less often).
+  one group a micro-batch accumulated; the fastest candidates, and their spare-memory settings, also take the most
+  groups a micro-batch that fit (fewer micro-batches a step: ZeRO's collectives paid less often; on one process, or
+  under DDP, the step-time model gives rows and accumulation the same time).
 
 Traces are reused: ZeRO settings are recombined from one trace (`plan_memory(traced=...)`), and a layout whose
 smaller sequence-parallel size is estimated (the larger one's activations scaled by the tokens a rank holds) to need
@@ -448,10 +449,14 @@ def _search(stage, model_config, shape, cluster, *, methods, lora_r, base_args, 
     confirmed.sort(key=lambda c: -c.tokens_per_s)
     upgraded = []
     for candidate in confirmed[:spend_spare_memory]:
-        upgraded += _spend_spare_memory(planner, candidate, lora_r, say)
-        larger = _larger_micro_batches(planner, candidate, lora_r, say)
-        upgraded += larger
-        rejected += [c for c in larger if not c.fits]
+        spent = _spend_spare_memory(planner, candidate, lora_r, say)
+        upgraded += spent
+        # Spare memory spent on rows too, with each activation setting (where the rows' estimate leaves room: the
+        # most unchecked layers mostly leave none, and cost no trace then).
+        for base in (candidate, *spent):
+            larger = _larger_micro_batches(planner, base, lora_r, say)
+            upgraded += larger
+            rejected += [c for c in larger if not c.fits]
     upgraded = [c for c in upgraded if c.fits]
     proposals = sorted(confirmed + upgraded, key=lambda c: -c.tokens_per_s)
     return SearchResult(stage, cluster, shape, margin, proposals, rejected, len(planner.cache),

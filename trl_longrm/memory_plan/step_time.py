@@ -106,18 +106,18 @@ class StepTerms:
     offload: float
     communication: float
     coefficients: dict = field(default_factory=dict)
-    micro_steps: int = 1  # the fitted constant is paid per micro-batch
+    micro_steps: int = 1  # micro-batches a step (ZeRO's collectives recur per micro-batch; the constant does not)
 
     @property
     def seconds(self) -> float:
         c = self.coefficients or COEFFICIENTS
         return (c["gemm"] * self.gemm + c["attention"] * self.attention + c["elementwise"] * self.elementwise
-                + c["elementwise_liger"] * self.elementwise_liger + c["step"] * self.micro_steps + self.offload
+                + c["elementwise_liger"] * self.elementwise_liger + c["step"] + self.offload
                 + self.communication)  # fmt: skip
 
     def features(self) -> list[float]:
         """The fitted terms, in `FEATURES`' order (the constant last)."""
-        return [self.gemm, self.attention, self.elementwise, self.elementwise_liger, float(self.micro_steps)]
+        return [self.gemm, self.attention, self.elementwise, self.elementwise_liger, 1.0]
 
 
 FEATURES = ("gemm", "attention", "elementwise", "elementwise_liger", "step")
@@ -127,8 +127,8 @@ FEATURES = ("gemm", "attention", "elementwise", "elementwise_liger", "step")
 # median 5.1%, max 23% on a 0.6B run bound by host syncs since removed); `tests/test_step_time.py` checks these equal a
 # fresh fit. A coefficient of 1 is the rate itself (1.24: the matmuls run at 80% of the measured GEMM rate); `step` is
 # seconds per step (host time, optimizer). Every calibration run took one group per step, unaccumulated: with several
-# micro-batches a step the constant is taken as paid per micro-batch (its host time recurs; the optimizer's share,
-# paid once, is not told apart), a reading not calibrated.
+# micro-batches a step the constant is taken as paid once a step (what recurs per micro-batch is not told apart: on
+# CPU, 2 groups a micro-batch x 2 and 1 x 4 ran within 2% of each other, bench/results/plan_ranking_rows.json).
 COEFFICIENTS = {
     "gemm": 1.2430337027863259,
     "attention": 1.1879596127842509,
@@ -165,7 +165,7 @@ def step_terms(model_config, stage: str, shape, settings: StepSettings, card: st
     """The step's terms (`StepTerms`) on one rank of a run of `stage` with `settings` on `card` (a `CARDS` name or
     rates), for groups of `shape` (a `GroupShape`): `settings.rows_per_micro_batch` of them a micro-batch (a packed
     row's documents: each its own attention), `settings.accumulation_steps` micro-batches a step. What a group
-    computes scales with the groups; ZeRO's collectives and the fitted constant recur per micro-batch."""
+    computes scales with the groups; ZeRO's collectives recur per micro-batch; the fitted constant is paid once."""
     rates = CARDS[card] if isinstance(card, str) else card
     s = _shape(model_config)
     hidden, inter, layers = s["hidden"], s["inter"], s["layers"]
