@@ -104,7 +104,8 @@ def recipe_of(result, candidate, model_config: Path, lora_r: int, base: dict | N
         stage=result.stage,
         accelerate_config=accelerate_config_of(candidate.layout, result.cluster.nodes, result.planner.device),
         num_processes=result.cluster.world_size, model_config=str(model_config.resolve()), dtype="bfloat16",
-        bf16=True, max_length=result.shape.tokens(True, result.stage), plan_prompt_tokens=result.shape.prompt_tokens, plan_response_tokens=result.shape.response_tokens,
+        bf16=True, max_length=result.shape.tokens(True, result.stage), plan_prompt_tokens=result.shape.prompt_tokens,
+        plan_response_tokens=result.shape.response_tokens,
         plan_device=result.cluster.card,
     )  # fmt: skip
     if result.stage != "sft":
