@@ -475,7 +475,7 @@ def longest_prompt(result: SearchResult, candidate: Candidate) -> dict:
         planner = _Planner(result.stage, searched.config, shape, result.cluster, args, searched.peft_configs,
                            searched.dtype, searched.max_traced_layers, searched.attention, result.margin,
                            searched.device)  # fmt: skip
-        return [planner.plan(candidate.method, candidate.layout, candidate.activations, rank)
+        return [planner.plan(candidate.method, candidate.layout, candidate.activations, rank, candidate.batching)
                 for rank in sorted({0, sp - 1})]  # fmt: skip
 
     args = searched.args(candidate.method, candidate.layout, candidate.activations, candidate.batching)
@@ -508,6 +508,14 @@ def _estimate(reference, sp: int, cluster: Cluster, budget: float) -> tuple[floa
     return None
 
 
+def _ranks_heavier_first(candidate: Candidate) -> list[int]:
+    """The group's first and last rank, the one whose plan peaked higher first: where it does not fit, the other is
+    not planned (a trace saved)."""
+    sp = candidate.layout.sequence_parallel_size
+    peaks = {plan.rank: plan.peak for plan in candidate.plans}
+    return sorted(sorted({0, sp - 1}), key=lambda rank: -peaks.get(rank, 0))
+
+
 def _planned_on_ranks(planner: _Planner, candidate: Candidate, activations: Activations, batching: Batching,
                       ranks: list[int], lora_r: int) -> Candidate:  # fmt: skip
     """`candidate`'s layout with `activations` and `batching`, planned on `ranks`: the traced ones first (free), then in
@@ -533,8 +541,7 @@ def _larger_micro_batches(planner: _Planner, candidate: Candidate, lora_r: int, 
     if not sizes:
         return []
     (fixed, scaling), _ = _scaling_parts(max(candidate.plans, key=lambda p: p.peak))
-    sp = candidate.layout.sequence_parallel_size
-    ranks = [rank for _, rank in sorted(zip(candidate.plans, sorted({0, sp - 1})), key=lambda pair: -pair[0].peak)]
+    ranks = _ranks_heavier_first(candidate)
     out = []
     for rows in sizes:
         batching = Batching(rows, groups // rows)
@@ -553,11 +560,7 @@ def _larger_micro_batches(planner: _Planner, candidate: Candidate, lora_r: int, 
 def _spend_spare_memory(planner: _Planner, candidate: Candidate, lora_r: int, say) -> list[Candidate]:
     """Selective checkpointing and unchecked layers on a fitting candidate, each planned; those that fit."""
     out = []
-    sp = candidate.layout.sequence_parallel_size
-    ranks = sorted({0, sp - 1})
-    # The ranks already traced first (free), then the one whose plan peaked higher: where one does not fit, the other
-    # is not planned (a trace saved).
-    heavier_first = [rank for _, rank in sorted(zip(candidate.plans, ranks), key=lambda pair: -pair[0].peak)]
+    heavier_first = _ranks_heavier_first(candidate)
 
     def planned(activations):
         return _planned_on_ranks(planner, candidate, activations, candidate.batching, heavier_first, lora_r)
