@@ -7,22 +7,27 @@ word`: a prompt ending with an assistant turn, which the policy continues). The 
 key's digits, which a 2-layer policy never learnt (5,000 SFT steps); the word must be found by reading the document.
 
 The steps, each cached under `--work-dir` (a rerun resumes):
-1. the reward model: the reduced demo's DisRM (`trl_longrm.demo`), trained by Bradley-Terry on the suite's judging
-   data (fact sentences of right and wrong values; 91.7% PairWise on its benchmark);
-2. the policy: a fresh tiny Llama (`--policy-size`, hidden x layers) on the demo's tokenizer, warmed up by a short SFT
-   on right answers (`--warm-steps`), short enough that it finds the asked word only part of the time: its samples
-   spread over right and wrong words, as an imperfect policy's do;
+1. the reward model: the reduced demo's DisRM (`trl_longrm.demo`, trained by Bradley-Terry on the suite's judging
+   data), fine-tuned on this task's answers (`--reward-rows` groups: the right sentence chosen, three sentences of words
+   the document never states rejected). It learns what a model of its size can check: whether the answer's word is one
+   the document states; another key's word (which only the lookup of the asked key exposes) it does not tell apart;
+2. the policy: the demo judge's base (`--policy-base judge`: the DisRM's backbone under a new LM head, the demo's
+   stand-in for a pretrained model that reads these documents), warmed up by SFT on right answers (`--warm-steps`)
+   until its greedy answers mostly state a word of the document, while its samples at temperature 1 still mostly
+   invent one (a fresh tiny Llama, `--policy-base fresh --policy-size 256x4`, does not get there in minutes);
 3. `distill` (`trl_longrm.datagen.distill`, as `trl-longrm data distill` runs it): `--rollouts` samples of the policy
-   per training prompt (training keys), scored by the DisRM, the best kept; the random arm keeps one of the same
+   per training prompt (training keys), scored by the reward model, the best kept; the random arm keeps one of the same
    rollouts at random (same prompts, same rollouts: only the choice differs);
 4. SFT of the warmed policy on each arm's rows (same steps, same seed);
 5. each policy answers held-out prompts (the world's eval keys, documents of the benchmark's lengths): greedy, and
-   `--samples` samples at temperature 1; an answer is right when its word is the document's word for the key.
+   `--samples` samples at temperature 1. An answer is *right* when its word is the document's word for the key, and
+   *stated* when its word is one the document states (right, or another key's: a faithful answer, LongRM's
+   faithfulness perspective).
 
     .venv/bin/python bench/distill.py --out bench/results/distill.json
 
-The table gives the share of held-out answers that are right, before and after; the margin is kept - random. The
-rollouts' own accuracy (kept, random, best of each prompt's) is the reward model's selection.
+The table gives the shares of held-out answers that are right and stated, before and after; the margin is kept -
+random. The rollouts' own shares (kept, random, any of each prompt's) are the reward model's selection.
 """
 
 from __future__ import annotations
@@ -72,10 +77,35 @@ def training_length(rng, _index) -> int:
     return round(math.exp(rng.uniform(math.log(low), math.log(high))))
 
 
+def absent_words(row: dict, count: int, rng: random.Random) -> list[str]:
+    """`count` values (of the world's value words) that the row's document never states."""
+    from trl_longrm.synthetic.world import VALUES
+
+    stated = stated_words(row)
+    return rng.sample([word for word in VALUES if word not in stated], count)
+
+
+def stated_words(row: dict) -> set[str]:
+    """The values the row's document states (the world's value words in its notes, not in its question)."""
+    from trl_longrm.synthetic.world import VALUES
+
+    document = row["prompt"][-1]["content"].split("\n\n# ")[0]
+    return {word.strip(".,;:") for word in document.lower().split()} & set(VALUES)
+
+
+def first_word(continuation: str) -> str:
+    words = continuation.strip().lower().split()
+    return words[0].strip(".,;:!?\"'") if words else ""
+
+
 def is_right(row: dict, continuation: str) -> bool:
     """Whether a continuation of the prefill gives the key's word (its first word, without punctuation or case)."""
-    words = continuation.strip().lower().split()
-    return bool(words) and words[0].strip(".,;:!?\"'") == row["word"]
+    return first_word(continuation) == row["word"]
+
+
+def is_stated(row: dict, continuation: str) -> bool:
+    """Whether a continuation gives a word the document states (right, or another key's word)."""
+    return first_word(continuation) in stated_words(row)
 
 
 def write_jsonl(path: Path, rows) -> Path:
@@ -149,12 +179,16 @@ def answer_all(model: Path, rows: list[dict], samples: int, seed: int) -> list[t
 
 
 def score_policy(model: Path, rows: list[dict], samples: int, seed: int) -> dict:
+    """Shares of held-out answers that are right and that state a word of the document, greedy and sampled."""
     answers = answer_all(model, rows, samples, seed)
-    greedy = [is_right(row, g) for row, (g, _) in zip(rows, answers, strict=True)]
-    sampled = [is_right(row, s) for row, (_, group) in zip(rows, answers, strict=True) for s in group]
-    return {"greedy": sum(greedy) / len(greedy), "sampled": sum(sampled) / len(sampled),
-            "example": {"prefill": rows[0]["prefill"], "greedy": answers[0][0], "sampled": answers[0][1],
-                        "word": rows[0]["word"]}}  # fmt: skip
+    result = {}
+    for name, check in (("right", is_right), ("stated", is_stated)):
+        greedy = [check(row, g) for row, (g, _) in zip(rows, answers, strict=True)]
+        sampled = [check(row, s) for row, (_, group) in zip(rows, answers, strict=True) for s in group]
+        result[name] = {"greedy": sum(greedy) / len(greedy), "sampled": sum(sampled) / len(sampled)}
+    result["example"] = {"prefill": rows[0]["prefill"], "greedy": answers[0][0], "sampled": answers[0][1],
+                         "word": rows[0]["word"]}  # fmt: skip
+    return result
 
 
 def main() -> int:
@@ -163,13 +197,21 @@ def main() -> int:
     parser.add_argument("--work-dir", type=Path, default=None, help="Where the steps run (default: a temp dir).")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--policy-size", default="256x4", help="The policy's hidden size x layers.")
+    parser.add_argument(
+        "--policy-base",
+        choices=("fresh", "judge"),
+        default="judge",
+        help="fresh: a new tiny Llama of --policy-size; judge: the demo judge's base (the DisRM's "
+        "backbone under a new LM head, the demo's stand-in for a pretrained model).",
+    )
+    parser.add_argument("--reward-rows", type=int, default=3000, help="Groups of the reward model's fine-tuning.")
     parser.add_argument("--warm-rows", type=int, default=6000, help="Rows of the policy's warm-up SFT.")
-    parser.add_argument("--warm-steps", type=int, default=600, help="Steps of the warm-up SFT (8 rows a step).")
+    parser.add_argument("--warm-steps", type=int, default=1600, help="Steps of the warm-up SFT (8 rows a step).")
     parser.add_argument("--warm-learning-rate", type=float, default=1e-3, help="Learning rate of the warm-up.")
     parser.add_argument("--prompts", type=int, default=2000, help="Training prompts distilled.")
     parser.add_argument("--rollouts", type=int, default=4, help="Rollouts per prompt (the paper: 2).")
-    parser.add_argument("--steps", type=int, default=250, help="SFT steps on each arm's rows (8 rows a step).")
-    parser.add_argument("--learning-rate", type=float, default=5e-4, help="Learning rate of each arm's SFT.")
+    parser.add_argument("--steps", type=int, default=400, help="SFT steps on each arm's rows (8 rows a step).")
+    parser.add_argument("--learning-rate", type=float, default=1e-3, help="Learning rate of each arm's SFT.")
     parser.add_argument("--heldout", type=int, default=300, help="Held-out prompts (eval keys).")
     parser.add_argument("--samples", type=int, default=4, help="Samples per held-out prompt at temperature 1.")
     args = parser.parse_args()
@@ -189,17 +231,27 @@ def main() -> int:
     def lap(name):
         timings[name] = round(time.perf_counter() - start - sum(timings.values()), 1)
 
-    # 1. The reward model: the reduced demo's DisRM (its judge's tokenizer is the policy's).
+    # 1. The reward model: the reduced demo's DisRM (its judge's tokenizer is the policy's), fine-tuned by Bradley-Terry
+    # on this bench's answers: the right sentence chosen, three sentences of words the document never states rejected.
     demo = Demo(DemoConfig(output_dir=str(work / "demo"), seed=args.seed, stages=["simpo_disrm"], **SMALL_DEMO))
     demo.run()
     demo.judge_base()
-    reward_model = demo.models["simpo_disrm"]
+    rng = random.Random(f"reward:{args.seed}")
+    reward_rows = [{"chat_template": row["prompt"], "chosen": row["sentence"],
+                    "rejects": [f"{row['prefill']} {word}." for word in absent_words(row, 3, rng)]}
+                   for row in prompts(f"reward{args.seed}", args.reward_rows, "train", training_length)]  # fmt: skip
+    reward_model = train("simpo_disrm.yaml", demo.models["simpo_disrm"], write_jsonl(work / "reward.jsonl", reward_rows),
+                         work / "runs" / "reward", ["--seed", str(args.seed), "--learning_rate", "1e-3"])  # fmt: skip
     lap("reward model")
 
     # 2. The policy, warmed up on right answers (the whole sentence: the prefill is the sentence's start).
     warm_rows = [{"prompt": row["prompt"], "completion": completion(row["sentence"])}
                  for row in prompts(f"warm{args.seed}", args.warm_rows, "train", training_length)]  # fmt: skip
-    base = policy_base(demo.models["judge"], args.policy_size, work / "models" / f"policy_{args.policy_size}", args.seed)
+    if args.policy_base == "judge":
+        base = demo.models["judge"]
+    else:
+        base = policy_base(demo.models["judge"], args.policy_size, work / "models" / f"policy_{args.policy_size}",
+                           args.seed)  # fmt: skip
     warm = sft(base, write_jsonl(work / "warm.jsonl", warm_rows), work / "runs" / "warm", args.warm_steps,
                args.warm_learning_rate, args.seed)  # fmt: skip
     lap("warm-up")
@@ -214,14 +266,17 @@ def main() -> int:
         scorer={"model_path": str(reward_model), "backend": "transformers", "device": "cpu",
                 "batch_size": 16}, batch_size=32))  # fmt: skip
     pick = random.Random(f"random:{args.seed}")
-    arms, selection = {"kept": [], "random": []}, {"kept": [], "random": [], "best": []}
+    arms = {"kept": [], "random": []}
+    selection = {check: {"kept": [], "random": [], "best": []} for check in ("right", "stated")}
     for row in read_jsonl(work / "distilled.jsonl"):
         source = by_id[row["id"]]
-        right = [is_right(source, text[len(source["prefill"]) :]) for text in row["rollouts"]]
+        continuations = [text[len(source["prefill"]) :] for text in row["rollouts"]]
         for arm, index in (("kept", row["kept"]), ("random", pick.randrange(len(row["rollouts"])))):
             arms[arm].append({"prompt": row["messages"][:-1], "completion": completion(row["rollouts"][index])})
-            selection[arm].append(right[index])
-        selection["best"].append(any(right))
+            for check, test in (("right", is_right), ("stated", is_stated)):
+                selection[check][arm].append(test(source, continuations[index]))
+        for check, test in (("right", is_right), ("stated", is_stated)):
+            selection[check]["best"].append(any(test(source, text) for text in continuations))
     lap("distill")
 
     # 4. SFT on each arm; 5. every policy on the held-out prompts.
@@ -237,20 +292,22 @@ def main() -> int:
     result = {
         "commit": commit, "seed": args.seed,
         "settings": {k: v for k, v in vars(args).items() if k not in ("out", "work_dir")},
-        "rollouts_right": {k: round(sum(v) / len(v), 4) for k, v in selection.items()},
+        "rollouts": {check: {k: round(sum(v) / len(v), 4) for k, v in arms_.items()}
+                     for check, arms_ in selection.items()},
         "distill_summary": {k: summary[k] for k in ("written", "dropped", "requests", "generated_tokens", "seconds")},
         "policies": results,
-        "margin_points": {key: round(100 * (results["kept"][key] - results["random"][key]), 1)
-                          for key in ("greedy", "sampled")},
+        "margin_points": {check: {key: round(100 * (results["kept"][check][key] - results["random"][check][key]), 1)
+                                  for key in ("greedy", "sampled")} for check in ("right", "stated")},
         "timings_s": timings,
     }  # fmt: skip
-    chosen = result["rollouts_right"]
-    print(f"Rollouts right: kept {chosen['kept']:.3f}, random {chosen['random']:.3f}, any of the prompt's "
-          f"{chosen['best']:.3f}")  # fmt: skip
-    print("| held-out answers right % | greedy | sampled (T=1) |")
-    print("|---|---|---|")
+    for check, shares in result["rollouts"].items():
+        print(f"Rollouts {check}: kept {shares['kept']:.3f}, random {shares['random']:.3f}, any of the prompt's "
+              f"{shares['best']:.3f}")  # fmt: skip
+    print("| held-out answers % | right, greedy | right, sampled (T=1) | stated, greedy | stated, sampled (T=1) |")
+    print("|---|---|---|---|---|")
     for name, row in results.items():
-        print(f"| {name} | {100 * row['greedy']:.1f} | {100 * row['sampled']:.1f} |")
+        print(f"| {name} | {100 * row['right']['greedy']:.1f} | {100 * row['right']['sampled']:.1f} | "
+              f"{100 * row['stated']['greedy']:.1f} | {100 * row['stated']['sampled']:.1f} |")  # fmt: skip
     print(f"margin kept - random (points): {result['margin_points']}")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
