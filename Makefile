@@ -41,8 +41,15 @@ $(VLLM_STAMP): constraints-vllm.txt pyproject.toml
 vllm: $(VLLM_STAMP)
 
 # The suite starts real vLLM servers and engines from the vLLM venv (on a CPU vLLM cannot run on, those tests skip).
+# Two phases, never more busy threads than cores: the one-process tests on TEST_WORKERS pytest-xdist workers of one
+# thread each (a module's tests on one worker, so its fixtures are built once), then the multi-process and end-to-end
+# tests (`slow`) one at a time, each with the whole machine. Both phases run; the target fails if either did.
+TEST_WORKERS ?= 2
 test: $(STAMP) $(VLLM_STAMP)
-	$(PY) -m pytest $(PYTEST_ARGS)
+	@status=0; \
+	OMP_NUM_THREADS=1 $(PY) -m pytest -m "not slow" -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS) || status=$$?; \
+	$(PY) -m pytest -m slow $(PYTEST_ARGS) || status=$$?; \
+	exit $$status
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)

@@ -172,6 +172,7 @@ def test_template_failure_names_the_row(tokenizer):
         tokenize_preference_record(record, tokenizer, index=3, source="src")
 
 
+@pytest.mark.slow
 def test_dataset_tokenisation_matches_records_and_num_proc(tokenizer, caplog):
     records = [group(chosen=f"[Score: {i}]", margin=float(i)) for i in range(4)]
     dataset = Dataset.from_list(records)

@@ -27,6 +27,7 @@ def server(model):
         yield running
 
 
+@pytest.mark.slow
 def test_token_route_samples_n_under_the_requests_seed(server, model):
     tokenizer = build_chat_tokenizer()
     engine = OpenAIGenerator(server.base_url, "responder", tokenizer=tokenizer)
@@ -45,6 +46,7 @@ def test_token_route_samples_n_under_the_requests_seed(server, model):
     assert greedy[0] == greedy[1] == engine.generate(prompts[:1], 8)[0]
 
 
+@pytest.mark.slow
 def test_chat_route_answers_messages(server):
     engine = OpenAIChatGenerator(server.base_url, "responder")
     messages = [{"role": "user", "content": "Name a river."}]
@@ -55,6 +57,7 @@ def test_chat_route_answers_messages(server):
     assert answers[0][0].finish_reason in ("stop", "length")
 
 
+@pytest.mark.slow
 def test_chat_route_continues_a_prefilled_answer_as_the_token_route_does(server):
     # A conversation ending with an assistant turn is continued (vLLM's `continue_final_message`): the chat route's
     # greedy answer is the token route's on our own rendering of it (`TokenChatModel`, which the other backends use).
@@ -77,6 +80,7 @@ def test_chat_route_continues_a_prefilled_answer_as_the_token_route_does(server)
     assert new_turn.text != continued.text
 
 
+@pytest.mark.slow
 def test_respond_through_the_server(server, model, tmp_path):
     from trl_longrm.datagen.expand import ExpandConfig, expand
     from trl_longrm.datagen.respond import RespondConfig, respond

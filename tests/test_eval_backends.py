@@ -27,6 +27,10 @@ from trl_longrm.evaluation.cli import add_eval_arguments, config_flags, config_f
 from trl_longrm.serving.server import free_port
 
 
+# vLLM engines and servers, and the demo's two-process DisRM: run one test at a time (`make test`'s second phase).
+pytestmark = pytest.mark.slow
+
+
 ROOT = Path(__file__).resolve().parents[1]
 # The reduced demo of tests/test_demo.py without stage II (stage I's judge writes a score in every judgment), with heads
 # of 64 dimensions: ~2 min on 2 cores. `TRL_LONGRM_DEMO64_DIR` keeps it between runs (the demo resumes its folder).

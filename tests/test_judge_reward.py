@@ -97,6 +97,7 @@ def task_of(messages):  # the evaluation's task text, written out here as an ind
     return "\n\n".join(m["content"] for m in messages)
 
 
+@pytest.mark.slow
 def test_grpo_rewards_equal_the_judge_by_hand(paths, server, tokenizer, tmp_path):
     """Pairwise (both display orders, win rates) and pointwise (expected scores) rewards computed by TRL's
     `_calculate_rewards` equal those computed here from a direct call of a `GenerativeJudge` on the same server."""
@@ -146,6 +147,7 @@ def metrics(server) -> dict[str, float]:
     return totals
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("warm_prefix", [False, True], ids=["together", "warm_prefix"])
 def test_each_group_context_is_prefilled_once(server, tokenizer, warm_prefix):
     """The server's own counters: of one group's pairwise requests (G(G-1) of them, all starting with the same long
@@ -171,6 +173,7 @@ def test_each_group_context_is_prefilled_once(server, tokenizer, warm_prefix):
     assert queries - hits <= shared + sum(len(ids) - shared for ids in prompt_ids) + 128 * (n + 1), (hits, queries)
 
 
+@pytest.mark.slow
 def test_unparsed_verdicts_are_counted_and_unscored(server, tokenizer, caplog):
     """The random judge writes no verdict: every comparison is unreadable, counted, logged and warned about, and a row
     without any readable comparison is unscored (None: GRPO gives it no advantage), never a made-up 0.5."""
@@ -190,6 +193,7 @@ def test_unparsed_verdicts_are_counted_and_unscored(server, tokenizer, caplog):
         assert rewards == [None] * len(ps)
 
 
+@pytest.mark.slow
 def test_server_context_cuts_requests_and_a_refusal_keeps_the_step(server, tokenizer, caplog):
     """The server takes 4096 tokens (`--max-model-len`): `JudgeReward` left at `max_length=131072` reads that from
     `/v1/models` and cuts a 6,000-token group to fit (scored, with a warning); a `GenerativeJudge` given as it is, whose
@@ -346,6 +350,7 @@ def test_slow_server_is_one_timeout_error(tokenizer):
         httpd.server_close()
 
 
+@pytest.mark.slow
 def test_verl_and_openrlhf_entry_points_match(paths, server, tokenizer, monkeypatch):
     """verl's per-sample `compute_score` (keyword arguments, as its `naive` manager calls it) and OpenRLHF's
     `reward_func`, set up by the environment, give `JudgeReward`'s pointwise rewards for the same samples (their own

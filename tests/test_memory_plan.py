@@ -651,6 +651,7 @@ def test_the_trace_leaves_out_identical_mlp_slices_with_the_same_peak(case, tile
             assert getattr(left_out, phase) == getattr(whole, phase), phase
 
 
+@pytest.mark.slow
 def test_traces_run_in_another_process_give_the_same_step():
     """`trl-longrm plan` traces a plan's two depths at once, the deeper in a spawned process
     (`trace.trace_processes`): the extrapolated step, and with unchecked layers (three more traces), equals the one

@@ -103,6 +103,7 @@ def test_a_card_too_small_rejects_every_layout_with_its_peak():
     assert "nothing fits" in result.table()
 
 
+@pytest.mark.slow
 def test_cli_writes_a_recipe_whose_dry_run_plans_the_same(tmp_path):
     """`trl-longrm plan ... --write` then `trl-longrm train RECIPE --dry_run` (the recipe keeps a base recipe's data)."""
     config = model_config(layers=6)
