@@ -113,7 +113,18 @@ def test_real_sample_rows_are_the_same_with_the_cut_by_characters(shared_sample_
         assert _tokenize_preference(record, tokenizer, max_length, "truncate_prompt", index, "s", None) == reference
 
 
-def test_no_warning_about_the_row_length_before_truncation(caplog):
+@pytest.fixture
+def transformers_warnings():
+    """transformers' warnings shown, whatever an earlier test of this process left its verbosity at."""
+    import transformers
+
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_warning()
+    yield
+    transformers.logging.set_verbosity(verbosity)
+
+
+def test_no_warning_about_the_row_length_before_truncation(caplog, transformers_warnings):
     from trl_longrm.testing_utils import build_chat_tokenizer
 
     record = {"prompt": [{"role": "user", "content": huge_text(20_000, 5)}], "chosen": "yes", "rejected": ["no"]}
