@@ -52,7 +52,7 @@ test: $(STAMP) $(VLLM_STAMP)
 	exit $$status
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -m "not slow" -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 # CPU benchmark of our trainers against stock TRL (not part of the tests); the last line printed is a JSON of ratios.
 bench: $(STAMP)

@@ -651,6 +651,24 @@ def test_the_trace_leaves_out_identical_mlp_slices_with_the_same_peak(case, tile
             assert getattr(left_out, phase) == getattr(whole, phase), phase
 
 
+def test_a_plan_leaves_the_callers_transformers_verbosity_as_it_was():
+    """A traced trainer runs at `log_level="error"`, which HF Trainer sets for the whole process: a plan made in a
+    user's process restores the verbosity the user had (transformers' warnings still show after it)."""
+    import transformers
+
+    from trl_longrm.memory_plan import plan_memory
+
+    before = transformers.logging.get_verbosity()
+    try:
+        for verbosity in (transformers.logging.WARNING, transformers.logging.INFO):
+            transformers.logging.set_verbosity(verbosity)
+            stage, args, config, shape, _, dtype, _ = build_case("grm_shared_k4_checkpointing_fp32")
+            plan_memory(stage, args, config, shape, dtype=dtype)
+            assert transformers.logging.get_verbosity() == verbosity
+    finally:
+        transformers.logging.set_verbosity(before)
+
+
 @pytest.mark.slow
 def test_traces_run_in_another_process_give_the_same_step():
     """`trl-longrm plan` traces a plan's two depths at once, the deeper in a spawned process

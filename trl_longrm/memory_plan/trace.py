@@ -753,6 +753,20 @@ def trace_step(stage: str, training_args, model_config, shape: GroupShape, *, pe
 
 
 @contextlib.contextmanager
+def _transformers_verbosity_kept():
+    """The traced trainer's `log_level="error"` sets transformers' verbosity for the whole process (HF Trainer's
+    `__init__` does): the caller's verbosity is restored after the trace, so that a plan made in a user's process does
+    not silence transformers' warnings there."""
+    import transformers
+
+    verbosity = transformers.logging.get_verbosity()
+    try:
+        yield
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+
+
+@contextlib.contextmanager
 def _collections_skip_older_objects():
     """Garbage collections during a trace traverse only what the trace made: the Trainer collects at the start of
     `train()` (accelerate's `free_memory`), a full collection of a process holding torch, transformers and DeepSpeed,
@@ -877,7 +891,12 @@ def _trace_step(stage: str, training_args, model_config, shape: GroupShape, *, p
     num_rows = groups_per_row * accumulation * (world_size // sp)
     callback = _TraceStep(workspaces=kernels == "cpu")
     callback.record_segments = not ddp
-    with _collections_skip_older_objects(), fake_world(rank, world_size), tempfile.TemporaryDirectory() as tmp:
+    with (
+        _transformers_verbosity_kept(),
+        _collections_skip_older_objects(),
+        fake_world(rank, world_size),
+        tempfile.TemporaryDirectory() as tmp,
+    ):
         overrides = dict(
             output_dir=tmp, max_steps=1, num_train_epochs=1, gradient_accumulation_steps=accumulation,
             save_strategy="no", eval_strategy="no", report_to=[], logging_steps=1, disable_tqdm=True,
