@@ -58,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
         "answers each sample with its reward. OpenRLHF: --reward.remote_url http://HOST:PORT/get_reward; verl: "
         "trl_longrm.rewards.verl.JudgeRewardManager with TRL_LONGRM_REWARD_SERVER=http://HOST:PORT.",
     )
-    from trl_longrm.rewards.group_server import add_reward_server_arguments, run_reward_server
+    from trl_longrm.rewards.server.main import add_reward_server_arguments, run_reward_server
 
     add_reward_server_arguments(server_parser)
     server_parser.set_defaults(handler=run_reward_server)

@@ -9,6 +9,7 @@ response after the prompt messages).
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -333,7 +334,9 @@ class GenerativeJudge:
                     "be read at one position; evaluate with --no-verdict-probs (scores are then the parsed ones)."
                 )
             self.verdict_ids.append(ids[0])
+        # A running count over the judge's calls (the evaluation's report); the lock keeps it exact under concurrent calls.
         self.bounded_verdict_probs = 0
+        self._count_lock = threading.Lock()
 
     @classmethod
     def from_pretrained(cls, model_path: str, device: str | None = None, dtype: str = "auto", **kwargs):
@@ -372,10 +375,12 @@ class GenerativeJudge:
         return None if all(b == self.max_new_tokens for b in budgets) else budgets
 
     def _generate(self, prompts: list[list[int]], read_verdicts: bool = False):
-        """Greedy judgments of `prompts`: their texts, and with `read_verdicts` also, per row, the probabilities of the
-        verdict tokens at the step after the verdict's opening, read from the generation's own log-probabilities (None
-        where the judgment has no verdict opening, it does not end on a token boundary, or the engine did not report
-        every verdict token there)."""
+        """Greedy judgments of `prompts`: their texts (None where the engine refused the prompt) and the engine's
+        refusals (None where it generated), and with `read_verdicts` also, per row, the probabilities of the verdict
+        tokens at the step after the verdict's opening, read from the generation's own log-probabilities (None where
+        the judgment has no verdict opening, it does not end on a token boundary, or the engine did not report every
+        verdict token there). Everything a call learns is returned, nothing kept on the judge: one judge serves
+        concurrent calls (the reward server judges several groups at once)."""
         asked = self.verdict_ids if read_verdicts else None
         budgets = self._budgets(prompts)
         if budgets is None:
@@ -386,22 +391,20 @@ class GenerativeJudge:
                 rows = [i for i, b in enumerate(budgets) if b == budget]
                 for i, generation in zip(rows, self.engine.generate([prompts[i] for i in rows], budget, asked)):
                     generations[i] = generation
-        self._refused = [getattr(g, "refusal", None) for g in generations]
-        refused = next((reason for reason in self._refused if reason), None)
+        refusals = [getattr(g, "refusal", None) for g in generations]
+        refused = next((reason for reason in refusals if reason), None)
         if refused and self.refusals == "raise":
             from trl_longrm.serving.base import EngineError
 
             raise EngineError(refused)
-        texts = [
-            None if reason else self._decode(g.token_ids) for g, reason in zip(generations, self._refused)
-        ]
+        texts = [None if reason else self._decode(g.token_ids) for g, reason in zip(generations, refusals)]
         if not read_verdicts:
-            return texts
+            return texts, refusals
         probs = [
             None if text is None else self._probs_at_verdict(g.token_ids, text, g.logprobs)
             for g, text in zip(generations, texts)
         ]
-        return texts, probs
+        return texts, refusals, probs
 
     def _decode(self, token_ids: list[int]) -> str:
         """A judgment's text. Under `evaluation_protocol="longrm"`, as vLLM's detokenizer ends it (LongRM stores the
@@ -435,20 +438,19 @@ class GenerativeJudge:
         return torch.tensor([step[token] for token in self.verdict_ids]).softmax(dim=-1).tolist()
 
     def _read_verdicts(self, prompts: list[list[int]], wanted: list[bool] | None = None):
-        """Texts, the verdict probabilities of the `wanted` rows (default all; None for the others): from the
+        """Texts, refusals, the verdict probabilities of the `wanted` rows (default all; None for the others): from the
         generation pass where it can, else from a forced pass; and per row whether its probabilities are bounds."""
-        texts, probs = self._generate(prompts, read_verdicts=True)
+        texts, refusals, probs = self._generate(prompts, read_verdicts=True)
         # A refused prompt has no judgment to read a verdict from.
         wanted = [text is not None and want for text, want in zip(texts, wanted or [True] * len(prompts))]
         probs = [p if want else None for p, want in zip(probs, wanted)]
         bounded = [False] * len(prompts)
         missing = [i for i, p in enumerate(probs) if p is None and wanted[i]]
         if missing:
-            for i, p in zip(missing, self._verdict_probs([prompts[i] for i in missing], [texts[i] for i in missing])):
-                probs[i] = p
-            for i, flag in zip(missing, self._bounded_rows):
-                bounded[i] = flag
-        return texts, probs, bounded
+            forced, flags = self._verdict_probs([prompts[i] for i in missing], [texts[i] for i in missing])
+            for i, p, flag in zip(missing, forced, flags):
+                probs[i], bounded[i] = p, flag
+        return texts, refusals, probs, bounded
 
     def judge(self, requests: Sequence[JudgeRequest]) -> list[JudgeOutput]:
         if self.protocol == "pointwise":
@@ -463,14 +465,13 @@ class GenerativeJudge:
             prompts.append(ids)
             truncated.append(cut)
         wanted = [self.verdict_probs and not request.ranking for request in requests]
-        self._refused = [None] * len(prompts)  # `_generate` records the engine's refusals here
         if any(wanted):
-            texts, probs, bounded = self._read_verdicts(prompts, wanted)
+            texts, refusals, probs, bounded = self._read_verdicts(prompts, wanted)
         else:
-            texts, probs, bounded = self._generate(prompts), [None] * len(prompts), [False] * len(prompts)
+            (texts, refusals), probs, bounded = self._generate(prompts), [None] * len(prompts), [False] * len(prompts)
         return [
             JudgeOutput(text=text, truncated=cut, verdict_probs=p, bounded_verdict_probs=int(b), refusal=reason)
-            for text, cut, p, b, reason in zip(texts, truncated, probs, bounded, self._refused)
+            for text, cut, p, b, reason in zip(texts, truncated, probs, bounded, refusals)
         ]
 
     def _judge_pointwise(self, requests: Sequence[JudgeRequest]) -> list[JudgeOutput]:
@@ -483,14 +484,13 @@ class GenerativeJudge:
                 owners.append(i)
                 truncated[i] = truncated[i] or cut
         bounded = [False] * len(prompts)
-        self._refused = [None] * len(prompts)  # `_generate` records the engine's refusals here
         if self.verdict_probs:
-            texts, probs, bounded = self._read_verdicts(prompts)
+            texts, refusals, probs, bounded = self._read_verdicts(prompts)
         else:
             # The runner then ranks by the judgments' parsed scores.
-            texts, probs = self._generate(prompts), None
+            (texts, refusals), probs = self._generate(prompts), None
         outputs = [JudgeOutput(judgments=[], truncated=cut) for cut in truncated]
-        for owner, text, b, reason in zip(owners, texts, bounded, self._refused):
+        for owner, text, b, reason in zip(owners, texts, bounded, refusals):
             outputs[owner].judgments.append(text)
             outputs[owner].bounded_verdict_probs += int(b)
             outputs[owner].refusal = outputs[owner].refusal or reason
@@ -506,8 +506,8 @@ class GenerativeJudge:
         """The forced-decoding pass: the next-token probabilities of the verdict tokens after prompt + the judgment up
         to its verdict + the verdict's opening, renormalised over them. A verdict token the engine does not report (a
         server returning only its top-k log-probabilities) is given the lowest log-probability reported at that step,
-        an upper bound; such requests are counted in `bounded_verdict_probs` (and flagged, per row of this call, in
-        `_bounded_rows`, from which each `JudgeOutput` counts its own)."""
+        an upper bound; such requests are counted in `bounded_verdict_probs` and flagged, per row of this call, in the
+        second list returned (from which each `JudgeOutput` counts its own)."""
         rows = []
         limit = self.max_length if self.evaluation_protocol == "default" else getattr(self.engine, "max_model_len", None)
         for prompt, text in zip(prompts, texts):
@@ -520,26 +520,26 @@ class GenerativeJudge:
                 # its end is dropped so that the pass fits the context the judgment was generated in.
                 reasoning_ids = reasoning_ids[: max(limit - 1 - len(prompt) - len(self.forced_ids), 0)]
             rows.append(prompt + reasoning_ids + self.forced_ids)
-        probs = []
-        self._bounded_rows = []
+        probs, bounded = [], []
         for generation in self.engine.generate(rows, 1, logprob_token_ids=self.verdict_ids):
             if getattr(generation, "refusal", None):
                 if self.refusals == "raise":
                     from trl_longrm.serving.base import EngineError
 
                     raise EngineError(generation.refusal)
-                self._bounded_rows.append(False)
+                bounded.append(False)
                 probs.append(None)
                 continue
             step = generation.logprobs[0]
-            self._bounded_rows.append(any(token not in step for token in self.verdict_ids))
-            if self._bounded_rows[-1]:
-                self.bounded_verdict_probs += 1
+            bounded.append(any(token not in step for token in self.verdict_ids))
+            if bounded[-1]:
+                with self._count_lock:
+                    self.bounded_verdict_probs += 1
                 floor = min(step.values(), default=0.0)
                 step = {token: step.get(token, floor) for token in self.verdict_ids}
             # Renormalised over the verdict tokens (A/B, or the score tokens) at the position after the opening.
             probs.append(torch.tensor([step[token] for token in self.verdict_ids]).softmax(dim=-1).tolist())
-        return probs
+        return probs, bounded
 
 
 class DiscriminativeJudge:

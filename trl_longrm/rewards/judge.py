@@ -4,6 +4,7 @@ judged together, in the format the judge was trained on, on any engine (a server
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -44,6 +45,26 @@ class JudgedBatch:
     verdicts: int
     refused: int = 0
     unscored: int = 0
+
+
+def _refuse_settings_of_a_judge(judge: GenerativeJudge, **given) -> None:
+    """A `GenerativeJudge` comes with its own engine, tokenizer, template, lengths and verdict reading: a setting given
+    beside it that differs from the judge's own cannot be honoured, and is refused by name (never silently ignored)."""
+    own = {"tokenizer": judge.tokenizer, "template": judge.template, "max_length": judge.max_length,
+           "max_new_tokens": judge.max_new_tokens, "verdict_probs": judge.verdict_probs}  # fmt: skip
+    conflicts = []
+    for key, value in given.items():
+        if value is None:
+            continue
+        if key in own and (value is own[key] or (not isinstance(value, (str, PromptTemplate)) and value == own[key])):
+            continue  # the judge's own value, given again
+        conflicts.append(f"{key}={value!r}" if isinstance(value, (int, float, bool, str)) else key)
+    if conflicts:
+        raise TypeError(
+            f"JudgeReward was given a GenerativeJudge, which judges with its own settings; {', '.join(conflicts)} "
+            "cannot apply to it. Set them on the GenerativeJudge, or give JudgeReward the engine (or server URL) "
+            "instead of the judge."
+        )
 
 
 def prompt_messages(prompt) -> list[dict[str, str]]:
@@ -137,11 +158,11 @@ class JudgeReward:
         protocol: str = "pairwise",
         model: str | None = None,
         template: PromptTemplate | str | None = None,
-        max_length: int = 131072,
-        max_new_tokens: int = 2048,
-        verdict_probs: bool = True,
+        max_length: int | None = None,
+        max_new_tokens: int | None = None,
+        verdict_probs: bool | None = None,
         warm_prefix: bool = False,
-        batch_size: int = 8,
+        batch_size: int | None = None,
         across_processes: bool = True,
         name: str = "JudgeReward",
         **engine_kwargs: Any,
@@ -154,9 +175,17 @@ class JudgeReward:
         if isinstance(judge, GenerativeJudge):
             if (judge.protocol == "pointwise") != (protocol == "pointwise"):
                 raise ValueError(f"The judge's protocol is {judge.protocol!r}; JudgeReward's is {protocol!r}.")
-            judge.refusals = "keep"  # a refused request leaves its rows unscored, the step goes on
-            self.judge = judge
+            _refuse_settings_of_a_judge(judge, tokenizer=tokenizer, model=model, template=template,
+                                        max_length=max_length, max_new_tokens=max_new_tokens,
+                                        verdict_probs=verdict_probs, batch_size=batch_size, **engine_kwargs)  # fmt: skip
+            # A copy: a refused request leaves its rows unscored and the step goes on, while the caller's judge keeps
+            # its own rule (the judges are re-entrant, so the copy shares the engine safely).
+            self.judge = copy.copy(judge)
+            self.judge.refusals = "keep"
         else:
+            max_length = 131072 if max_length is None else max_length
+            max_new_tokens = 2048 if max_new_tokens is None else max_new_tokens
+            verdict_probs = True if verdict_probs is None else verdict_probs
             if isinstance(tokenizer, str) or (tokenizer is None and isinstance(judge, str) and model):
                 tokenizer = load_tokenizer(tokenizer or model)
             if tokenizer is None:
@@ -170,7 +199,12 @@ class JudgeReward:
             elif engine_kwargs:
                 raise TypeError(f"{sorted(engine_kwargs)} apply to a server URL only.")
             elif not isinstance(judge, GenerationEngine):
-                judge = TransformersGenerator(judge, tokenizer, batch_size=batch_size)
+                judge = TransformersGenerator(judge, tokenizer, batch_size=8 if batch_size is None else batch_size)
+            if batch_size is not None and not isinstance(judge, TransformersGenerator):
+                raise TypeError(
+                    f"`batch_size` applies to a transformers judge (prompts per `generate` call); {type(judge).__name__} "
+                    "batches by itself (a server: `max_concurrency` requests in flight)."
+                )
             if isinstance(template, str):
                 template = PromptTemplate.from_yaml(template)
             engine_length = getattr(judge, "max_model_len", None)

@@ -2,7 +2,7 @@
 `--rollout.n_samples_per_prompt`). OpenRLHF asks for one sample's reward at a time (its single-turn executor, for each
 generated sample), by one of two routes:
 
-- an HTTP URL: `trl-longrm reward-server` (`trl_longrm.rewards.group_server`) holds each sample until its prompt's
+- an HTTP URL: `trl-longrm reward-server` (`trl_longrm.rewards.server`) holds each sample until its prompt's
   `--group-size` samples have arrived, judges them as one group (pairwise, ranking or pointwise) and answers each;
 - a `.py` path: this file's `reward_func(queries, prompts, labels)`, called with one sample, judges it alone: the
   pointwise protocol only (`TRL_LONGRM_JUDGE_PROTOCOL=pointwise`, settings from the `TRL_LONGRM_JUDGE_*` environment,
@@ -31,7 +31,7 @@ from collections.abc import Sequence
 
 import torch
 
-from trl_longrm.rewards.group_server import openrlhf_response
+from trl_longrm.rewards.server.payloads import openrlhf_response
 from trl_longrm.rewards.judge import judge_reward_from_env
 
 

@@ -25,8 +25,11 @@ TRL_LONGRM_REWARD_SERVER=http://127.0.0.1:5000 python -m verl.trainer.main_ppo .
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
+
+from trl_longrm.rewards.server.main import API_KEY_ENV  # the reward server's key, sent as a Bearer token
 
 
 logger = logging.getLogger(__name__)
@@ -75,8 +78,12 @@ class JudgeRewardManager(RewardManagerBase):
                 "Set TRL_LONGRM_REWARD_SERVER to the address of `trl-longrm reward-server` (e.g. http://127.0.0.1:5000) "
                 "in the environment of verl's reward workers."
             )
+        key = os.environ.get(API_KEY_ENV)
+        self.headers = {"Authorization": f"Bearer {key}"} if key else {}
+        self.patience = float(os.environ.get("TRL_LONGRM_REWARD_PATIENCE", 3600))
         rollout = config.actor_rollout_ref.rollout
         self.group_size = int(rollout.n)
+        check_reward_worker_slots(config)
         validation = int(rollout.get("val_kwargs", {}).get("n", 1) or 1)
         if validation != self.group_size:
             logger.warning(
@@ -86,17 +93,78 @@ class JudgeRewardManager(RewardManagerBase):
             )  # fmt: skip
 
     async def run_single(self, data) -> dict:
-        import aiohttp  # verl's own dependency (its reward loop posts with it)
-
         prompt, response, uid = _sample(data, self.tokenizer)
         payload = {"uid": uid, "group_size": self.group_size, "prompt": prompt, "response": response}
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as session:
-            async with session.post(f"{self.url}/verl", json=payload) as answer:
-                body = await answer.json(content_type=None)
-                if answer.status != 200:
-                    raise RuntimeError(f"trl-longrm reward-server at {self.url} answered {answer.status}: {body}")
+        body = await post_with_retries(f"{self.url}/verl", payload, self.headers, self.patience)
         return {"reward_score": float(body["score"]),
                 "reward_extra_info": {"judge_score": float(body["score"]), "judge_unscored": int(body["unscored"])}}
+
+
+async def post_with_retries(url: str, payload: dict, headers: dict, patience: float) -> dict:
+    """POST `payload` to the reward server and return its JSON answer, trying again while the server is unreachable
+    (restarting) or answers 503 (judge unavailable, server stopping; after its `Retry-After`), for up to `patience`
+    seconds in all. The server holds the request until its group is judged (no read timeout here: that is the
+    server's `--judge-timeout`); a 4xx is the request's fault and is raised at once, with the server's message."""
+    import aiohttp  # verl's own dependency (its reward loop posts with it)
+
+    deadline = asyncio.get_running_loop().time() + patience
+    delay = 1.0
+    while True:
+        try:
+            # A connection per sample, as verl's own reward managers post.
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=30)) as session:
+                async with session.post(url, json=payload, headers=headers) as answer:
+                    body = await answer.json(content_type=None)
+                    if answer.status == 200:
+                        return body
+                    if answer.status != 503:
+                        raise RuntimeError(f"trl-longrm reward-server at {url} answered {answer.status}: {body}")
+                    wait = float(answer.headers.get("Retry-After", delay))
+                    reason = f"503: {body.get('error') if isinstance(body, dict) else body}"
+        except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as error:
+            wait, reason = delay, f"{type(error).__name__}: {error}"
+        now = asyncio.get_running_loop().time()
+        if now + wait > deadline:
+            raise RuntimeError(f"trl-longrm reward-server at {url} gave no reward within {patience:g} s "
+                               f"(TRL_LONGRM_REWARD_PATIENCE); last: {reason}")  # fmt: skip
+        logger.warning("Reward server at %s: %s; trying again in %.0f s.", url, reason, wait)
+        await asyncio.sleep(wait)
+        delay = min(delay * 2, 30.0)
+
+
+# Ray runs an async actor's calls at most 1,000 at a time (its default `max_concurrency`), and verl creates its reward
+# workers without raising it (verl/experimental/reward_loop/reward_loop.py, `RewardLoopManager`).
+RAY_ASYNC_ACTOR_CONCURRENCY = 1000
+
+
+def check_reward_worker_slots(config) -> None:
+    """Refuse a verl run whose reward workers could deadlock on a step's samples.
+
+    verl's agent loop sends each finished sample to one of `reward.num_workers` reward workers at random; each worker
+    runs at most 1,000 calls at a time (Ray's default for an async actor) and queues the rest. Our manager's call is
+    held until the sample's whole group is judged. With S samples in flight, W slots and groups of G, at most S - W
+    samples wait in the queues, so at most S - W held groups lack a member, holding at most (S - W)(G - 1) slots:
+    while that is under W, some group is always whole and the step moves on, whatever the order samples finish in.
+    Past it, held samples can fill every slot while their groups' members wait behind them (judged only after
+    `--group-timeout`, without those members). The error names the `reward.num_workers` that rules it out."""
+    try:
+        prompts = int(config.data.get("gen_batch_size") or config.data.train_batch_size)
+        group = int(config.actor_rollout_ref.rollout.n)
+        workers = int(config.reward.num_workers)
+    except (AttributeError, KeyError, TypeError, ValueError):
+        return  # a config without these keys (another verl layout): nothing to check against
+    samples, slots = prompts * group, workers * RAY_ASYNC_ACTOR_CONCURRENCY
+    if group > 1 and (samples - slots) * (group - 1) >= slots:
+        # The fewest workers W with (S - W)(G - 1) < W, i.e. W > S (G - 1) / G.
+        needed = samples * (group - 1) // (group * RAY_ASYNC_ACTOR_CONCURRENCY) + 1
+        message = (
+            f"verl's reward workers hold {slots} samples at once (reward.num_workers={workers} x Ray's "
+            f"{RAY_ASYNC_ACTOR_CONCURRENCY} calls per async actor), too few for a step's {samples} samples in groups "
+            f"of {group} (data.train_batch_size x actor_rollout_ref.rollout.n): held samples could fill every slot "
+            f"while their groups' members wait behind them. Set reward.num_workers={needed} (or more)."
+        )
+        logger.error(message)
+        raise ValueError(message)
 
 
 def compute_score(data_source=None, solution_str=None, ground_truth=None, extra_info=None, **kwargs) -> float:

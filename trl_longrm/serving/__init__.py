@@ -16,7 +16,7 @@ import importlib
 
 
 _EXPORTS = {
-    "base": ["EngineError", "Generation", "GenerationEngine", "ScoringEngine"],
+    "base": ["EngineError", "EngineUnavailable", "Generation", "GenerationEngine", "ScoringEngine"],
     "transformers_engine": ["TransformersGenerator"],
     "vllm_engine": ["VLLMGenerator", "VLLMScorer"],
     "openai_engine": ["OpenAIGenerator", "OpenAIScorer"],

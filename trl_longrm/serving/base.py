@@ -38,6 +38,12 @@ class EngineError(RuntimeError):
     says which and names the server; it is the user's setting to fix, so the CLI prints it without a traceback."""
 
 
+class EngineUnavailable(EngineError):
+    """The engine's server could not be reached, did not answer in time, or answered a server error (5xx) past the
+    retries: nothing about the request itself, so the same request may succeed later (the reward server answers its
+    clients 503 with `Retry-After`)."""
+
+
 @runtime_checkable
 class GenerationEngine(Protocol):
     """Greedy generation from token-id prompts.

@@ -3,12 +3,12 @@
 
 The HTTP client is the `openai` package's (httpx underneath: pooled keep-alive connections, a timeout per request,
 retries of a dropped connection, a timeout, a 408/409/429 or a 5xx with exponential backoff and jitter, honouring the
-server's `Retry-After`). Requests go out in parallel, at most `max_concurrency` in flight (the server batches them;
-with its prefix cache the shared context of a group is prefilled once). A server that is down, too slow or overloaded
-past the retries gives one `EngineError` naming it; a request the server refuses (a 4xx: too long for its context, a
-bad field) comes back as a `Generation` with its `refusal`, so that the caller decides (the evaluation stops, a reward
-leaves that row unscored). The API key (the argument or `OPENAI_API_KEY`) goes in the request header only: never in
-`identity()`, logs or `repr`.
+server's `Retry-After`). Requests go out in parallel, at most `max_concurrency` in flight for the engine however many
+threads call it at once (the server batches them; with its prefix cache the shared context of a group is prefilled
+once). A server that is down, too slow or overloaded past the retries gives one `EngineError` naming it; a request
+the server refuses (a 4xx: too long for its context, a bad field) comes back as a `Generation` with its `refusal`, so
+that the caller decides (the evaluation stops, a reward leaves that row unscored). The API key (the argument or
+`OPENAI_API_KEY`) goes in the request header only: never in `identity()`, logs or `repr`.
 """
 
 from __future__ import annotations
@@ -16,10 +16,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
-from trl_longrm.serving.base import EngineError, Generation
+from trl_longrm.serving.base import EngineError, EngineUnavailable, Generation
 
 
 # Fields only vLLM reads: the exact log-probabilities of asked tokens, and token ids in place of token strings. Another
@@ -33,6 +34,13 @@ class _HTTPRefusal(Exception):
     def __init__(self, url: str, status: int, body: str):
         super().__init__(f"{url} answered {status}: {body[:500]}")
         self.url, self.status, self.body = url, status, body
+
+
+def _status_error(what: str, error: _HTTPRefusal) -> EngineError:
+    """A server's error answer as an `EngineError`: `EngineUnavailable` for a 5xx (the retries did not clear it: the
+    server is failing, not the request), which a caller may try again later."""
+    kind = EngineUnavailable if error.status >= 500 else EngineError
+    return kind(f"{what}: {error}")
 
 
 class _Server:
@@ -73,13 +81,13 @@ class _Server:
         except openai.APIStatusError as error:
             raise _HTTPRefusal(url, error.status_code, error.response.text) from None
         except openai.APITimeoutError:
-            raise EngineError(
+            raise EngineUnavailable(
                 f"{url} did not answer within {self.timeout:g} s ({self.max_retries + 1} tries); raise "
                 "--request-timeout or check the server."
             ) from None
         except openai.APIConnectionError as error:
             reason = error.__cause__ or error
-            raise EngineError(
+            raise EngineUnavailable(
                 f"Cannot reach the server at {self.base_url} ({reason}; {self.max_retries + 1} tries). Is it "
                 "running? Start one with `python -m vllm.entrypoints.openai.api_server --model PATH` (or `vllm "
                 "serve PATH`) and pass its address as --base-url."
@@ -130,6 +138,8 @@ class _OpenAIEngine:
         self.served_checkpoint = card.get("root")
         self.max_model_len = card.get("max_model_len")
         self.max_concurrency = max_concurrency
+        self._pool: ThreadPoolExecutor | None = None
+        self._pool_lock = threading.Lock()
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.server.base_url!r}, model={self.model!r})"
@@ -138,10 +148,23 @@ class _OpenAIEngine:
         return {"backend": "openai", "base_url": self.server.base_url, "served_model": self.model}
 
     def _map(self, function, items: Sequence) -> list:
-        if len(items) <= 1:
-            return [function(item) for item in items]
-        with ThreadPoolExecutor(max_workers=min(self.max_concurrency, len(items))) as pool:
-            return list(pool.map(function, items))
+        """`function` over `items`, at most `max_concurrency` requests in flight for the engine as a whole: the
+        calls of several threads at once (the reward server judges groups concurrently) share one pool, so the
+        server sees `max_concurrency` requests however many calls are made."""
+        if not items:
+            return []
+        with self._pool_lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=self.max_concurrency, thread_name_prefix="openai-engine")
+            pool = self._pool
+        return list(pool.map(function, items))
+
+    def close(self) -> None:
+        """Stop the engine's request threads (after the calls in flight)."""
+        with self._pool_lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
 
 
 # What a served checkpoint's tokenizer is compared on with the local one: chat markup, verdicts, digits, words and
@@ -231,7 +254,7 @@ class OpenAIGenerator(_OpenAIEngine):
             if error.status in (400, 413, 422):
                 # This prompt's own fault (too long, a field refused): the others of the batch go on.
                 return Generation(token_ids=[], refusal=f"The server refused a completion request: {error}")
-            raise EngineError(f"The server refused a completion request: {error}") from None
+            raise _status_error("The server refused a completion request", error) from None
         return self._generation(choice, asked)
 
     def _generation(self, choice: dict, asked: list[int]) -> Generation:
@@ -294,7 +317,7 @@ class OpenAIGenerator(_OpenAIEngine):
             if self.vllm_fields and error.status in (400, 422) and any(f in error.body for f in _VLLM_FIELDS):
                 self.vllm_fields = False  # not vLLM: ask again without its fields
                 return self._sample_one(prompt, max_new_tokens, sampling)
-            raise EngineError(f"The server refused a completion request: {error}") from None
+            raise _status_error("The server refused a completion request", error) from None
         return [self._generation(choice, []) for choice in sorted(choices, key=lambda c: c.get("index", 0))]
 
     def sample(self, prompts: Sequence[list[int]], max_new_tokens: int, sampling) -> list[list[Generation]]:

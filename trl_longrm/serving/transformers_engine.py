@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 
 import torch
@@ -71,6 +72,7 @@ class TransformersGenerator:
         eos = model.generation_config.eos_token_id if model.generation_config is not None else None
         eos = eos if eos is not None else tokenizer.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        self._lock = threading.Lock()
 
     def identity(self) -> dict:
         return {"backend": "transformers"}
@@ -85,13 +87,15 @@ class TransformersGenerator:
     def generate(
         self, prompts: Sequence[list[int]], max_new_tokens: int, logprob_token_ids: list[int] | None = None
     ) -> list[Generation]:
-        """Greedy continuations, `batch_size` prompts per `generate` call (all at once when None)."""
+        """Greedy continuations, `batch_size` prompts per `generate` call (all at once when None). Concurrent calls
+        run one after the other: a call's log-probabilities are recorded by a hook on the shared output embedding."""
         size = self.batch_size or max(len(prompts), 1)
-        return [
-            generation
-            for start in range(0, len(prompts), size)
-            for generation in self._generate_batch(prompts[start : start + size], max_new_tokens, logprob_token_ids)
-        ]
+        with self._lock:
+            return [
+                generation
+                for start in range(0, len(prompts), size)
+                for generation in self._generate_batch(prompts[start : start + size], max_new_tokens, logprob_token_ids)
+            ]
 
     @torch.no_grad()
     def _generate_batch(
