@@ -1,6 +1,7 @@
 """A stand-in judge server for tests and the load bench: OpenAI-compatible (`/v1/models`, `/v1/completions` with
 token-id prompts, as `OpenAIGenerator` sends them), each request answered after a fixed latency with the verdict
-`judge_steering.verdict_for` gives on the prompt it decodes, as vLLM returns it (generated token ids included). The
+`judge_steering.verdict_for` gives on the prompt it decodes, as vLLM returns it (generated token ids included); a
+response containing `REFUSE` makes its prompt refused with a 400, as vLLM refuses a prompt past its context. The
 verdicts are known in advance (`judge_steering.expected_*`), so every reward a test or the bench gets can be checked.
 
 It counts what it served (`/stats`: requests, most in flight at once) and can be told to hang (`POST /hang`) or to
@@ -48,7 +49,19 @@ class StandInJudge:
                 await self.recovered.wait()
             if self.latency:
                 await asyncio.sleep(self.latency)
-            text = verdict_for(self.tokenizer.decode(payload["prompt"], skip_special_tokens=False))
+            prompt = self.tokenizer.decode(payload["prompt"], skip_special_tokens=False)
+            if "REFUSE" in prompt.rsplit("# Task", 1)[-1]:  # a prompt the server will not take, as vLLM a too long one
+                return web.json_response({"error": {"message": "This prompt is refused (REFUSE)"}}, status=400)
+            text = verdict_for(prompt)
+            asked = payload.get("logprob_token_ids")
+            if asked and payload.get("max_tokens") == 1:
+                # The judge's forced pass (the prompt ends with its judgment's verdict opening): the verdict's next
+                # token most likely. A judgment's own pass reports no log-probabilities, so the judge always asks.
+                inside = text[2:].split("]]")[0] if text.startswith("[[") else ""
+                target = self.tokenizer(inside, add_special_tokens=False)["input_ids"][:1] if inside else []
+                step = {f"token_id:{t}": 0.0 if [t] == target else -30.0 for t in asked}
+                return web.json_response({"choices": [{"index": 0, "text": inside, "token_ids": target,
+                                                       "logprobs": {"top_logprobs": [step]}}]})  # fmt: skip
             ids = self.tokenizer(text, add_special_tokens=False)["input_ids"][: payload.get("max_tokens", 16)]
             if len(ids) < payload.get("max_tokens", 16):
                 ids.append(self.tokenizer.eos_token_id)

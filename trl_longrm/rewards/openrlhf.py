@@ -31,8 +31,8 @@ from collections.abc import Sequence
 
 import torch
 
-from trl_longrm.rewards.server.payloads import openrlhf_response
 from trl_longrm.rewards.judge import judge_reward_from_env
+from trl_longrm.rewards.server.payloads import openrlhf_response
 
 
 # A fixed name: OpenRLHF loads this file as a module named `reward_func`.

@@ -87,9 +87,25 @@ def settings_from(args: argparse.Namespace):
     )  # fmt: skip
 
 
+class _MalformedRequests(logging.Filter):
+    """aiohttp logs a request its HTTP parser refuses (a bad Content-Length, a broken head) with a traceback at ERROR;
+    it is the client's mistake, answered 400: one line at WARNING says so."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from aiohttp.http_exceptions import HttpProcessingError
+
+        error = record.exc_info[1] if record.exc_info else None
+        if isinstance(error, HttpProcessingError):
+            record.msg, record.args = "%s (answered %d): %s", (record.getMessage(), error.code, error.message)
+            record.exc_info, record.exc_text = None, None
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+        return True
+
+
 def _configure_logging(level: str) -> None:
     if not logging.getLogger().handlers:
         logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("aiohttp.server").addFilter(_MalformedRequests())
     logging.getLogger("trl_longrm").setLevel(level.upper())
     # The judge client logs each of its own requests at INFO: the access log is the reward server's.
     for name in ("httpx", "httpx2", "openai", "aiohttp.access"):
