@@ -104,11 +104,45 @@ def judge_env(paths, judge_server, protocol):
             "TRL_LONGRM_JUDGE_VERDICT_PROBS": "0"}  # fmt: skip
 
 
+# A real step's scale: 512 prompts x 8 samples, judged by ranking (one judge request a group) on a stand-in judge of
+# known verdicts and a fixed latency (tests/judge_stand_in.py).
+SCALE_PROMPTS, SCALE_G, OPENRLHF_MAX_LEN = 512, 8, 128
+
+
+def scale_samples() -> dict:
+    prompts = [[{"role": "user", "content": f"Question {i}: which river runs by city {i}? " + "Context word. " * 40}]
+               for i in range(SCALE_PROMPTS)]  # fmt: skip
+    responses = [[f"City {i} river {j}: " + "the answer " * (1 + (i + j) % 5) for j in range(SCALE_G)]
+                 for i in range(SCALE_PROMPTS)]  # fmt: skip
+    return {"prompts": prompts, "responses": responses}
+
+
 @pytest.fixture(scope="module")
-def runs(paths, judge_server, reward_server):
+def scale_server(paths):
+    """`trl-longrm reward-server --protocol ranking --group-size 8` on the stand-in judge (20 ms a request)."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from reward_server_helpers import judge_process, server_process
+
+    with judge_process(paths["judge"], latency=0.02) as (judge_url, _):
+        with server_process(judge_url, paths["judge"], "--protocol", "ranking", "--group-size", str(SCALE_G),
+                            "--max-concurrency", "64", "--max-new-tokens", "64", "--log-level", "warning",
+                            log_path=paths["root"] / "scale_server.log") as (_, url, log):  # fmt: skip
+            yield url, log
+
+
+@pytest.fixture(scope="module")
+def runs(paths, judge_server, reward_server, scale_server):
     """Every job in one process of vLLM's venv (importing verl and OpenRLHF takes longer than the jobs)."""
     per_sample = str(ROOT / "trl_longrm" / "rewards" / "openrlhf.py")
+    scale_file = paths["root"] / "scale_samples.json"
+    scale_file.write_text(json.dumps(scale_samples()))
+    scale_url, _ = scale_server
     jobs = [
+        {"name": "verl_scale", "kind": "verl-scale", "env": {"TRL_LONGRM_REWARD_SERVER": scale_url},
+         "samples": str(scale_file)},
+        {"name": "openrlhf_scale", "kind": "openrlhf-scale", "remote": f"{scale_url}/get_reward",
+         "samples": str(scale_file), "max_length": OPENRLHF_MAX_LEN},
+        {"name": "verl_slots", "kind": "verl-slots", "env": {"TRL_LONGRM_REWARD_SERVER": scale_url}},
         {"name": "verl_manager", "kind": "verl-manager", "env": {"TRL_LONGRM_REWARD_SERVER": reward_server}},
         {"name": "openrlhf_server", "kind": "openrlhf", "remote": f"{reward_server}/get_reward"},
         {"name": "verl_function", "kind": "verl-function", "env": judge_env(paths, judge_server, "pointwise")},
@@ -120,7 +154,7 @@ def runs(paths, judge_server, reward_server):
     ]  # fmt: skip
     jobs_file = paths["root"] / "jobs.json"
     jobs_file.write_text(json.dumps(jobs))
-    run = run_in_vllm_venv(WORKER, str(jobs_file), paths["policy"], paths["samples"], timeout=900)
+    run = run_in_vllm_venv(WORKER, str(jobs_file), paths["policy"], paths["samples"], timeout=1200)
     line = next(line for line in run.stdout.splitlines() if line.startswith("RESULT "))
     return {"results": json.loads(line[len("RESULT ") :]), "stderr": run.stderr}
 
@@ -147,6 +181,37 @@ def test_openrlhf_executor_gets_group_rewards_from_the_reward_server(runs):
         assert [sample["reward"] for sample in got] == pytest.approx(expected)
         assert [sample["scores"] for sample in got] == pytest.approx(expected)  # already in [0, 1]
         assert [sample["extra_logs"]["judge/unscored"] for sample in got] == [0] * G
+
+
+def scale_metric(url: str, name: str, **labels) -> float:
+    text = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
+    want = "{" + ",".join(f'{k}="{v}"' for k, v in labels.items()) + "}" if labels else ""
+    return sum(float(line.split()[-1]) for line in text.splitlines()
+               if line.startswith(f"trl_longrm_reward_server_{name}{want} "))  # fmt: skip
+
+
+def test_verl_streams_a_4096_sample_step_and_every_group_is_judged_whole(runs, scale_server):
+    """verl's own `RewardLoopWorker`s, its default 8 of them, each taking at most 1,000 calls at once (Ray's async
+    actor default), every sample of a 512 x 8 step sent at once to a worker picked at random: every sample gets its
+    whole group's ranking reward, no group judged after a timeout; and OpenRLHF's own executor on the same step, its
+    prompts cut from the front by OpenRLHF, gets the same rewards."""
+    expected = [r for group in scale_samples()["responses"] for r in judge_steering.expected_ranking(group)]
+    verl = runs["results"]["verl_scale"]
+    assert verl["workers"] == 8 and verl["unscored"] == 0
+    assert verl["rewards"] == pytest.approx(expected)
+    openrlhf = runs["results"]["openrlhf_scale"]
+    assert openrlhf["prompts_cut"] == SCALE_PROMPTS  # every prompt was over OpenRLHF's max_len
+    assert openrlhf["rewards"] == pytest.approx(expected)
+    url, _ = scale_server
+    assert scale_metric(url, "groups_total", outcome="whole") == 2 * SCALE_PROMPTS
+    assert scale_metric(url, "groups_total", outcome="partial") == scale_metric(url, "group_timeouts_total") == 0
+    assert scale_metric(url, "requests_total", route="/verl", status="200") == SCALE_PROMPTS * SCALE_G
+    assert scale_metric(url, "requests_total", route="/get_reward", status="200") == SCALE_PROMPTS * SCALE_G
+
+
+def test_a_step_verls_reward_workers_cannot_hold_is_refused_naming_the_setting(runs):
+    error = runs["results"]["verl_slots"]["error"]
+    assert error is not None and "16384 samples" in error and "Set reward.num_workers=15" in error
 
 
 def test_per_sample_routes_judge_pointwise(runs):
