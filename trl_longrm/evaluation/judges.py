@@ -75,6 +75,16 @@ class JudgeOutput:
     refusal: str | None = None
 
 
+@dataclass
+class RenderedPrompts:
+    """A generative judge's prompts for some requests, as token ids (`GenerativeJudge.render`): `truncated[k]` whether
+    prompt k was cut, `owners[k]` the request it belongs to (pointwise: one prompt per response)."""
+
+    prompts: list[list[int]]
+    truncated: list[bool]
+    owners: list[int]
+
+
 @runtime_checkable
 class Judge(Protocol):
     """Anything with a `model_type` (`"GRM"` or `"DisRM"`) and a batched `judge` method.
@@ -452,18 +462,31 @@ class GenerativeJudge:
                 probs[i], bounded[i] = p, flag
         return texts, refusals, probs, bounded
 
-    def judge(self, requests: Sequence[JudgeRequest]) -> list[JudgeOutput]:
-        if self.protocol == "pointwise":
-            return self._judge_pointwise(requests)
-        prompts, truncated = [], []
-        for request in requests:
-            if request.ranking:
-                messages = self.template.ranking_messages(request.task_prompt, request.responses)
+    def render(self, requests: Sequence[JudgeRequest]) -> RenderedPrompts:
+        """The requests' prompts as the engine gets them (rendered, tokenized, cut), without generating: `judge`'s
+        first half, for a caller that prepares requests before it may send them (the reward server renders a group
+        while it waits for room under its limit of requests in flight)."""
+        prompts, truncated, owners = [], [], []
+        for i, request in enumerate(requests):
+            if self.protocol == "pointwise":  # one judgment per (request, response)
+                messages = [self.template.pointwise_messages(request.task_prompt, r) for r in request.responses]
+            elif request.ranking:
+                messages = [self.template.ranking_messages(request.task_prompt, request.responses)]
             else:
-                messages = self.template.pairwise_messages(request.task_prompt, request.responses)
-            ids, cut = self._prompt_ids(messages)
-            prompts.append(ids)
-            truncated.append(cut)
+                messages = [self.template.pairwise_messages(request.task_prompt, request.responses)]
+            for message in messages:
+                ids, cut = self._prompt_ids(message)
+                prompts.append(ids)
+                truncated.append(cut)
+                owners.append(i)
+        return RenderedPrompts(prompts, truncated, owners)
+
+    def judge(self, requests: Sequence[JudgeRequest], rendered: RenderedPrompts | None = None) -> list[JudgeOutput]:
+        """One `JudgeOutput` per request; `rendered` is `render(requests)` when the caller made it already."""
+        rendered = rendered if rendered is not None else self.render(requests)
+        if self.protocol == "pointwise":
+            return self._judge_pointwise(requests, rendered)
+        prompts, truncated = rendered.prompts, rendered.truncated
         wanted = [self.verdict_probs and not request.ranking for request in requests]
         if any(wanted):
             texts, refusals, probs, bounded = self._read_verdicts(prompts, wanted)
@@ -474,15 +497,11 @@ class GenerativeJudge:
             for text, cut, p, b, reason in zip(texts, truncated, probs, bounded, refusals)
         ]
 
-    def _judge_pointwise(self, requests: Sequence[JudgeRequest]) -> list[JudgeOutput]:
+    def _judge_pointwise(self, requests: Sequence[JudgeRequest], rendered: RenderedPrompts) -> list[JudgeOutput]:
         # One judgment per (request, response), generated in one batch.
-        prompts, owners, truncated = [], [], [False] * len(requests)
-        for i, request in enumerate(requests):
-            for response in request.responses:
-                ids, cut = self._prompt_ids(self.template.pointwise_messages(request.task_prompt, response))
-                prompts.append(ids)
-                owners.append(i)
-                truncated[i] = truncated[i] or cut
+        prompts, owners, truncated = rendered.prompts, rendered.owners, [False] * len(requests)
+        for owner, cut in zip(owners, rendered.truncated):
+            truncated[owner] = truncated[owner] or cut
         bounded = [False] * len(prompts)
         if self.verdict_probs:
             texts, refusals, probs, bounded = self._read_verdicts(prompts)

@@ -31,6 +31,17 @@ UNSCORED_RULE = {
 
 
 @dataclass
+class PreparedBatch:
+    """A batch's judge requests rendered and not yet sent (`JudgeReward.prepare`): `rows` completions, `requests`
+    and what each compares (`plan`), their prompts as token ids (`rendered`, None without requests)."""
+
+    rows: int
+    requests: list[JudgeRequest]
+    plan: list[list[int]]
+    rendered: object
+
+
+@dataclass
 class JudgedBatch:
     """One batch's rewards and what the judge said: `rewards` one per completion, in the batch's order, None where
     the judge said nothing to score it by; `requests` and `outputs` the judge's requests and answers (of this process's
@@ -302,19 +313,28 @@ class JudgeReward:
 
     # -- rewards ------------------------------------------------------------------------------------------------------
 
-    def judge_batch(self, prompts: Sequence, completions: Sequence) -> JudgedBatch:
-        """The rewards of a batch judged here, on this process alone, and the judge's answers (blocking)."""
+    def prepare(self, prompts: Sequence, completions: Sequence) -> PreparedBatch:
+        """A batch's judge requests, rendered to token ids, not yet sent (`judge_batch`'s first half: CPU only)."""
         if len(prompts) != len(completions):
             raise ValueError(f"{len(prompts)} prompts but {len(completions)} completions.")
-        requests, plan, groups = self._requests(prompts, completions)
+        requests, plan, _ = self._requests(prompts, completions)
+        rendered = self.judge.render(requests) if requests else None
+        return PreparedBatch(len(prompts), requests, plan, rendered)
+
+    def judge_batch(self, prompts: Sequence, completions: Sequence, prepared: PreparedBatch | None = None) -> JudgedBatch:
+        """The rewards of a batch judged here, on this process alone, and the judge's answers (blocking); `prepared`
+        is `prepare(prompts, completions)` when the caller made it already."""
+        prepared = prepared if prepared is not None else self.prepare(prompts, completions)
+        requests, plan = prepared.requests, prepared.plan
         if self.warm_prefix and requests:
             self._warm(requests)
-        outputs = self.judge.judge(requests) if requests else []
-        rewards: list[float | None] = [None] * len(prompts)
+        outputs = self.judge.judge(requests, prepared.rendered) if requests else []
+        rows = prepared.rows
+        rewards: list[float | None] = [None] * rows
         unparsed = verdicts = refused = 0
         if self.protocol == "pairwise":
-            wins = [0.0] * len(prompts)
-            comparisons = [0] * len(prompts)
+            wins = [0.0] * rows
+            comparisons = [0] * rows
             for (a, b), output in zip(plan, outputs):
                 verdicts += 1
                 if output.refusal:

@@ -81,17 +81,22 @@ class _Server:
         except openai.APIStatusError as error:
             raise _HTTPRefusal(url, error.status_code, error.response.text) from None
         except openai.APITimeoutError:
-            raise EngineUnavailable(
-                f"{url} did not answer within {self.timeout:g} s ({self.max_retries + 1} tries); raise "
-                "--request-timeout or check the server."
-            ) from None
+            raise self.timed_out(url) from None
         except openai.APIConnectionError as error:
-            reason = error.__cause__ or error
-            raise EngineUnavailable(
-                f"Cannot reach the server at {self.base_url} ({reason}; {self.max_retries + 1} tries). Is it "
-                "running? Start one with `python -m vllm.entrypoints.openai.api_server --model PATH` (or `vllm "
-                "serve PATH`) and pass its address as --base-url."
-            ) from None
+            raise self.unreachable(error.__cause__ or error) from None
+
+    def timed_out(self, url: str) -> EngineUnavailable:
+        return EngineUnavailable(
+            f"{url} did not answer within {self.timeout:g} s ({self.max_retries + 1} tries); raise "
+            "--request-timeout or check the server."
+        )
+
+    def unreachable(self, reason) -> EngineUnavailable:
+        return EngineUnavailable(
+            f"Cannot reach the server at {self.base_url} ({reason}; {self.max_retries + 1} tries). Is it "
+            "running? Start one with `python -m vllm.entrypoints.openai.api_server --model PATH` (or `vllm "
+            "serve PATH`) and pass its address as --base-url."
+        )
 
     def models(self) -> list[dict]:
         """`/v1/models`' entries (vLLM's carry `root`, the checkpoint it loaded, and `max_model_len`)."""

@@ -94,6 +94,8 @@ class RewardServer:
         self._listener: asyncio.base_events.Server | None = None
         self._sweeper: asyncio.Task | None = None
         self._health: tuple[float, bool, str] | None = None
+        self._session = None  # the aiohttp client session of the judge's requests while serving
+        self._engine_server = None  # the judge engine's own transport, given back on stop
         self.port: int | None = None
 
     # -- state and metrics ------------------------------------------------------------------------------------------
@@ -260,10 +262,28 @@ class RewardServer:
             sock.bind((host, port))
         sock.setblocking(False)
         loop = asyncio.get_running_loop()
+        self._route_judge_requests_on(loop)
         self._listener = await loop.create_server(self._runner.server, sock=sock, backlog=self.settings.backlog)
         self.port = sock.getsockname()[1]
         self._sweeper = loop.create_task(self._sweep_forever())
         return self.port
+
+    def _route_judge_requests_on(self, loop) -> None:
+        """While serving, the judge's requests (an OpenAI-compatible server's) travel on this loop's aiohttp client
+        (`LoopServer`): the judging threads only wait, and the CPU a request costs is aiohttp's, not the `openai`
+        client's synchronous path (several times more; it was most of the server's CPU per sample)."""
+        from aiohttp import TCPConnector
+
+        from trl_longrm.serving.loop_transport import LoopServer
+        from trl_longrm.serving.openai_engine import _Server
+
+        engine = getattr(self.reward.judge, "engine", None)
+        if not isinstance(getattr(engine, "server", None), _Server):
+            return
+        # No connection limit of the session's own: the budget bounds the requests in flight.
+        self._session = ClientSession(connector=TCPConnector(limit=0))
+        self._engine_server = engine.server
+        engine.server = LoopServer(engine.server, loop, self._session)
 
     async def _sweep_forever(self) -> None:
         while True:
@@ -283,4 +303,9 @@ class RewardServer:
         await asyncio.sleep(0.1)  # the woken handlers write their answers
         if self._runner is not None:
             await self._runner.cleanup()
+        if self._engine_server is not None:
+            engine = self.reward.judge.engine
+            engine.server.cancel_all()
+            engine.server = self._engine_server
+            await self._session.close()
         self.judge.close()

@@ -82,20 +82,20 @@ class GroupJudge:
         self.reward = reward
         self.budget = RequestBudget(max_concurrency)
         self.judge_timeout = judge_timeout
+        # Rendering is CPU work under the GIL: one thread, groups in arrival order, ahead of their turn to be sent.
+        self._render = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reward-render")
         # One thread per group judged at once: never more than requests in flight (each group sends one at least).
         self._pool = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="reward-judge")
 
-    def requests_of(self, size: int) -> int:
-        return max(1, self.reward._request_count(size))
-
-    def _judge(self, prompt, responses: list[str]):
-        return self.reward.judge_batch([prompt] * len(responses), responses)
-
     async def __call__(self, prompt, responses: list[str]) -> Judged:
-        granted = await self.budget.acquire(self.requests_of(len(responses)))
+        loop = asyncio.get_running_loop()
+        # The group's prompts are rendered while it waits for room, so that a judge slot that frees is filled at once.
+        prompts = [prompt] * len(responses)
+        prepared = await loop.run_in_executor(self._render, self.reward.prepare, prompts, responses)
+        rendered = len(prepared.rendered.prompts) if prepared.rendered is not None else 0
+        granted = await self.budget.acquire(max(1, rendered))
         try:
-            loop = asyncio.get_running_loop()
-            future = loop.run_in_executor(self._pool, self._judge, prompt, responses)
+            future = loop.run_in_executor(self._pool, self.reward.judge_batch, prompts, responses, prepared)
             try:
                 batch = await asyncio.wait_for(asyncio.shield(future), self.judge_timeout)
             except asyncio.TimeoutError:
@@ -112,4 +112,5 @@ class GroupJudge:
         return Judged(batch.rewards, unparsed=batch.unparsed)
 
     def close(self) -> None:
+        self._render.shutdown(wait=False, cancel_futures=True)
         self._pool.shutdown(wait=False, cancel_futures=True)

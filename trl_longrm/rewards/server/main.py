@@ -112,6 +112,28 @@ def _configure_logging(level: str) -> None:
         logging.getLogger(name).setLevel(max(logging.WARNING, logging.getLogger(name).level))
 
 
+def raise_open_file_limit(wanted: int = 65536) -> int:
+    """Raise this process's soft limit on open files towards `wanted` (capped by the hard limit), as vLLM's server
+    does: every held sample is an open connection. Returns the limit now; a warning says when it is low."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+    if soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError):
+            pass
+    if soft < 8192:
+        logging.getLogger("trl_longrm.reward_server").warning(
+            "This process may open %d files (ulimit -n, hard limit %s): each held sample is a connection, so at most "
+            "about %d samples can be held at once. Raise the hard limit (ulimit -Hn) for larger batches.",
+            soft, hard, soft - 64,
+        )  # fmt: skip
+    return soft
+
+
 async def serve(reward, settings, host: str, port: int, ready=None) -> int:
     """Serve until SIGTERM / SIGINT, then drain and return 0. `ready(port)` is called once listening."""
     from trl_longrm.rewards.server.app import RewardServer
@@ -138,6 +160,7 @@ def run_reward_server(args: argparse.Namespace) -> int:
     from trl_longrm.serving.base import EngineError
 
     _configure_logging(args.log_level)
+    raise_open_file_limit()
     try:
         settings = settings_from(args)
     except ValueError as error:
