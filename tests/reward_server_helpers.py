@@ -32,6 +32,16 @@ def raise_fd_limit(wanted: int = 16384) -> int:
     return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
 
 
+def require_fds(needed: int) -> None:
+    """Skip, naming the limit, where this process cannot open `needed` files even after raising its soft limit to the
+    hard one (`ulimit -Hn`): every connection of the test is a descriptor on each side."""
+    import pytest
+
+    limit = raise_fd_limit(max(needed, 16384))
+    if limit < needed:
+        pytest.skip(f"this test holds {needed} descriptors at once; the open-file hard limit here is {limit} (ulimit -Hn)")
+
+
 class ServerThread:
     """A `RewardServer` on its own event loop in a thread; `url` is its root."""
 

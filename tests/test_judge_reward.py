@@ -98,43 +98,48 @@ def task_of(messages):  # the evaluation's task text, written out here as an ind
 
 
 @pytest.mark.slow
-def test_grpo_rewards_equal_the_judge_by_hand(paths, server, tokenizer, tmp_path):
-    """Pairwise (both display orders, win rates) and pointwise (expected scores) rewards computed by TRL's
-    `_calculate_rewards` equal those computed here from a direct call of a `GenerativeJudge` on the same server."""
+def test_grpo_pairwise_rewards_are_the_known_verdicts_win_rates(paths, tokenizer, tmp_path):
+    """Pairwise rewards computed by TRL's `_calculate_rewards` are each completion's win rate under a judge whose
+    verdicts are known in advance (a stand-in server writing `judge_steering`'s verdict for every prompt it reads):
+    the win rates by hand from the rule, over both display orders. A swapped winner, a wrong display order or a reward
+    on another row changes them (the completions' qualities all differ, so every comparison has a winner)."""
+    import judge_steering
+    from judge_stand_in import StandInJudgeThread
+
     ps, cs = batch(CONVERSATIONAL)
-    for protocol in ("pairwise", "pointwise"):
-        reward = reward_on(server, tokenizer, protocol=protocol)
+    with StandInJudgeThread(tokenizer) as stand_in:
+        reward = JudgeReward(OpenAIGenerator(stand_in.base_url, "judge"), tokenizer, max_length=MAX_LENGTH,
+                             max_new_tokens=16, protocol="pairwise")  # fmt: skip
         trainer = grpo_trainer(paths, reward, tmp_path, CONVERSATIONAL)
         got = trainer._calculate_rewards([{"prompt": p} for p in ps], ps, cs, [[0]] * len(ps))[:, 0]
-        direct = GenerativeJudge(engine(server), tokenizer, max_length=MAX_LENGTH, max_new_tokens=MAX_NEW_TOKENS,
-                                 verdict_probs=protocol == "pointwise", protocol=protocol)  # fmt: skip
-        expected, unparsed = [], 0  # None where nothing the judge said scores the row
-        for start in range(0, len(ps), G):
-            task, texts = task_of(ps[start]), [c[0]["content"] for c in cs[start : start + G]]
-            if protocol == "pointwise":
-                requests = [JudgeRequest("x", ps[start], task, [t], ranking=False) for t in texts]
-                outputs = direct.judge(requests)
-                expected += [out.scores[0] for out in outputs]
-                unparsed += sum(direct.template.pointwise_format.parse(out.judgments[0]) is None for out in outputs)
-                continue
-            wins, counted = [0.0] * G, [0] * G
-            for i in range(G):
-                for j in range(G):
-                    if i != j:
-                        ranks = parse_pairwise_verdict(
-                            direct.judge([JudgeRequest("x", ps[start], task, [texts[i], texts[j]], False)])[0].text
-                        )
-                        unparsed += ranks is None
-                        if ranks is not None:  # an unreadable comparison counts for neither side
-                            wins[i] += float(ranks[0] == 0)  # i shown first
-                            wins[j] += float(ranks[1] == 0)
-                            counted[i] += 1
-                            counted[j] += 1
-            expected += [w / n if n else float("nan") for w, n in zip(wins, counted)]
-        torch.testing.assert_close(got, torch.tensor(expected), atol=1e-4, rtol=0, equal_nan=True)
-        assert trainer._pending_metrics["judge/unparsed_verdicts"] == [float(unparsed)]
-        if protocol == "pointwise":
-            assert got.std() > 1e-3  # continuous, per completion: a wrong row order would show
+    expected = []
+    for start in range(0, len(ps), G):
+        expected += judge_steering.expected_pairwise([c[0]["content"] for c in cs[start : start + G]])
+    assert None not in expected and len(set(expected)) > 2
+    torch.testing.assert_close(got, torch.tensor(expected), atol=1e-6, rtol=0)
+    assert trainer._pending_metrics["judge/unparsed_verdicts"] == [0.0]
+
+
+@pytest.mark.slow
+def test_grpo_pointwise_rewards_equal_the_judge_by_hand(paths, server, tokenizer, tmp_path):
+    """Pointwise rewards (expected scores) computed by TRL's `_calculate_rewards` equal those computed here from a
+    direct call of a `GenerativeJudge` on the same vLLM server, row by row."""
+    ps, cs = batch(CONVERSATIONAL)
+    reward = reward_on(server, tokenizer, protocol="pointwise")
+    trainer = grpo_trainer(paths, reward, tmp_path, CONVERSATIONAL)
+    got = trainer._calculate_rewards([{"prompt": p} for p in ps], ps, cs, [[0]] * len(ps))[:, 0]
+    direct = GenerativeJudge(engine(server), tokenizer, max_length=MAX_LENGTH, max_new_tokens=MAX_NEW_TOKENS,
+                             verdict_probs=True, protocol="pointwise")  # fmt: skip
+    expected, unparsed = [], 0  # None where nothing the judge said scores the row
+    for start in range(0, len(ps), G):
+        task, texts = task_of(ps[start]), [c[0]["content"] for c in cs[start : start + G]]
+        requests = [JudgeRequest("x", ps[start], task, [t], ranking=False) for t in texts]
+        outputs = direct.judge(requests)
+        expected += [out.scores[0] for out in outputs]
+        unparsed += sum(direct.template.pointwise_format.parse(out.judgments[0]) is None for out in outputs)
+    torch.testing.assert_close(got, torch.tensor(expected), atol=1e-4, rtol=0, equal_nan=True)
+    assert trainer._pending_metrics["judge/unparsed_verdicts"] == [float(unparsed)]
+    assert got.std() > 1e-3  # continuous, per completion: a wrong row order would show
 
 
 def metrics(server) -> dict[str, float]:

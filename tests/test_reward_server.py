@@ -32,8 +32,8 @@ from reward_server_helpers import (
     body_of,
     judge_process,
     post_each,
-    raise_fd_limit,
     raw_request,
+    require_fds,
     server_process,
     status_of,
 )
@@ -110,7 +110,7 @@ def test_hundreds_of_connections_get_every_groups_reward(server, judge):
     """256 samples at once (64 groups of 4, interleaved as workers finish them), a new connection each: each group
     judged once and whole, every reward the judge's (win rates in both display orders); at most 8 judge requests in
     flight over all groups."""
-    raise_fd_limit()
+    require_fds(2 * 256 + 128)  # the clients' ends and the server's, in this process
     groups = range(64)
     payloads = verl_payloads(groups)
     order = sorted(range(len(payloads)), key=lambda k: (k % G, k // G))  # sample j of every group, then j + 1
@@ -209,7 +209,7 @@ def test_a_bad_sample_fails_neither_its_siblings_nor_its_uid(server):
 def test_slow_clients_are_cut_and_do_not_hold_up_the_others(server):
     """A connection that never finishes its request head is closed after --header-timeout (1 s here), a body that
     never arrives is answered 408 after --read-timeout; 200 of them open at once do not delay a normal request."""
-    raise_fd_limit()
+    require_fds(2 * 200 + 128)
     slow = [socket.create_connection(("127.0.0.1", server.server.port)) for _ in range(200)]
     for sock in slow:
         sock.sendall(b"POST /verl HTTP/1.1\r\nHost: x\r\n")  # no end of head
