@@ -156,7 +156,8 @@ def test_prompt_template_file_drives_prompts_and_score_format(tmp_path, bench):
         texts = [tokenizer.decode(p) for p in prompts]
         seen.extend(texts)
         # The right answer quotes the document: score 10, others 3, as LongRM's judge data writes it.
-        return ["[Analysis] fine. [Score: 10]" if "as the document states" in t else "[Analysis] no. [Score: 3]" for t in texts]
+        judged = ["[Analysis] fine. [Score: 10]" if "as the document states" in t else "[Analysis] no. [Score: 3]" for t in texts]
+        return judged, [None] * len(judged)  # the texts, and no refusal
 
     judge._generate = generate
     config = EvalConfig(
@@ -255,7 +256,7 @@ def test_verdict_probs_come_from_the_generation_pass(bench, protocol):
         for message, text, value in zip(messages, texts, read):
             assert text.startswith("Both fine.\n[[")
             prompt = judge._prompt_ids(message)[0]
-            [reference] = forced([prompt], [text])
+            [reference], _ = forced([prompt], [text])
             if protocol == "pointwise":
                 reference = sum(p * v for p, v in zip(reference, judge.score_values))
             assert value == pytest.approx(reference, abs=1e-4)
@@ -275,7 +276,7 @@ def test_verdict_without_a_generated_next_step_falls_back_to_the_forced_pass(ben
     [output] = judge.judge([request])
     assert output.text == "Both fine.\n[[" and forced_calls == [1]
     prompt = judge._prompt_ids(judge.template.pairwise_messages(request.task_prompt, request.responses))[0]
-    assert output.verdict_probs == pytest.approx(forced([prompt], [output.text])[0], abs=1e-6)
+    assert output.verdict_probs == pytest.approx(forced([prompt], [output.text])[0][0], abs=1e-6)
     # A judgment without a verdict opening has nothing to read in the generation either.
     assert judge._probs_at_verdict([1, 2, 3], "no verdict", torch.zeros(3, 2)) is None
 

@@ -194,3 +194,32 @@ def test_openrlhf_response_after_a_prompt_cut_from_the_front():
         assert openrlhf_response(query, prompt, ["<|im_end|>"]) == "The Nile, déjà.", cut
     query = "\ufffd" + prompt[1501:] + "Answer<|im_end|>"
     assert openrlhf_response(query, prompt, ["<|im_end|>"]) == "Answer"
+
+
+def test_the_judge_budget_grants_in_order_and_a_group_larger_than_it_alone():
+    from trl_longrm.rewards.server.judging import RequestBudget
+
+    async def go():
+        budget = RequestBudget(4)
+        assert await budget.acquire(3) == 3
+        order = []
+
+        async def take(name, amount):
+            granted = await budget.acquire(amount)
+            order.append(name)
+            return granted
+
+        big = asyncio.ensure_future(take("big", 10))  # more than the whole budget: granted alone, as 4
+        small = asyncio.ensure_future(take("small", 1))  # fits now, but waits its turn behind the big one
+        cancelled = asyncio.ensure_future(take("cancelled", 1))
+        await asyncio.sleep(0)
+        cancelled.cancel()
+        await asyncio.sleep(0)
+        assert order == [] and budget.used == 3
+        budget.release(3)
+        assert await big == 4 and order == ["big"] and budget.used == 4
+        budget.release(4)
+        assert await small == 1 and order == ["big", "small"] and budget.used == 1
+        assert cancelled.cancelled()
+
+    run(go())

@@ -52,7 +52,7 @@ class RequestBudget:
         except asyncio.CancelledError:
             if waiter.done() and not waiter.cancelled():
                 self.release(amount)  # granted as it was cancelled
-            else:
+            elif (amount, waiter) in self._waiting:  # a release may have dropped it already
                 self._waiting.remove((amount, waiter))
             raise
         return amount
