@@ -173,7 +173,9 @@ def test_each_group_context_is_prefilled_once(server, tokenizer, warm_prefix):
     queries = after["vllm:prefix_cache_queries_total"] - before["vllm:prefix_cache_queries_total"]
     n = len(prompt_ids)
     assert n == G * (G - 1)
-    assert hits >= (n - 1) * shared, (hits, queries, shared, n)
+    # The cache holds whole blocks (vLLM's CPU block is up to 128 tokens): each hit covers the context but its last,
+    # partial block. More is cached when a request reuses another's first response too (sent one after another).
+    assert hits >= (n - 1) * (shared - 128), (hits, queries, shared, n)
     # What the server prefilled: all prompt tokens it was asked for less the cached ones, about one context.
     assert queries - hits <= shared + sum(len(ids) - shared for ids in prompt_ids) + 128 * (n + 1), (hits, queries)
 
