@@ -249,8 +249,9 @@ class RewardServer:
 
     async def start(self, host: str = "127.0.0.1", port: int = 5000, sock: socket.socket | None = None) -> int:
         """Listen on `host:port` (or on `sock`) with a backlog of `settings.backlog`; returns the port."""
-        # aiohttp's keep-alive timer runs from a connection's start and from each answer: a client that has not sent
-        # a whole request head by then (a slow or silent one) is closed. It is the header timeout.
+        # aiohttp's keep-alive timer runs from a connection's start (from aiohttp 3.14.4, the floor in pyproject.toml)
+        # and from each answer: a client that has not sent a whole request head by then (a slow or silent one) is
+        # closed. It is the header timeout.
         self._runner = web.AppRunner(self.application(), access_log=access_logger,
                                      access_log_format=ACCESS_LOG_FORMAT,
                                      keepalive_timeout=self.settings.header_timeout, shutdown_timeout=5.0)  # fmt: skip
