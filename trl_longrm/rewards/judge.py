@@ -282,28 +282,18 @@ class JudgeReward:
 
     def _group_prompt_ids(self, requests: list[JudgeRequest]) -> list[list[int]]:
         """The judge's prompt token ids of each request (as `GenerativeJudge.judge` renders and cuts them)."""
-        template = self.judge.template
-        ids = []
-        for request in requests:
-            if self.protocol == "pointwise":
-                for response in request.responses:
-                    ids.append(self.judge._prompt_ids(template.pointwise_messages(request.task_prompt, response))[0])
-            elif request.ranking:
-                ids.append(self.judge._prompt_ids(template.ranking_messages(request.task_prompt, request.responses))[0])
-            else:
-                ids.append(self.judge._prompt_ids(template.pairwise_messages(request.task_prompt, request.responses))[0])
-        return ids
+        return self.judge.render(requests).prompts
 
-    def _warm(self, requests: list[JudgeRequest]) -> None:
-        """Prefill each group's shared context once: its requests' common token prefix, one token generated."""
+    def _warm(self, requests: list[JudgeRequest], rendered) -> None:
+        """Prefill each group's shared context once: its requests' common token prefix (of their `rendered`
+        prompts), one token generated."""
         from trl_longrm.evaluation.judges import _common_prefix_length
 
-        by_group: dict[str, list[JudgeRequest]] = {}
-        for request in requests:
-            by_group.setdefault(request.record_id.split("/")[0], []).append(request)
+        by_group: dict[str, list[list[int]]] = {}
+        for ids, owner in zip(rendered.prompts, rendered.owners):
+            by_group.setdefault(requests[owner].record_id.split("/")[0], []).append(ids)
         prefixes = []
-        for group in by_group.values():
-            ids = self._group_prompt_ids(group)
+        for ids in by_group.values():
             if len(ids) > 1:
                 shared = _common_prefix_length(ids)
                 if shared:
@@ -327,7 +317,7 @@ class JudgeReward:
         prepared = prepared if prepared is not None else self.prepare(prompts, completions)
         requests, plan = prepared.requests, prepared.plan
         if self.warm_prefix and requests:
-            self._warm(requests)
+            self._warm(requests, prepared.rendered)
         outputs = self.judge.judge(requests, prepared.rendered) if requests else []
         rows = prepared.rows
         rewards: list[float | None] = [None] * rows
