@@ -22,14 +22,11 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 
 def raise_fd_limit(wanted: int = 16384) -> int:
-    """Raise this process's open-file limit towards `wanted` (up to the hard limit); returns the soft limit now."""
-    import resource
+    """Raise this process's open-file limit towards `wanted` (up to the hard limit), as the server raises its own;
+    returns the soft limit now."""
+    from trl_longrm.rewards.server.main import raise_open_file_limit
 
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    target = min(wanted, hard) if hard != resource.RLIM_INFINITY else wanted
-    if soft < target:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
-    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return raise_open_file_limit(wanted)
 
 
 def require_fds(needed: int) -> None:

@@ -93,7 +93,7 @@ def settings(**overrides) -> ServerSettings:
 
 @pytest.fixture(scope="module")
 def server(judge, tokenizer_dir):
-    with ServerThread(reward_of(judge.base_url, tokenizer_dir), settings(judge_url=judge.base_url)) as running:
+    with ServerThread(reward_of(judge.base_url, tokenizer_dir), settings()) as running:
         yield running
 
 

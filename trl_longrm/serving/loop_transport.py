@@ -40,7 +40,7 @@ class LoopServer(_Server):
         self.base_url, self.root = server.base_url, server.root
         self.timeout, self.max_retries = server.timeout, server.max_retries
         key = getattr(getattr(server, "_client", None), "api_key", None)
-        self._headers = {"Authorization": f"Bearer {key}"} if key and key != "EMPTY" else {}
+        self.headers = {"Authorization": f"Bearer {key}"} if key and key != "EMPTY" else {}
         self.loop, self.session = loop, session
         self._pending: set[concurrent.futures.Future] = set()
         self._lock = threading.Lock()
@@ -77,7 +77,7 @@ class LoopServer(_Server):
             last = attempt == self.max_retries
             wait = min(0.5 * 2**attempt, 8.0) * (1 - 0.25 * random.random())
             try:
-                async with self.session.request(method, url, json=payload, headers=self._headers,
+                async with self.session.request(method, url, json=payload, headers=self.headers,
                                                 timeout=timeout) as answer:  # fmt: skip
                     text = await answer.text()
                     if answer.status < 400:

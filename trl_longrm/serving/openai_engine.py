@@ -164,13 +164,6 @@ class _OpenAIEngine:
             pool = self._pool
         return list(pool.map(function, items))
 
-    def close(self) -> None:
-        """Stop the engine's request threads (after the calls in flight)."""
-        with self._pool_lock:
-            pool, self._pool = self._pool, None
-        if pool is not None:
-            pool.shutdown(wait=True)
-
 
 # What a served checkpoint's tokenizer is compared on with the local one: chat markup, verdicts, digits, words and
 # multi-byte characters.

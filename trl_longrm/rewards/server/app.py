@@ -52,8 +52,6 @@ class ServerSettings:
     keep_answers: float = 900.0
     backlog: int = 4096
     api_key: str | None = field(default=None, repr=False)
-    judge_url: str | None = None  # the judge server's base URL, probed by /health
-    judge_api_key: str | None = field(default=None, repr=False)
 
 
 def _alive(request: web.BaseRequest):
@@ -187,18 +185,18 @@ class RewardServer:
         return web.json_response(status, status=200 if reachable else 503)
 
     async def _judge_reachable(self) -> tuple[bool, str]:
-        """Whether the judge server answers its `/models` (checked at most once a second)."""
-        url = self.settings.judge_url
-        if url is None:
+        """Whether the judge server answers its `/models` (checked at most once a second), asked at the address and
+        with the key the judge's own requests use."""
+        if self._engine_server is None:
             return True, "in process"
         now = time.monotonic()
         if self._health is not None and now - self._health[0] < 1.0:
             return self._health[1], self._health[2]
-        headers = {"Authorization": f"Bearer {self.settings.judge_api_key}"} if self.settings.judge_api_key else {}
+        server = self.reward.judge.engine.server
+        url = server.base_url
         try:
-            async with ClientSession(timeout=ClientTimeout(total=5)) as session:
-                async with session.get(f"{url.rstrip('/')}/models", headers=headers) as answer:
-                    reachable, detail = answer.status == 200, f"{url} answered {answer.status}"
+            async with self._session.get(f"{url}/models", headers=server.headers, timeout=ClientTimeout(total=5)) as answer:
+                reachable, detail = answer.status == 200, f"{url} answered {answer.status}"
         except Exception as error:  # any failure to reach it is the answer
             reachable, detail = False, f"{url} cannot be reached: {type(error).__name__}: {error}"
         self._health = (now, reachable, detail)

@@ -83,7 +83,7 @@ def settings_from(args: argparse.Namespace):
         max_concurrency=args.max_concurrency, max_group_size=args.max_group_size, max_body_bytes=args.max_body_bytes,
         header_timeout=args.header_timeout, read_timeout=args.read_timeout, retry_after=args.retry_after,
         drain_timeout=args.drain_timeout, keep_answers=args.keep_answers, backlog=args.backlog,
-        api_key=args.api_key or None, judge_url=args.base_url, judge_api_key=os.environ.get("OPENAI_API_KEY"),
+        api_key=args.api_key or None,
     )  # fmt: skip
 
 

@@ -16,7 +16,7 @@ class ServerMetrics:
 
     Example:
     ```python
-    >>> metrics = ServerMetrics(collector_state=lambda: {"held_samples": 0, ...})
+    >>> metrics = ServerMetrics(state=lambda: {"held_samples": 0, "pending_groups": 0, ...})
     >>> metrics.requests.labels(route="/verl", status="200").inc()
     >>> body, content_type = metrics.render()
     ```
